@@ -1,0 +1,203 @@
+"""Engine configuration: one frozen dataclass per area, combined into `EngineConfig`.
+
+Pure Python (json only), so the core can use it. Every value a user can set is checked in
+`__post_init__` with a message that names the flag. Configs travel to child processes as JSON
+(`EngineConfig.to_json`); derived fields are recomputed on the other side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {model_dir!r}: no config.json there (expected an HF model dir)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    return hf.get("text_config") or hf
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
+    seed: int = 0
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    # Derived from config.json in __post_init__:
+    hf: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hf", _text_config(read_hf_config(self.model)))
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype not in _DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
+        limit = self.hf.get("max_position_embeddings") or 2048
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", int(limit))
+        elif self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if key not in self.hf:
+                raise ValueError(f"{self.model}/config.json lacks {key!r}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        raw = self.hf.get("torch_dtype") or self.hf.get("dtype") or "float32"
+        return raw if raw in _DTYPES else "float32"
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hf.get("head_dim") or self.hf["hidden_size"] // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf["vocab_size"])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from generation_config.json (preferred) or config.json."""
+        eos = None
+        path = os.path.join(self.model, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+        if eos is None:
+            eos = self.hf.get("eos_token_id")
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; required meaning on CPU, an override on GPU
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size {self.block_size}: must be a power of two")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError("num_blocks_override must be at least 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy {self.policy!r}: choose fcfs or priority")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("--tp and --pp must be at least 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        mc = self.model
+        if mc.num_heads % self.parallel.tensor_parallel_size:
+            raise ValueError(
+                f"--tp {self.parallel.tensor_parallel_size} does not divide the model's "
+                f"{mc.num_heads} attention heads"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.model.max_model_len is not None
+        return self.model.max_model_len
+
+    def to_json(self) -> str:
+        def init_fields(obj: Any) -> dict[str, Any]:
+            return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+
+        return json.dumps(
+            {f.name: init_fields(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        raw = json.loads(text)
+        return cls(
+            model=ModelConfig(**raw["model"]),
+            cache=CacheConfig(**raw["cache"]),
+            scheduler=SchedulerConfig(**raw["scheduler"]),
+            parallel=ParallelConfig(**raw["parallel"]),
+        )

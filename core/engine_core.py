@@ -1,0 +1,134 @@
+"""EngineCore: the step loop that ties clients, the scheduler and the workers together.
+
+Pure Python: it talks to the outside world only through a `Transport` (queues and send calls) that
+ipc/engine_process.py builds from ZeroMQ sockets and tests can build from plain queues. One loop:
+drain client messages -> schedule while fewer than `max_inflight` plans are out -> take the oldest
+result -> update requests -> emit per-request deltas to the client that owns each request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from typing import Protocol
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    ClientHello,
+    ClientMessage,
+    EngineOutputs,
+    RequestDelta,
+    ResetPrefixCache,
+    ShutdownEngine,
+    StepPlan,
+    StepResult,
+    WorkerError,
+    WorkerToCore,
+)
+
+IDLE_POLL_S = 0.5
+STATS_INTERVAL_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """A worker died or reported an error; the engine cannot go on."""
+
+
+class Transport(Protocol):
+    def next_client_message(self, timeout: float | None) -> ClientMessage | None: ...
+    def next_worker_message(self, timeout: float) -> WorkerToCore | None: ...
+    def broadcast(self, plan: StepPlan) -> None: ...
+    def send_outputs(self, client_index: int, outputs: EngineOutputs) -> None: ...
+    def add_client(self, hello: ClientHello) -> None: ...
+    def client_indices(self) -> list[int]: ...
+    def check_workers(self) -> None:
+        """Raise EngineDeadError naming the worker that died."""
+        ...
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, transport: Transport, num_blocks: int) -> None:
+        self.transport = transport
+        self.scheduler = Scheduler(config.scheduler, config.cache, config.max_model_len, num_blocks)
+        # One plan per pipeline stage keeps every stage busy; with one stage, one at a time.
+        self.max_inflight = config.parallel.pipeline_parallel_size
+        self.inflight: deque[StepPlan] = deque()
+        self.running = True
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while self.running:
+            idle = not self.inflight and not self.scheduler.has_unfinished_requests()
+            self._drain_client_messages(block=idle)
+            self.transport.check_workers()
+            self._schedule_steps()
+            if self.inflight:
+                self._collect_one_result()
+            elif idle:
+                self._maybe_send_stats(force=False)
+
+    # ------------------------------------------------------------------ clients
+    def _drain_client_messages(self, block: bool) -> None:
+        msg = self.transport.next_client_message(IDLE_POLL_S if block else None)
+        while msg is not None:
+            self._handle_client_message(msg)
+            msg = self.transport.next_client_message(None)
+
+    def _handle_client_message(self, msg: ClientMessage) -> None:
+        if isinstance(msg, AddRequest):
+            self.scheduler.add_request(msg)
+        elif isinstance(msg, AbortRequests):
+            self._emit(self.scheduler.abort_requests(msg.req_ids))
+        elif isinstance(msg, ClientHello):
+            self.transport.add_client(msg)
+        elif isinstance(msg, ResetPrefixCache):
+            self.scheduler.reset_prefix_cache()
+        elif isinstance(msg, ShutdownEngine):
+            self.running = False
+
+    # ------------------------------------------------------------------ steps
+    def _schedule_steps(self) -> None:
+        while len(self.inflight) < self.max_inflight and self.scheduler.has_unfinished_requests():
+            plan = self.scheduler.schedule()
+            if not plan.scheduled_ids and not plan.finished_ids:
+                return
+            self.transport.broadcast(plan)
+            self.inflight.append(plan)
+            if not plan.scheduled_ids:
+                return
+
+    def _collect_one_result(self) -> None:
+        msg = self.transport.next_worker_message(IDLE_POLL_S)
+        if msg is None:
+            return
+        if isinstance(msg, WorkerError):
+            raise EngineDeadError(f"worker {msg.rank} failed: {msg.message}")
+        if not isinstance(msg, StepResult):
+            return
+        plan = self.inflight.popleft()
+        assert plan.step_id == msg.step_id, (plan.step_id, msg.step_id)
+        self._emit(self.scheduler.update_from_output(plan, msg))
+
+    # ------------------------------------------------------------------ outputs
+    def _emit(self, deltas: list[tuple[int, RequestDelta]]) -> None:
+        if not deltas:
+            return
+        by_client: dict[int, list[RequestDelta]] = defaultdict(list)
+        for client_index, delta in deltas:
+            by_client[client_index].append(delta)
+        stats = self.scheduler.get_stats()
+        self._last_stats = time.monotonic()
+        for client_index, outputs in by_client.items():
+            self.transport.send_outputs(client_index, EngineOutputs(outputs, stats))
+
+    def _maybe_send_stats(self, force: bool) -> None:
+        """When idle, refresh every client's gauges once a second (running/waiting/KV usage)."""
+        if not force and time.monotonic() - self._last_stats < STATS_INTERVAL_S:
+            return
+        self._last_stats = time.monotonic()
+        stats = self.scheduler.get_stats()
+        for client_index in self.transport.client_indices():
+            self.transport.send_outputs(client_index, EngineOutputs([], stats))

@@ -1,0 +1,48 @@
+"""Full consistency checks of the scheduler's memory state: O(blocks + requests), so they run
+only in tests or with `Scheduler(debug=True)`; `schedule()` always asserts the cheap ones."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pagedserve.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pagedserve.core.scheduler import Scheduler
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Raise AssertionError unless:
+    - each block's ref_cnt equals the number of running requests holding it (a block is held
+      twice by one request never), and a block is free exactly when its ref_cnt is 0;
+    - free + used == total;
+    - every running request holds blocks for its computed tokens; waiting ones hold none;
+    - the hash map points only at blocks carrying that hash;
+    - `running` and the waiting queue partition the unfinished requests.
+    """
+    pool = sched.kv.pool
+    owners: Counter[int] = Counter()
+    for req in sched.running:
+        assert req.status == RequestStatus.RUNNING, req
+        ids = req.block_ids
+        assert len(set(ids)) == len(ids), f"{req} holds a block twice"
+        owners.update(ids)
+        assert len(req.blocks) * sched.block_size >= req.num_computed_tokens, req
+        assert req.num_computed_tokens <= req.num_tokens, req
+        assert req.num_hashed_blocks <= len(req.blocks), req
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], f"{block}: {owners[block.block_id]} owners"
+        assert (block in pool.free_queue) == (block.ref_cnt == 0), block
+    assert pool.num_free == sum(1 for _ in pool.free_queue)
+    assert pool.num_free + len(owners) == pool.num_blocks
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash == block_hash, block
+    waiting = list(sched.policy)
+    for req in waiting:
+        assert not req.blocks and req.num_computed_tokens == 0, req
+        assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
+    assert len(sched.running) <= sched.config.max_num_seqs
+    unfinished = {id(r) for r in sched.running} | {id(r) for r in waiting}
+    assert len(unfinished) == len(sched.running) + len(waiting) == len(sched.requests)
+    assert unfinished == {id(r) for r in sched.requests.values()}

@@ -1,0 +1,133 @@
+"""A request's state inside the core, and its stop rules.
+
+Invariants:
+- `all_token_ids == prompt_token_ids + output_token_ids`;
+- `num_computed_tokens <= num_tokens`; it advances when a step is *planned*, not when it returns,
+  so a request whose next token is still in flight has `num_computed_tokens == num_tokens`;
+- `blocks` hold at least `ceil(num_computed_tokens / block_size)` blocks while it runs;
+- `num_tokens_sent` / `num_blocks_sent` are what the workers' persistent batch holds, so a plan
+  carries only the difference (meaningful while `in_batch`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pagedserve.core.block_pool import KVBlock
+from pagedserve.ipc.messages import AddRequest, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason ("stop" | "length" | "abort"), None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+class Request:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        client_index: int = 0,
+        seq: int = 0,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        self.seq = seq  # admission order: the last tie-break of the priority key
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.blocks: list[KVBlock] = []
+        self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
+        self.num_cached_tokens = 0  # prefix-cache hit at the first schedule
+        self.num_preemptions = 0
+        self.stop_reason: int | None = None
+        self.first_scheduled_time: float | None = None
+        self.in_batch = False  # the workers' persistent batch holds it
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
+
+    @classmethod
+    def from_add(cls, msg: AddRequest, seq: int = 0) -> Request:
+        return cls(
+            req_id=msg.req_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling=msg.sampling,
+            eos_token_id=msg.eos_token_id,
+            arrival_time=msg.arrival_time,
+            priority=msg.priority,
+            client_index=msg.client_index,
+            seq=seq,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+
+def check_stop(req: Request, max_model_len: int) -> RequestStatus | None:
+    """Stop rules after the last output token was appended, in order: a stop token id, EOS
+    (both only once `min_tokens` are out), `max_tokens`, `max_model_len`. Sets `stop_reason`
+    for a stop token id. Stop *strings* are the client's business: it owns the text."""
+    sp = req.sampling
+    last = req.output_token_ids[-1]
+    if req.num_output_tokens >= sp.min_tokens:
+        if sp.stop_token_ids and last in sp.stop_token_ids:
+            req.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+    if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

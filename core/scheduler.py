@@ -1,0 +1,324 @@
+"""The scheduler: which requests run which tokens each step, and what the workers must learn.
+
+One token budget per step, no prefill/decode phases (vLLM V1 style). `num_computed_tokens`
+advances when a step is planned, so several plans can be in flight (async scheduling, pipeline
+parallelism); a request whose sampled token is still in flight is simply skipped.
+
+Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
+(`NewRequest`), then only its new tokens and blocks (`CachedDelta`); requests that left the running
+set (finished, aborted, preempted) are listed once in `finished_ids`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.invariants import check_invariants
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.policy import make_policy
+from pagedserve.core.request import Request, RequestStatus, check_stop
+from pagedserve.ipc.messages import (
+    AddRequest,
+    CachedDelta,
+    NewRequest,
+    RequestDelta,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+class _StepBuilder:
+    """What one `schedule()` call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: list[tuple[Request, int]] = []
+        self.preempted = False
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        assert 0 < num_tokens <= self.budget
+        self.scheduled.append((req, num_tokens))
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+        debug: bool = False,
+    ) -> None:
+        if num_blocks * cache_config.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {cache_config.block_size} tokens = "
+                f"{num_blocks * cache_config.block_size} tokens, fewer than max_model_len="
+                f"{max_model_len}: lower --max-model-len or give the KV cache more memory"
+            )
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.debug = debug  # full (O(blocks)) invariant checks after every call
+        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.policy = make_policy(scheduler_config.policy)
+        self.running: list[Request] = []  # policy order: the tail is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # left the workers' batch since the last plan
+        # Per plan in flight: (request, its num_preemptions when planned), aligned with
+        # scheduled_ids, so a result for a request that has since left is dropped.
+        self._inflight: dict[int, list[tuple[Request, int]]] = {}
+        self._next_step_id = 0
+        self._next_seq = 0
+
+    # ---------------------------------------------------------------- requests in and out
+    def add_request(self, msg: AddRequest) -> None:
+        if msg.req_id in self.requests:
+            raise ValueError(f"request id {msg.req_id!r} is already in use")
+        if not msg.prompt_token_ids:
+            raise ValueError(f"request {msg.req_id!r}: the prompt is empty")
+        if len(msg.prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"request {msg.req_id!r}: prompt of {len(msg.prompt_token_ids)} tokens exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        req = Request.from_add(msg, seq=self._next_seq)
+        self._next_seq += 1
+        self.requests[req.req_id] = req
+        self.policy.push(req)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[tuple[int, RequestDelta]]:
+        """Drop unfinished requests (unknown ids are ignored: they may have just finished)."""
+        out = []
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.policy.remove(req)
+            self._release(req, RequestStatus.FINISHED_ABORTED)
+            out.append((req.client_index, self._delta(req, [], None)))
+        return out
+
+    def _release(self, req: Request, status: RequestStatus) -> None:
+        """Free the blocks of a request that left `running`; the workers hear it next plan."""
+        req.status = status
+        self.kv.free(req)
+        if req.in_batch:
+            self._finished_ids.append(req.req_id)
+            req.in_batch = False
+
+    # ---------------------------------------------------------------- planning
+    def schedule(self) -> StepPlan:
+        """Plan one step.
+
+        Algorithm: one budget of `max_num_batched_tokens` tokens, no prefill/decode phases.
+        1. Running requests, in policy order: each takes min(tokens left to compute, budget)
+           tokens (a decode is 1, an unfinished prompt a chunk); one whose sampled token is still
+           in flight has none left and is skipped. If its blocks don't fit, preempt the tail of
+           `running` (lowest priority / latest) by recompute, until it fits or it was the tail.
+        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
+           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at
+           the first that does not fit (no skipping ahead).
+        3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
+        """
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        plan = self._build_plan(step)
+        assert sum(plan.num_scheduled_tokens) <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        if self.debug:
+            check_invariants(self)
+        return plan
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            if num_new > 0:
+                if not self._allocate_or_preempt(req, num_new, step):
+                    break  # it preempted itself: it was the tail, nothing follows it
+                step.add(req, num_new)
+            i += 1
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self.running.pop()
+            assert all(victim is not r for r, _ in step.scheduled), "victims come unplanned"
+            self._preempt(victim)
+            step.preempted = True
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req, RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.policy.push_preempted(req)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        now = time.time()
+        while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.policy.peek()
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, step.budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.policy.pop()
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.policy.add_running(self.running, req)
+            step.add(req, num_new)
+
+    def _build_plan(self, step: _StepBuilder) -> StepPlan:
+        """Encode the step as a delta; nothing scheduled gives an empty plan that need not be
+        sent (it takes no step id and leaves `finished_ids` for the next plan)."""
+        if not step.scheduled:
+            return StepPlan(step_id=self._next_step_id, scheduled_ids=[], num_scheduled_tokens=[])
+        new_requests, cached = [], []
+        for req, num_new in step.scheduled:
+            assert req.num_computed_tokens + num_new <= req.num_tokens
+            assert len(req.blocks) >= cdiv(req.num_computed_tokens + num_new, self.block_size)
+            if req.in_batch:
+                cached.append(self._cached_delta(req))
+            else:
+                new_requests.append(self._new_request(req))
+                req.in_batch = True
+            req.num_tokens_sent = req.num_tokens
+            req.num_blocks_sent = len(req.blocks)
+            req.num_computed_tokens += num_new
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            scheduled_ids=[req.req_id for req, _ in step.scheduled],
+            num_scheduled_tokens=[n for _, n in step.scheduled],
+            new_requests=new_requests,
+            cached=cached,
+            finished_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        self._inflight[plan.step_id] = [(req, req.num_preemptions) for req, _ in step.scheduled]
+        self._next_step_id += 1
+        return plan
+
+    @staticmethod
+    def _new_request(req: Request) -> NewRequest:
+        return NewRequest(
+            req_id=req.req_id,
+            prompt_token_ids=req.prompt_token_ids,
+            block_ids=req.block_ids,
+            sampling=req.sampling,
+            num_computed_tokens=req.num_computed_tokens,
+            output_token_ids=list(req.output_token_ids),
+            eos_token_id=req.eos_token_id,
+        )
+
+    @staticmethod
+    def _cached_delta(req: Request) -> CachedDelta:
+        return CachedDelta(
+            req_id=req.req_id,
+            new_token_ids=req.all_token_ids[req.num_tokens_sent :],
+            new_block_ids=[b.block_id for b in req.blocks[req.num_blocks_sent :]],
+            num_computed_tokens=req.num_computed_tokens,
+        )
+
+    # ---------------------------------------------------------------- results
+    def update_from_output(
+        self, plan: StepPlan, result: StepResult
+    ) -> list[tuple[int, RequestDelta]]:
+        """Append sampled tokens, apply stop rules, free finished requests; one delta per request
+        that got tokens. Results for requests that left since the plan was made are dropped."""
+        if not plan.scheduled_ids:
+            return []  # an empty plan was never recorded (and needs no result)
+        record = self._inflight.pop(plan.step_id, None)
+        assert record is not None, f"no plan in flight with step_id {plan.step_id}"
+        assert len(result.sampled_token_ids) == len(record)
+        outputs, finished = [], []
+        for i, (req, num_preemptions) in enumerate(record):
+            token_ids = result.sampled_token_ids[i]
+            if not token_ids or not self._is_current(req, num_preemptions):
+                continue
+            assert req.num_computed_tokens == req.num_tokens, f"{req} sampled mid-prompt"
+            new_ids, status = self._append_tokens(req, token_ids)
+            if status is not None:
+                finished.append(req)
+                del self.requests[req.req_id]
+                self._release(req, status)
+            logprobs = result.logprobs[i] if result.logprobs else None
+            outputs.append((req.client_index, self._delta(req, new_ids, logprobs)))
+        if finished:
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
+        if self.debug:
+            check_invariants(self)
+        return outputs
+
+    def _is_current(self, req: Request, num_preemptions: int) -> bool:
+        return (
+            self.requests.get(req.req_id) is req
+            and req.status == RequestStatus.RUNNING
+            and req.num_preemptions == num_preemptions
+        )
+
+    def _append_tokens(
+        self, req: Request, token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one by one; stop at the first that ends the request (later ones drop)."""
+        for n, token_id in enumerate(token_ids, 1):
+            req.append_output(token_id)
+            status = check_stop(req, self.max_model_len)
+            if status is not None:
+                return token_ids[:n], status
+        return list(token_ids), None
+
+    @staticmethod
+    def _delta(req: Request, new_ids: list[int], logprobs: TokenLogprobs | None) -> RequestDelta:
+        return RequestDelta(
+            req_id=req.req_id,
+            new_token_ids=new_ids,
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
+            first_scheduled_time=req.first_scheduled_time or 0.0,
+        )
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

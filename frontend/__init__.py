@@ -1,0 +1,1 @@
+"""API servers, OpenAI protocol, tokenizing and detokenizing, engine clients, the CLI."""

@@ -1,0 +1,287 @@
+"""One API server process: FastAPI on uvicorn (uvloop), an AsyncEngine client of the EngineCore.
+
+Started by `pagedserve launch` as `python -m pagedserve.frontend.api_server --fd N ...`: the
+launcher binds the listening socket once and every API server accepts on the same fd, so N servers
+share one port. Each server is its own engine client (`--client-index`); the core routes each
+request's outputs back to the server that sent it. Readiness is reported to the launcher as lines
+on `--ready-fd` ("engine I" once the engine answered, "server I" once accepting connections).
+
+Every error leaves in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import sys
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import pagedserve
+from pagedserve.config import EngineConfig
+from pagedserve.frontend.async_engine import AsyncEngine
+from pagedserve.frontend.engine_client import EngineDeadError
+from pagedserve.frontend.metrics import Metrics
+from pagedserve.frontend.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from pagedserve.frontend.serving import Serving, now_s
+from pagedserve.frontend.serving_chat import ChatServing
+from pagedserve.frontend.serving_completions import CompletionServing
+from pagedserve.frontend.tokenizer import encode_prompt
+from pagedserve.ipc.process import die_with_parent
+
+logger = logging.getLogger("pagedserve.api")
+OPEN_PATHS = ("/health", "/metrics")
+SERVER_HEADER = b"x-pagedserve-api-server"
+
+
+class ServerMiddleware:
+    """Checks the API key (all paths but OPEN_PATHS) and tags responses with the server index."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, server_index: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.tag = (SERVER_HEADER, str(server_index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.tag]
+            await send(message)
+
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                body = error_body(
+                    "Invalid or missing API key.", "invalid_request_error", None, "invalid_api_key"
+                )
+                return await JSONResponse(body, 401)(scope, receive, tagged_send)
+        await self.app(scope, receive, tagged_send)
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {first.get('msg', 'invalid')}{more}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> Response:
+        return _json(e.body(), e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> Response:
+        message, param = _validation_message(e)
+        return _json(error_body(message, "invalid_request_error", param), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> Response:
+        kind = "invalid_request_error" if e.status_code < 500 else "internal_error"
+        return _json(error_body(str(e.detail), kind), e.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
+        body = APIError(503, f"The engine is not running: {e}", code="engine_dead").body()
+        return _json(body, 503)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> Response:
+        logger.exception("unhandled error")
+        return _json(error_body(f"Internal error: {type(e).__name__}: {e}", "internal_error"), 500)
+
+
+def build_app(
+    engine: AsyncEngine,
+    metrics: Metrics | None = None,
+    api_key: str | None = None,
+    server_index: int = 0,
+    on_ready: Any = None,
+) -> FastAPI:
+    """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
+    server accepts connections (uvicorn's `Server` is expected at `app.state.server`)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await engine.start()
+        if metrics is not None:
+            engine.stats_listeners.append(metrics.on_stats)
+        watcher = asyncio.ensure_future(_notify_when_started(app, on_ready))
+        yield
+        watcher.cancel()
+        engine.shutdown()
+
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(ServerMiddleware, api_key=api_key, server_index=server_index)
+    completions = CompletionServing(engine, metrics)
+    chat = ChatServing(engine, metrics)
+    base = Serving(engine, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        base.check_alive()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": pagedserve.__version__})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are disabled")
+        body, content_type = metrics.render()
+        return Response(body, 200, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": base.model_name,
+            "object": "model",
+            "created": now_s(),
+            "owned_by": "pagedserve",
+            "root": engine.config.model.model,
+            "parent": None,
+            "max_model_len": base.max_model_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        base.check_model(req.model)
+        if req.messages is not None:
+            text, _ = chat.render(req)
+            add_special = bool(req.add_special_tokens)
+        elif req.prompt is not None:
+            text = req.prompt
+            add_special = req.add_special_tokens is not False
+        else:
+            raise APIError(400, "Pass either prompt or messages.", param="prompt")
+        ids = encode_prompt(engine.tokenizer, text, add_special_tokens=add_special)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        body = {"count": len(ids), "max_model_len": base.max_model_len, "tokens": ids}
+        return _json({**body, "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        base.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < base.vocab_size]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of vocabulary.", param="tokens")
+        return _json({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    return app
+
+
+async def _notify_when_started(app: FastAPI, on_ready: Any) -> None:
+    server = getattr(app.state, "server", None)
+    while server is not None and not server.started:
+        await asyncio.sleep(0.02)
+    if on_ready is not None:
+        on_ready()
+
+
+# ---------------------------------------------------------------------- process entry point
+def _listening_socket(args: argparse.Namespace) -> socket.socket:
+    if args.fd is not None:
+        return socket.socket(fileno=args.fd)
+    return socket.create_server((args.host, args.port), backlog=2048)
+
+
+def _notifier(ready_fd: int | None, line: str) -> Any:
+    def notify() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, f"{line}\n".encode())
+
+    return notify
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pagedserve-api-server")
+    ap.add_argument("--config", required=True, help="EngineConfig.to_json()")
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--core-pid", type=int)
+    ap.add_argument("--client-index", type=int, default=0)
+    ap.add_argument("--parent-pid", type=int)
+    ap.add_argument("--fd", type=int, help="an inherited listening socket")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--ready-fd", type=int)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s[%(process)d]: %(message)s")
+    index = args.client_index
+    config = EngineConfig.from_json(args.config)
+    sock = _listening_socket(args)
+    try:
+        engine = AsyncEngine(config, index, args.ipc_dir, args.core_pid)
+    except Exception as e:
+        print(f"pagedserve: API server {index}: {e}", file=sys.stderr, flush=True)
+        return 1
+    _notifier(args.ready_fd, f"engine {index}")()
+    app = build_app(
+        engine,
+        Metrics(config.model.name),
+        os.environ.get("PAGEDSERVE_API_KEY") or None,
+        index,
+        on_ready=_notifier(args.ready_fd, f"server {index}"),
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            loop="uvloop",
+            http="h11",
+            log_level=args.log_level.lower(),
+            access_log=args.log_level.lower() == "debug",
+            timeout_graceful_shutdown=2,
+        )
+    )
+    app.state.server = server
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`AsyncEngine`: the asyncio client an API server uses to stream requests through EngineCore.
+
+The output socket's IO thread hands each EngineOutputs to the event loop (call_soon_threadsafe);
+there it is detokenized and fanned out to one asyncio.Queue per request. Leaving `generate` early
+(client disconnect, cancellation) aborts the request in the core, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
+from pagedserve.frontend.output_processor import OutputProcessor
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.ipc.messages import (
+    AbortRequests,
+    CoreToClient,
+    EngineDead,
+    EngineOutputs,
+    ResetPrefixCache,
+    SamplingParams,
+    SchedulerStats,
+)
+
+LIVENESS_INTERVAL_S = 1.0
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        client_index: int = 0,
+        directory: str | None = None,
+        core_pid: int | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.client = EngineClient(config, client_index, directory, core_pid)
+        try:
+            self.tokenizer = tokenizer or load_tokenizer(config.model.tokenizer_path)
+            self.ready = self.client.wait_ready()
+        except BaseException:
+            self.client.close()
+            raise
+        eos = config.model.eos_token_ids
+        self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_id)
+        self.stats = SchedulerStats()
+        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._liveness: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+
+    @property
+    def dead_message(self) -> str | None:
+        return self.client.dead_message
+
+    async def start(self) -> None:
+        """Attach to the running event loop (call once, from the server's startup)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self.client.set_listener(lambda msg: loop.call_soon_threadsafe(self._on_message, msg))
+        self._liveness = loop.create_task(self._watch_core())
+
+    async def _watch_core(self) -> None:
+        while self.client.dead_message is None:
+            await asyncio.sleep(LIVENESS_INTERVAL_S)
+            try:
+                self.client.check_alive()
+            except EngineDeadError as e:
+                self._fail_all(str(e))
+
+    def _on_message(self, msg: CoreToClient) -> None:
+        if isinstance(msg, EngineDead):
+            self.client.dead_message = msg.message
+            self._fail_all(msg.message)
+        elif isinstance(msg, EngineOutputs):
+            if msg.stats is not None:
+                self.stats = msg.stats
+                for listener in self.stats_listeners:
+                    listener(msg.stats)
+            touched, to_abort = self.processor.process(msg.outputs)
+            if to_abort:
+                self.client.send(AbortRequests(to_abort))
+            for parent in touched:
+                queue = self._queues.get(parent.request_id)
+                if queue is not None:
+                    output = parent.make_output(streamable=True)
+                    output.metrics = _metrics(parent)
+                    queue.put_nowait(output)
+
+    def _fail_all(self, message: str) -> None:
+        self.processor.fail_all(message)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(message))
+
+    def new_request_id(self) -> str:
+        return f"{self.client.client_index}-{next(self._ids)}"
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each engine step that touched it."""
+        self.client.check_alive()
+        request_id = request_id or self.new_request_id()
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        messages = self.processor.add(
+            request_id, prompt, prompt_token_ids, sampling_params, priority,
+            self.client.client_index,
+        )  # fmt: skip
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for msg in messages:
+                self.client.send(msg)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        child_ids = self.processor.abort(request_id)
+        if child_ids and self.client.dead_message is None:
+            self.client.send(AbortRequests(child_ids))
+
+    def reset_prefix_cache(self) -> None:
+        self.client.send(ResetPrefixCache())
+
+    def shutdown(self) -> None:
+        if self._liveness is not None:
+            self._liveness.cancel()
+        self.client.close()
+
+
+def _metrics(parent: Any) -> dict[str, float]:
+    metrics = {"arrival_time": parent.arrival_time}
+    if parent.first_token_time is not None:
+        metrics["first_token_time"] = parent.first_token_time
+    return metrics

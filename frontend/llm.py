@@ -1,0 +1,194 @@
+"""`LLM`: the offline Python API, shaped like vLLM's so users switch by changing an import.
+
+    from pagedserve import LLM, SamplingParams
+    with LLM(model="path/to/hf-model") as llm:
+        outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+The LLM starts its own EngineCore process (which starts the workers), tokenizes and detokenizes
+here, and blocks until every request of a `generate` call has finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.output_processor import OutputProcessor
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
+from pagedserve.ipc.messages import AbortRequests, EngineDead, EngineOutputs, SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+def build_engine_config(model: str, **kw: Any) -> EngineConfig:
+    """An EngineConfig from vLLM-style keyword arguments (shared with the CLI)."""
+    max_batched = kw.get("max_num_batched_tokens") or 8192
+    return EngineConfig(
+        model=ModelConfig(
+            model=model,
+            dtype=kw.get("dtype", "auto"),
+            max_model_len=kw.get("max_model_len"),
+            load_format=kw.get("load_format", "auto"),
+            seed=kw.get("seed", 0),
+            tokenizer=kw.get("tokenizer"),
+            served_model_name=kw.get("served_model_name"),
+        ),
+        cache=CacheConfig(
+            block_size=kw.get("block_size", 16),
+            enable_prefix_caching=kw.get("enable_prefix_caching", True),
+            gpu_memory_utilization=kw.get("gpu_memory_utilization", 0.9),
+            kv_cache_memory=kw.get("kv_cache_memory"),
+            num_blocks_override=kw.get("num_gpu_blocks_override"),
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=kw.get("max_num_seqs") or 256,
+            max_num_batched_tokens=max_batched,
+            policy=kw.get("scheduling_policy", "fcfs"),
+            max_waiting=kw.get("max_waiting"),
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=kw.get("tensor_parallel_size", 1),
+            pipeline_parallel_size=kw.get("pipeline_parallel_size", 1),
+            device=kw.get("device", "auto"),
+        ),
+    )
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = build_engine_config(model, **kwargs)
+        self._client: EngineClient | None = None
+        self._client = EngineClient(self.config)
+        try:
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
+            self._client.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        eos = self.config.model.eos_token_ids
+        self._eos = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ API
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
+        encoded = [self._encode(p) for p in prompts]
+        return self._run(encoded, params, list(priority or [0] * len(prompts)))
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        encoded = []
+        for conv in conversations:
+            text = render_chat(self.tokenizer, conv, add_generation_prompt, chat_template)
+            encoded.append((text, encode_prompt(self.tokenizer, text, add_special_tokens=False)))
+        params = _per_prompt(sampling_params or SamplingParams(), len(encoded))
+        return self._run(encoded, params, [0] * len(encoded))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ internals
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, encode_prompt(self.tokenizer, prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], encode_prompt(self.tokenizer, prompt["prompt"])
+        raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        max_len = self.config.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_len}")
+        vocab = self.config.model.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        priority: list[int],
+    ) -> list[RequestOutput]:
+        client = self._client
+        if client is None:
+            raise RuntimeError("this LLM is closed")
+        for _, ids in encoded:
+            self._check_prompt(ids)
+        processor = OutputProcessor(self.tokenizer, self._eos)
+        order = []
+        for (text, ids), p, prio in zip(encoded, params, priority, strict=True):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            for msg in processor.add(request_id, text, ids, p, prio, client.client_index):
+                client.send(msg)
+        results: dict[str, RequestOutput] = {}
+        while processor.parents:
+            msg = client.outputs.get(timeout=0.5)
+            if msg is None:
+                client.check_alive()
+            elif isinstance(msg, EngineDead):
+                client.dead_message = msg.message
+                client.check_alive()
+            elif isinstance(msg, EngineOutputs):
+                touched, to_abort = processor.process(msg.outputs)
+                if to_abort:
+                    client.send(AbortRequests(to_abort))
+                for parent in touched:
+                    if parent.finished:
+                        results[parent.request_id] = parent.make_output()
+        return [results[r] for r in order]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams], count: int
+) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)

@@ -1,0 +1,155 @@
+"""Prometheus metrics of one API server, named like vLLM's with the prefix `pagedserve:`.
+
+With `--api-servers N` every server is its own process, so values live in prometheus-client's
+multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before the servers start) and
+`/metrics` merges them, whichever server answers:
+- per-request counters and histograms are summed over the servers (each counts its own requests);
+- engine gauges (running, waiting, KV usage) take the most recent value any server received;
+- engine-wide counters (prefix cache queries/hits, preemptions) arrive as cumulative totals in
+  SchedulerStats. Adding increments per server would count them once per server, so each server
+  stores the total it last saw in a gauge merged by `max` (totals only grow), and `/metrics`
+  exports that gauge as a counter.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.ipc.messages import SchedulerStats
+
+P = "pagedserve:"
+_LATENCY_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]  # fmt: skip
+# Engine-wide cumulative totals: stored as max-merged gauges, exported as counters.
+_TOTALS = {
+    "prefix_cache_queries": "Prefix cache lookups, in tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "num_preemptions": "Requests preempted by the scheduler.",
+}
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str, mode: str = "mostrecent") -> Gauge:
+            g = Gauge(P + name, doc, labels, registry=reg, multiprocess_mode=mode)
+            return g.labels(model_name)
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.totals = {key: gauge(key, doc, mode="max") for key, doc in _TOTALS.items()}
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            P + "generation_tokens", "Generated tokens.", labels, registry=reg
+        ).labels(model_name)
+        self._success = Counter(
+            P + "request_success",
+            "Finished requests (one per choice), by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.model_name = model_name
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        """An AsyncEngine stats listener (runs on the event loop for every EngineOutputs)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.totals["prefix_cache_queries"].set(stats.prefix_cache_queries)
+        self.totals["prefix_cache_hits"].set(stats.prefix_cache_hits)
+        self.totals["num_preemptions"].set(stats.num_preemptions)
+
+    async def track(
+        self, stream: AsyncIterator[RequestOutput], num_prompt_tokens: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, observing token counts and latencies."""
+        num_tokens = 0
+        last_time = 0.0
+        finished: set[int] = set()
+        try:
+            async for out in stream:
+                now = time.time()
+                arrival = out.metrics.get("arrival_time", now)
+                total = sum(len(c.token_ids) for c in out.outputs)
+                if total > num_tokens:
+                    if num_tokens == 0:
+                        self.prompt_tokens.inc(num_prompt_tokens)
+                        self.ttft.observe(out.metrics.get("first_token_time", now) - arrival)
+                        if "first_scheduled_time" in out.metrics:
+                            self.queue.observe(out.metrics["first_scheduled_time"] - arrival)
+                    else:
+                        self.itl.observe(now - last_time)
+                    self.generation_tokens.inc(total - num_tokens)
+                    num_tokens, last_time = total, now
+                for c in out.outputs:
+                    if c.finish_reason is not None and c.index not in finished:
+                        finished.add(c.index)
+                        self._success.labels(self.model_name, c.finish_reason).inc()
+                if out.finished:
+                    self.e2e.observe(now - arrival)
+                yield out
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def render(self) -> tuple[bytes, str]:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Exporter(self.registry, self.multiproc_dir))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _Exporter:
+    """Collects this server's registry (or every server's files) and turns `_TOTALS` into
+    counters."""
+
+    def __init__(self, registry: CollectorRegistry, multiproc_dir: str | None) -> None:
+        self.source = registry
+        self.multiproc_dir = multiproc_dir
+
+    def collect(self) -> Iterator[Metric]:
+        if self.multiproc_dir:
+            families = MultiProcessCollector(None, self.multiproc_dir).collect()
+        else:
+            families = self.source.collect()
+        totals = {P + key for key in _TOTALS}
+        for family in families:
+            if family.name not in totals:
+                yield family
+                continue
+            counter = Metric(family.name, family.documentation, "counter")
+            for s in family.samples:
+                counter.add_sample(family.name + "_total", s.labels, s.value)
+            yield counter

@@ -1,0 +1,214 @@
+"""Turns the core's token deltas into RequestOutputs: detokenizing, stop strings, logprobs, n > 1.
+
+A user request with `n` choices becomes `n` engine requests (siblings share the prompt's KV blocks
+through the prefix cache); a `ParentRequest` gathers them back into one RequestOutput. Shared by the
+blocking `LLM` and the asyncio `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.ipc.messages import AddRequest, RequestDelta, SamplingParams, TokenLogprobs
+
+
+class RequestState:
+    """One choice (engine request) of a user request."""
+
+    def __init__(
+        self, index: int, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any
+    ) -> None:
+        self.index = index
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        stops = params.stop or []
+        # While unfinished, hold back text that could still turn out to be a stop string's start.
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def process(self, delta: RequestDelta) -> bool:
+        """Apply one delta. True when a stop string ended the request here (the core still runs
+        it and must be told to abort)."""
+        if self.finish_reason is not None:
+            return False
+        self.num_cached_tokens = delta.num_cached_tokens
+        for i, token_id in enumerate(delta.new_token_ids):
+            self.token_ids.append(token_id)
+            new_text = self.detok.add(token_id)
+            if delta.new_logprobs is not None and self.logprobs is not None:
+                self._add_logprobs(delta.new_logprobs[i])
+            if self._check_stop_strings(new_text):
+                return delta.finish_reason is None or i < len(delta.new_token_ids) - 1
+        self.text = self.detok.text
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+        return False
+
+    def _check_stop_strings(self, new_text: str) -> bool:
+        if not self.params.stop or not new_text:
+            return False
+        hit = find_stop_string(
+            self.detok.text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
+        )
+        if hit is None:
+            return False
+        stop, cut = hit
+        self.text = self.detok.text[:cut]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def _add_logprobs(self, entry: TokenLogprobs) -> None:
+        assert self.logprobs is not None
+        self.cumulative_logprob += entry.logprobs[0]
+        decode = self.detok.decode_one
+        self.logprobs.append(
+            {
+                tid: Logprob(lp, rank, decode(tid))
+                for tid, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
+            }
+        )
+
+    def streamable_text(self) -> str:
+        if self.finish_reason is not None or not self.params.stop:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.hold)]
+
+    def to_output(self, streamable: bool = False) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.streamable_text() if streamable else self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[RequestState]
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+    def make_output(self, streamable: bool = False) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.to_output(streamable) for c in self.children],
+            finished=self.finished,
+            num_cached_tokens=max((c.num_cached_tokens for c in self.children), default=0),
+        )
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, tuple[ParentRequest, RequestState]] = {}
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        client_index: int = 0,
+    ) -> list[AddRequest]:
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already running")
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, [])
+        messages = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = _replace(params, seed=params.seed + i)
+            state = RequestState(i, prompt_token_ids, child_params, self.tokenizer)
+            parent.children.append(state)
+            cid = child_id(request_id, i, params.n)
+            self.children[cid] = (parent, state)
+            messages.append(
+                AddRequest(
+                    cid,
+                    prompt_token_ids,
+                    child_params,
+                    self.eos_token_id,
+                    parent.arrival_time,
+                    priority,
+                    client_index,
+                )
+            )
+        self.parents[request_id] = parent
+        return messages
+
+    def process(self, deltas: list[RequestDelta]) -> tuple[list[ParentRequest], list[str]]:
+        """Apply deltas; return the parents that changed and child ids the core must abort."""
+        touched: dict[str, ParentRequest] = {}
+        to_abort: list[str] = []
+        now = time.time()
+        for delta in deltas:
+            entry = self.children.get(delta.req_id)
+            if entry is None:
+                continue  # finished on our side already (stop string) or aborted
+            parent, state = entry
+            if parent.first_token_time is None and delta.new_token_ids:
+                parent.first_token_time = now
+            if state.process(delta):
+                to_abort.append(delta.req_id)
+            if state.finish_reason is not None:
+                del self.children[delta.req_id]
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+        return list(touched.values()), to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; return the child ids the core must abort."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = [child_id(request_id, c.index, len(parent.children)) for c in parent.children]
+        alive = [cid for cid in ids if self.children.pop(cid, None) is not None]
+        return alive
+
+    def fail_all(self, message: str) -> list[ParentRequest]:
+        parents = list(self.parents.values())
+        for parent in parents:
+            for child in parent.children:
+                if child.finish_reason is None:
+                    child.finish_reason, child.stop_reason = "abort", message
+        self.parents.clear()
+        self.children.clear()
+        return parents
+
+
+def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
+    return msgspec.structs.replace(params, **changes)

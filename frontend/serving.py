@@ -1,0 +1,288 @@
+"""What the completion and chat endpoints share: checks, sampling params, streams, disconnects.
+
+Every check a client can fail raises `APIError(400, ...)` before anything reaches the engine, so a
+bad request never occupies the core. A request ends early (client gone, task cancelled) by closing
+its `AsyncEngine.generate` generator, which aborts it in the core and frees its KV blocks: streams
+are closed explicitly (`SSEResponse`, `merge_streams`) rather than left to the garbage collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedserve.frontend.async_engine import AsyncEngine
+from pagedserve.frontend.engine_client import EngineDeadError
+from pagedserve.frontend.metrics import Metrics
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.protocol import MAX_LOGPROBS, APIError
+from pagedserve.ipc.messages import SamplingParams
+
+T = TypeVar("T")
+_DONE = object()
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.config.model.name
+        self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.config.model.vocab_size
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def check_alive(self) -> None:
+        message = self.engine.dead_message
+        if message is None:
+            try:
+                self.engine.client.check_alive()
+            except Exception as e:
+                message = str(e)
+        if message is not None:
+            raise APIError(503, f"The engine is not running: {message}", code="engine_dead")
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Check a prompt's token ids; return max_tokens (default: up to max_model_len)."""
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+            raise APIError(
+                400, f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", "prompt"
+            )
+        limit = self.max_model_len
+        if max_tokens is None:
+            if len(ids) >= limit:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"prompt has {len(ids)} tokens, which leaves no room for a completion. "
+                    "Please reduce the length of the prompt.",
+                    param="prompt",
+                )
+            return limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def check_request(self, req: Any) -> None:
+        """Checks that do not depend on the prompt."""
+        self.check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must be equal to n (or unset).", param="best_of")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true.", "stream")
+        if req.priority != 0 and self.config.scheduler.policy != "priority":
+            raise APIError(
+                400, "priority needs the server to run with --scheduling-policy priority.",
+                param="priority",
+            )  # fmt: skip
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
+        self.check_alive()
+
+    # ------------------------------------------------------------------ sampling
+    def sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}.", "logprobs")
+        fields = {
+            name: getattr(req, name)
+            for name in (
+                "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty",
+            )
+            if getattr(req, name) is not None
+        }  # fmt: skip
+        try:
+            return SamplingParams(
+                n=req.n,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                logit_bias=self._logit_bias(req.logit_bias),
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                **fields,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id.", "logit_bias")
+            if not 0 <= token_id < self.vocab_size:
+                raise APIError(
+                    400, f"logit_bias token id {token_id} is out of vocabulary.", "logit_bias"
+                )
+            if not -100 <= value <= 100:
+                raise APIError(400, "logit_bias values must be in [-100, 100].", "logit_bias")
+            out[token_id] = float(value)
+        return out
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, ids: list[int], params: SamplingParams, prompt: str | None, priority: int
+    ) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(ids, params, prompt=prompt, priority=priority)
+        if self.metrics is not None:
+            stream = self.metrics.track(stream, len(ids))
+        return stream
+
+
+class Cursor:
+    """How much of one choice a stream has sent: text, tokens and (legacy logprobs) text offset."""
+
+    def __init__(self, text_offset: int = 0) -> None:
+        self.text_len = 0
+        self.num_tokens = 0
+        self.text_offset = text_offset
+        self.started = False
+        self.done = False
+
+    def advance(self, choice: CompletionOutput) -> tuple[str, int] | None:
+        """(new text, index of the first new token), or None when nothing changed."""
+        if self.done:
+            return None
+        text = choice.text[self.text_len :]
+        start = self.num_tokens
+        self.done = choice.finish_reason is not None
+        if not text and len(choice.token_ids) == start and not self.done:
+            return None
+        self.text_len = max(self.text_len, len(choice.text))
+        self.num_tokens = len(choice.token_ids)
+        return text, start
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, -9999.0)  # JSON has no -inf
+
+
+def usage(num_prompt: int, num_generated: int, num_cached: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_generated,
+        "total_tokens": num_prompt + num_generated,
+    }
+    if num_cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return out
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several streams as (stream index, item). Leaving early cancels (and so closes)
+    every stream still running."""
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, _DONE, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def run_until_disconnect(coro: Any, request: Request) -> Any:
+    """Await `coro` unless the client goes away first; then cancel it (which aborts its requests
+    in the engine) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends (on a client
+    disconnect starlette cancels the send task; the generator may be parked at a `yield`)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def stream_error(e: Exception) -> dict[str, Any]:
+    """The error event that ends a stream that failed after its 200 went out."""
+    if isinstance(e, APIError):
+        return e.body()
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"The engine is not running: {e}", code="engine_dead").body()
+    return APIError(500, f"Internal error: {type(e).__name__}: {e}").body()
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,191 @@
+"""POST /v1/completions: prompts as text or token ids (one or many), echo, legacy logprobs, SSE.
+
+Each prompt of a request is one engine request (with `n` choices); choice `j` of prompt `i` is
+numbered `i * n + j`, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from starlette.responses import Response
+
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.protocol import APIError, CompletionRequest
+from pagedserve.frontend.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    Cursor,
+    Serving,
+    SSEResponse,
+    clamp_logprob,
+    merge_streams,
+    now_s,
+    run_until_disconnect,
+    sse,
+    stream_error,
+    usage,
+)
+from pagedserve.frontend.tokenizer import encode_prompt
+from pagedserve.ipc.messages import SamplingParams
+
+_encode = msgspec.json.encode
+
+
+class CompletionServing(Serving):
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_request(req)
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not supported.", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs (unsupported).", "echo")
+        prompts = self._prompts(req)
+        params = [
+            self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
+            for _, ids in prompts
+        ]
+        streams = [
+            self.generate(ids, p, text, req.priority)
+            for (text, ids), p in zip(prompts, params, strict=True)
+        ]
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": now_s(),
+            "model": req.model or self.model_name,
+        }
+        if req.stream:
+            return SSEResponse(self._stream(req, head, prompts, params, streams))
+        try:
+            finals = await run_until_disconnect(_collect(streams), raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return Response(_encode(self._response(req, head, prompts, finals)), 200)
+
+    def _prompts(self, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+        """(text, token ids) per prompt; text is decoded from ids for token-id prompts."""
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]  # type: ignore[list-item]
+        if not raw:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "The prompt is empty.", param="prompt")
+                ids = encode_prompt(self.tokenizer, p, add_special_tokens=req.add_special_tokens)
+                prompts.append((p, ids))
+            else:
+                ids = list(p)
+                self.check_prompt(ids, req.max_tokens)  # out-of-vocab ids must not reach decode
+                prompts.append((self.tokenizer.decode(ids), ids))
+        return prompts
+
+    def _response(
+        self,
+        req: CompletionRequest,
+        head: dict[str, Any],
+        prompts: list[tuple[str, list[int]]],
+        finals: list[RequestOutput],
+    ) -> dict[str, Any]:
+        choices = []
+        for i, ((text, _), out) in enumerate(zip(prompts, finals, strict=True)):
+            for c in out.outputs:
+                prefix = text if req.echo else ""
+                lp = None
+                if c.logprobs is not None:
+                    lp = completion_logprobs(c, 0, len(c.token_ids), len(prefix))[0]
+                choices.append(_choice(i * req.n + c.index, prefix + c.text, lp, c))
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        num_cached = sum(out.num_cached_tokens for out in finals)
+        return {**head, "choices": choices, "usage": usage(num_prompt, num_generated, num_cached)}
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        head: dict[str, Any],
+        prompts: list[tuple[str, list[int]]],
+        params: list[SamplingParams],
+        streams: list[AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[bytes]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        cursors = {(i, j): Cursor() for i in range(len(prompts)) for j in range(req.n)}
+        num_generated = [0] * len(prompts)
+        num_cached = [0] * len(prompts)
+        merged = merge_streams(streams)
+        try:
+            async for i, out in merged:
+                num_generated[i] = sum(len(c.token_ids) for c in out.outputs)
+                num_cached[i] = out.num_cached_tokens
+                for c in out.outputs:
+                    cursor = cursors[(i, c.index)]
+                    step = cursor.advance(c)
+                    if step is None:
+                        continue
+                    text, start = step
+                    if req.echo and not cursor.started:
+                        text = prompts[i][0] + text
+                    cursor.started = True
+                    lp = None
+                    if c.logprobs is not None:
+                        lp, cursor.text_offset = completion_logprobs(
+                            c, start, len(c.token_ids), cursor.text_offset
+                        )
+                    chunk = {**head, "choices": [_choice(i * req.n + c.index, text, lp, c)]}
+                    if continuous:
+                        chunk["usage"] = usage(len(prompts[i][1]), num_generated[i])
+                    yield sse(_encode(chunk))
+            if include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                total = usage(num_prompt, sum(num_generated), sum(num_cached))
+                yield sse(_encode({**head, "choices": [], "usage": total}))
+        except Exception as e:
+            yield sse(_encode(stream_error(e)))
+        finally:
+            await merged.aclose()
+        yield SSE_DONE
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        finals[i] = out
+    assert all(f is not None and f.finished for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+def _choice(index: int, text: str, logprobs: Any, c: CompletionOutput) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+def completion_logprobs(
+    c: CompletionOutput, start: int, end: int, text_offset: int
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy logprobs for tokens [start, end) of a choice, and the next text offset."""
+    assert c.logprobs is not None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entries in zip(c.token_ids[start:end], c.logprobs[start:end], strict=True):
+        sampled = entries[token_id]
+        token = sampled.decoded_token or ""
+        tokens.append(token)
+        token_logprobs.append(clamp_logprob(sampled.logprob))
+        ranked = sorted(entries.values(), key=lambda e: e.rank or 0)
+        top.append({e.decoded_token or "": clamp_logprob(e.logprob) for e in ranked})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
+    return {**body, "text_offset": offsets}, text_offset

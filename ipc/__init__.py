@@ -1,0 +1,1 @@
+"""Every cross-process message (msgspec Structs) and typed ZeroMQ wrappers."""

@@ -1,0 +1,182 @@
+"""The EngineCore process: binds the sockets, starts the workers, sizes the KV cache, runs the loop.
+
+Run as `python -m pagedserve.ipc.engine_process --config JSON --input-address ADDR --ipc-dir DIR`.
+Start-up: workers load weights and report how many KV blocks fit -> the core takes the minimum over
+ranks, broadcasts InitCache, waits for every rank -> answers each client's hello with EngineReady.
+If any worker dies or fails, every client gets EngineDead with the reason and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.engine_core import EngineCore, EngineDeadError
+from pagedserve.ipc.messages import (
+    ClientHello,
+    ClientMessage,
+    CoreToClient,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    InitCache,
+    ShutdownWorkers,
+    StepPlan,
+    WorkerError,
+    WorkerReady,
+    WorkerToCore,
+)
+from pagedserve.ipc.process import Child, die_with_parent, spawn, stop_all
+from pagedserve.ipc.sockets import Receiver, Sender, ipc_address
+
+logger = logging.getLogger("pagedserve.engine")
+STARTUP_TIMEOUT_S = 1800.0
+
+
+class ZmqTransport:
+    """The EngineCore's sockets: client input, per-client output, plan broadcast, results."""
+
+    def __init__(self, config: EngineConfig, input_address: str, ipc_dir: str) -> None:
+        self.config = config
+        self.clients_in: Receiver[ClientMessage] = Receiver(input_address, ClientMessage, bind=True)
+        self.results: Receiver[WorkerToCore] = Receiver(
+            ipc_address(ipc_dir, "results"), WorkerToCore, bind=True
+        )
+        self.plans: Sender[StepPlan] = Sender(
+            ipc_address(ipc_dir, "plans"), bind=True, kind=zmq.PUB
+        )
+        self.clients_out: dict[int, Sender[CoreToClient]] = {}
+        self.workers: list[Child] = []
+
+    # Transport protocol ---------------------------------------------------------------
+    def next_client_message(self, timeout: float | None) -> ClientMessage | None:
+        return self.clients_in.get_nowait() if timeout is None else self.clients_in.get(timeout)
+
+    def next_worker_message(self, timeout: float) -> WorkerToCore | None:
+        return self.results.get(timeout)
+
+    def broadcast(self, plan) -> None:
+        self.plans.send(plan)
+
+    def send_outputs(self, client_index: int, outputs: EngineOutputs) -> None:
+        sender = self.clients_out.get(client_index)
+        if sender is not None:
+            sender.send(outputs)
+
+    def add_client(self, hello: ClientHello) -> None:
+        old = self.clients_out.pop(hello.client_index, None)
+        if old is not None:
+            old.close()
+        sender: Sender[CoreToClient] = Sender(hello.output_address, bind=False)
+        self.clients_out[hello.client_index] = sender
+        sender.send(self.ready)
+
+    def client_indices(self) -> list[int]:
+        return list(self.clients_out)
+
+    def check_workers(self) -> None:
+        for child in self.workers:
+            message = child.death_message()
+            if message is not None:
+                raise EngineDeadError(message)
+
+    # Start-up -------------------------------------------------------------------------
+    def start_workers(self, config_json: str, ipc_dir: str) -> None:
+        world = self.config.parallel.world_size
+        for rank in range(world):
+            args = ["--config", config_json, "--rank", str(rank), "--ipc-dir", ipc_dir]
+            self.workers.append(spawn("pagedserve.worker.worker_process", args, f"worker {rank}"))
+
+    def wait_workers(self, phase: str) -> list[WorkerReady]:
+        world = self.config.parallel.world_size
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < world:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"workers did not reach '{phase}' in {STARTUP_TIMEOUT_S} s")
+            self.check_workers()
+            msg = self.results.get(0.2)
+            if isinstance(msg, WorkerError):
+                raise EngineDeadError(f"worker {msg.rank} failed during start-up: {msg.message}")
+            if isinstance(msg, WorkerReady) and msg.phase == phase:
+                ready[msg.rank] = msg
+        return list(ready.values())
+
+    def init_cache(self) -> int:
+        profiled = self.wait_workers("profiled")
+        num_blocks = min(r.num_blocks for r in profiled)
+        block_size = self.config.cache.block_size
+        max_len = self.config.max_model_len
+        if num_blocks * block_size < max_len:
+            raise EngineDeadError(
+                f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), fewer "
+                f"than max_model_len={max_len}: raise the KV cache memory "
+                "(--gpu-memory-utilization or --kv-cache-memory) or lower --max-model-len"
+            )
+        world = self.config.parallel.world_size
+        if not self.plans.wait_subscribers(world, timeout=60):
+            raise EngineDeadError("workers did not subscribe to the plan broadcast")
+        self.plans.send(InitCache(num_blocks))
+        self.wait_workers("cache_ready")
+        self.ready = EngineReady(num_blocks, block_size, max_len)
+        return num_blocks
+
+    def fail(self, message: str) -> None:
+        """Tell every client (also those whose hello is still queued) that the engine is dead."""
+        while (msg := self.clients_in.get_nowait()) is not None:
+            if isinstance(msg, ClientHello) and msg.client_index not in self.clients_out:
+                self.clients_out[msg.client_index] = Sender(msg.output_address, bind=False)
+        for sender in self.clients_out.values():
+            sender.send(EngineDead(message))
+
+    def close(self) -> None:
+        self.plans.send(ShutdownWorkers())
+        time.sleep(0.05)
+        stop_all(self.workers, timeout=5)
+        for sender in self.clients_out.values():
+            sender.close()
+        self.plans.close()
+        self.results.close()
+        self.clients_in.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pagedserve-engine")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--input-address", required=True)
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--parent-pid", type=int)
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = EngineConfig.from_json(args.config)
+    transport = ZmqTransport(config, args.input_address, args.ipc_dir)
+    code = 0
+    try:
+        transport.start_workers(args.config, args.ipc_dir)
+        num_blocks = transport.init_cache()
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
+        EngineCore(config, transport, num_blocks).run()
+    except Exception as e:
+        message = str(e) if isinstance(e, EngineDeadError) else traceback.format_exc()
+        logger.error("engine stopped: %s", message)
+        print(f"pagedserve: engine stopped: {message}", file=sys.stderr, flush=True)
+        transport.fail(f"EngineCore failed: {message}")
+        time.sleep(0.2)  # let the EngineDead messages leave
+        code = 1
+    finally:
+        transport.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

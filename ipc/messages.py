@@ -1,0 +1,240 @@
+"""Every message that crosses a process boundary, as msgspec Structs encoded with msgpack.
+
+Hot-path messages are `array_like` (encoded as arrays, not maps) and `gc=False`. Each direction has
+one tagged union so a receiver decodes with a single typed decoder and dispatches on the type.
+Only token ids, block ids and small numbers travel here; tensors never do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+_HOT = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one request, shaped like vLLM's SamplingParams.
+
+    `stop` strings are handled by the client (it owns text); everything else travels to the core
+    (stop ids, lengths) and to the workers (the sampling itself).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs besides the sampled token's
+    prompt_logprobs: int | None = None  # accepted for vLLM compatibility; must be None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n must be at least 1")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k must be -1 (off), 0 (off) or positive")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1")
+        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
+        )
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0")
+        _check(self.prompt_logprobs is None, "prompt_logprobs is not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty must be > 0",
+        )
+        if self.logit_bias:
+            _check(all(_finite(v) for v in self.logit_bias.values()), "logit_bias must be finite")
+        if self.stop_token_ids:
+            _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class TokenLogprobs(msgspec.Struct, **_HOT):
+    """Logprobs at one position: index 0 is the sampled token, then the top-N by logprob."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1-based rank of each token in the full distribution
+
+
+# ---------------------------------------------------------------- client -> core
+class ClientHello(msgspec.Struct, tag=True, **_HOT):
+    """First message of a client: where the core sends this client's outputs."""
+
+    client_index: int
+    output_address: str
+
+
+class AddRequest(msgspec.Struct, tag=True, **_HOT):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first (vLLM's convention)
+    client_index: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag=True, **_HOT):
+    req_ids: list[str]
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True, **_HOT):
+    pass
+
+
+class ShutdownEngine(msgspec.Struct, tag=True, **_HOT):
+    pass
+
+
+ClientMessage = ClientHello | AddRequest | AbortRequests | ResetPrefixCache | ShutdownEngine
+
+
+# ---------------------------------------------------------------- core -> client
+class SchedulerStats(msgspec.Struct, **_HOT):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0  # cumulative, in tokens
+    num_preemptions: int = 0  # cumulative
+
+
+class RequestDelta(msgspec.Struct, **_HOT):
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    first_scheduled_time: float = 0.0  # when the core first scheduled it (queue time)
+
+
+class EngineReady(msgspec.Struct, tag=True, **_HOT):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class EngineOutputs(msgspec.Struct, tag=True, **_HOT):
+    outputs: list[RequestDelta]
+    stats: SchedulerStats | None = None
+
+
+class EngineDead(msgspec.Struct, tag=True, **_HOT):
+    message: str
+
+
+CoreToClient = EngineReady | EngineOutputs | EngineDead
+
+
+# ---------------------------------------------------------------- core -> workers
+class NewRequest(msgspec.Struct, **_HOT):
+    """A request the workers' persistent batch does not hold yet (new, or resumed after
+    preemption: then `output_token_ids` carries what it generated so far)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    sampling: SamplingParams
+    num_computed_tokens: int
+    output_token_ids: list[int] = []
+    eos_token_id: int | None = None
+
+
+class CachedDelta(msgspec.Struct, **_HOT):
+    """What changed for a request already in the persistent batch since the last plan."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens sampled since the last plan, to append
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class StepPlan(msgspec.Struct, tag=True, **_HOT):
+    """One step, as a delta against the workers' persistent batch.
+
+    `finished_ids` leave the batch first (finished, aborted or preempted), then `new_requests` join
+    and `cached` update; the step runs `num_scheduled_tokens[i]` tokens of `scheduled_ids[i]`.
+    """
+
+    step_id: int
+    scheduled_ids: list[str]
+    num_scheduled_tokens: list[int]
+    new_requests: list[NewRequest] = []
+    cached: list[CachedDelta] = []
+    finished_ids: list[str] = []
+
+
+class InitCache(msgspec.Struct, tag=True, **_HOT):
+    num_blocks: int
+
+
+class ShutdownWorkers(msgspec.Struct, tag=True, **_HOT):
+    pass
+
+
+CoreToWorker = StepPlan | InitCache | ShutdownWorkers
+
+
+# ---------------------------------------------------------------- workers -> core
+class WorkerReady(msgspec.Struct, tag=True, **_HOT):
+    """Sent after weights load (`num_blocks` this rank can hold) and again after InitCache."""
+
+    rank: int
+    num_blocks: int
+    phase: str  # "profiled" | "cache_ready"
+    seconds: float = 0.0
+
+
+class StepResult(msgspec.Struct, tag=True, **_HOT):
+    """Sent by the driver rank only. Aligned with the plan's `scheduled_ids`: an empty list where
+    a request only advanced its prefill and sampled nothing."""
+
+    step_id: int
+    sampled_token_ids: list[list[int]]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class WorkerError(msgspec.Struct, tag=True, **_HOT):
+    rank: int
+    message: str
+
+
+WorkerToCore = WorkerReady | StepResult | WorkerError

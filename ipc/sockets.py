@@ -1,0 +1,171 @@
+"""Typed ZeroMQ wrappers: each socket is owned by one IO thread that feeds (or drains) a queue.
+
+ZeroMQ sockets are not thread-safe, and a busy loop must never block on a socket it does not need,
+so the main thread of every process only touches `queue.Queue`s: a `Receiver[T]` thread decodes
+messages of type T into its queue, a `Sender[T]` thread encodes what its queue holds and sends it.
+Decoding and encoding happen on those threads, off the step loop.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+_STOP = object()
+_POLL_MS = 100
+
+
+def ipc_dir() -> str:
+    """A private (0700) directory for this engine's ipc:// socket files."""
+    return tempfile.mkdtemp(prefix="pagedserve-")
+
+
+def ipc_address(directory: str, name: str) -> str:
+    return f"ipc://{os.path.join(directory, name)}"
+
+
+def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class Receiver(Generic[T]):
+    """PULL or SUB socket; an IO thread decodes each message as `msg_type` into `self.queue`.
+
+    `on_message`, when given, is called on the IO thread with each decoded message instead of
+    queueing it (the asyncio client uses it to hop onto its event loop).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        msg_type: Any,
+        bind: bool,
+        kind: int = zmq.PULL,
+        on_message: Callable[[T], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.queue: queue.Queue[T] = queue.Queue()
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._on_message = on_message or self.queue.put
+        self._stop = threading.Event()
+        self._ctx = zmq.Context.instance()
+        self._sock = _socket(self._ctx, kind, address, bind)
+        self._thread = threading.Thread(target=self._run, name=f"recv:{address}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            while True:
+                try:
+                    frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_message(self._decoder.decode(frame.buffer))
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The next message, or None after `timeout` seconds."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self) -> T | None:
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+
+
+class Sender(Generic[T]):
+    """PUSH or PUB socket; `send(msg)` queues, an IO thread encodes and sends in order.
+
+    Several connect addresses may share one sender (the core's PUSH to each client's PULL is one
+    sender per client). For PUB with `wait_subscribers=n`, XPUB is used so `wait_ready` can block
+    until n subscribers are attached (ZeroMQ drops PUB messages sent before a SUB has joined).
+    """
+
+    def __init__(self, address: str, bind: bool, kind: int = zmq.PUSH) -> None:
+        self.address = address
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx = zmq.Context.instance()
+        self._kind = zmq.XPUB if kind == zmq.PUB else kind
+        self._sock = _socket(self._ctx, self._kind, address, bind)
+        if self._kind == zmq.XPUB:
+            self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._subscribers = 0
+        self._sub_lock = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"send:{address}", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: T) -> None:
+        self._queue.put(msg)
+
+    def send_raw(self, payload: bytes) -> None:
+        """Send already-encoded bytes (one encode for many senders of one broadcast)."""
+        self._queue.put(payload)
+
+    def encode(self, msg: T) -> bytes:
+        return self._encoder.encode(msg)
+
+    def wait_subscribers(self, n: int, timeout: float) -> bool:
+        with self._sub_lock:
+            return self._sub_lock.wait_for(lambda: self._subscribers >= n, timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            if self._kind == zmq.XPUB:
+                self._count_subscriptions()
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            else:
+                item = self._queue.get()
+            if item is _STOP:
+                return
+            payload = item if isinstance(item, bytes) else self._encoder.encode(item)
+            self._sock.send(payload, copy=False)
+
+    def _count_subscriptions(self) -> None:
+        while True:
+            try:
+                event = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event[:1] == b"\x01":
+                with self._sub_lock:
+                    self._subscribers += 1
+                    self._sub_lock.notify_all()
+
+    def close(self, flush_timeout: float = 1.0) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=flush_timeout)
+        self._sock.close(linger=0)

@@ -1,0 +1,1 @@
+"""Attention, KV-cache writes, norms, rotary, activations: torch references and fast paths."""

@@ -1,0 +1,200 @@
+"""Paged attention over a block table, for batches that mix decodes and prefill chunks.
+
+The contract every backend keeps: a layer first writes the whole batch's new K/V into the cache
+(`write_kv_cache`), then attends (`paged_attention`) reading keys and values only from the cache.
+Writing first lets two requests of one batch share prefix blocks written in that very step, and
+lets a prefill chunk see its earlier chunks without the caller passing them in.
+
+`paged_attention_ref` is the torch reference: it runs anywhere and is the oracle fast paths are
+tested against. A fast backend (Triton, FlashAttention with `block_table`) plugs in through
+`select_backend` without changing `Attention`'s interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+QUERY_CHUNK = 1024  # query rows per score matrix in the reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout, shared by every layer of one forward pass.
+
+    Rows are sequences; tokens of row i are `query_start_loc[i]:query_start_loc[i + 1]` of the
+    flattened batch and sit at the end of the row's context of `seq_lens[i]` tokens.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_start_loc_cpu: np.ndarray  # [B + 1] host copy, for loops without device syncs
+    seq_lens_cpu: np.ndarray  # [B] host copy
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+def build_attention_metadata(
+    num_computed: list[int],
+    num_new: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions [T] for rows that each add `num_new[i]` tokens after
+    `num_computed[i]` cached ones, from plain lists (tests and simple callers; a model runner keeps
+    persistent numpy arrays instead)."""
+    q_lens = np.asarray(num_new, dtype=np.int64)
+    seq_lens = np.asarray(num_computed, dtype=np.int64) + q_lens
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    positions = np.concatenate(
+        [np.arange(c, c + n) for c, n in zip(num_computed, num_new, strict=True)] or [np.zeros(0)]
+    ).astype(np.int64)
+    seq_idx = np.repeat(np.arange(len(num_new)), q_lens)
+    width = max((len(t) for t in block_tables), default=0)
+    tables = np.zeros((len(block_tables), max(width, 1)), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    slots = tables[seq_idx, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens.astype(np.int32),
+        max_query_len=int(q_lens.max(initial=0)),
+        max_seq_len=int(seq_lens.max(initial=0)),
+        block_size=block_size,
+    )
+    return meta, torch.from_numpy(positions).to(device)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store each new token's K/V in its cache slot, in place."""
+    block_size = kv_cache.shape[2]
+    block_ids = slot_mapping // block_size  # [T]
+    offsets = slot_mapping % block_size  # [T]
+    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each row's new tokens over its whole cached context.
+
+    Query token j of row i sits at absolute position `seq_len_i - q_len_i + j` and attends keys at
+    positions <= its own (and, with a sliding window, > position - window). Softmax in float32.
+    """
+    out = torch.empty_like(query)
+    block_size = kv_cache.shape[2]
+    group = query.shape[1] // kv_cache.shape[3]
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
+        start, end = int(qsl[i]), int(qsl[i + 1])
+        if end == start:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()  # [nb]
+        kv = kv_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len]  # [2, S, Hkv, D]
+        key = kv[0].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        value = kv[1].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        # Query chunks bound the float32 scores at [Hq, QUERY_CHUNK, S] for long prefills.
+        for q_start in range(start, end, QUERY_CHUNK):
+            q_end = min(q_start + QUERY_CHUNK, end)
+            first_pos = seq_len - (end - q_start)
+            q = query[q_start:q_end].float()  # [L, Hq, D]
+            out[q_start:q_end] = _attend(q, key, value, first_pos, scale, sliding_window)
+    return out
+
+
+def _attend(
+    q: torch.Tensor,  # [L, Hq, D] float32, first query at absolute position first_pos
+    key: torch.Tensor,  # [S, Hq, D] float32
+    value: torch.Tensor,  # [S, Hq, D] float32
+    first_pos: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [L, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", q, key) * scale  # [Hq, L, S]
+    q_pos = torch.arange(first_pos, first_pos + q.shape[0], device=q.device)[:, None]  # [L, 1]
+    k_pos = torch.arange(key.shape[0], device=q.device)[None, :]  # [1, S]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), value)
+
+
+AttentionBackend = Callable[..., torch.Tensor]
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """Pick the attention implementation once, at model build time.
+
+    Only the torch reference exists today; a Triton or FlashAttention path returns here for CUDA
+    devices, keeping `paged_attention_ref`'s signature.
+    """
+    del device
+    return paged_attention_ref
+
+
+class Attention(nn.Module):
+    """Write-then-attend over a paged KV cache, for one decoder layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = backend or paged_attention_ref
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq * D]
+        k: torch.Tensor,  # [T, Hkv * D]
+        v: torch.Tensor,  # [T, Hkv * D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq * D]
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend(q, kv_cache, meta, self.scale, self.sliding_window)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

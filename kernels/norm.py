@@ -1,0 +1,36 @@
+"""RMSNorm with an optional fused residual add, computed in float32 like transformers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`forward(x)` returns the normed x; `forward(x, residual)` adds first, returns both.
+
+    The add happens in the model dtype (as transformers does), so the new residual is bit-equal to
+    the unfused `x + residual`; only the normalization runs in float32.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., H]
+        residual: torch.Tensor | None = None,  # [..., H]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            return rms_norm(x, self.weight, self.eps), x
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference RMSNorm: `weight * (x / rms(x))`, the statistics in float32."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)

@@ -1,0 +1,1 @@
+"""Process groups, tensor-parallel layers, pipeline-parallel communication."""

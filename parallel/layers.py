@@ -1,0 +1,199 @@
+"""Tensor-parallel layers, Megatron style, each with per-parameter weight loaders.
+
+Column-parallel layers split output features across TP ranks (no communication); row-parallel
+layers split input features and all-reduce once. Every parameter carries
+`weight_loader(param, loaded_weight, shard_id=None)` that copies only this rank's shard.
+`loaded_weight` is a torch tensor or a safetensors slice (`safe_open(...).get_slice(name)`), so
+with slices no rank ever reads a full weight into memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.parallel.state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tensor parallel size {denominator}"
+        )
+    return numerator // denominator
+
+
+def shape_of(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """`loaded.narrow(dim, start, length)` for a tensor or a lazily read safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = [slice(None)] * len(shape_of(loaded))
+    index[dim] = slice(start, start + length)
+    return loaded[tuple(index)]
+
+
+def load_full(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    """Loader for replicated parameters (norms, biases of row-parallel layers)."""
+    assert shard_id is None
+    _copy(param.data, loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"weight shape {tuple(src.shape)} does not fit parameter {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+def _param(*shape: int, loader: Any, shard_ids: tuple[Any, ...] = (None,)) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    p.shard_ids = shard_ids  # type: ignore[attr-defined]  # what the loader must see to be complete
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y = x W^T + b` with W's rows (output features) split across ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
+    ) -> None:
+        super().__init__()
+        self.output_size_per_rank = divide(output_size, tp_size(), "output size")
+        self.gather_output = gather_output
+        self.weight = _param(self.output_size_per_rank, input_size, loader=self.weight_loader)
+        self.bias = _param(self.output_size_per_rank, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        assert shard_id is None
+        size = param.shape[0]
+        _copy(param.data, narrow(loaded, 0, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] or [T, out]
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices (gate and up) in one matmul; `shard_id` is the index of the
+    checkpoint matrix being loaded. Each rank holds its slice of every part, parts concatenated."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.part_sizes = [divide(s, tp_size(), "intermediate size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias)
+        for p in self.parameters():
+            p.shard_ids = tuple(range(len(output_sizes)))  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = self.part_sizes[shard_id]
+        offset = sum(self.part_sizes[:shard_id])
+        _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. Query heads split across ranks; kv heads split too,
+    or replicated when there are fewer kv heads than ranks (each rank keeps the one it needs)."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "number of attention heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "number of key/value heads")
+            self.kv_head_start = tp_rank() * self.num_kv_heads
+        else:
+            divide(tp, num_kv_heads, "(replicated kv heads) tp size vs kv heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank() // (tp // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = (self.q_size + 2 * self.kv_size) * tp
+        super().__init__(hidden_size, out, bias)
+        for p in self.parameters():
+            p.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            dst = param.data.narrow(0, 0, self.q_size)
+            start = tp_rank() * self.q_size
+        else:
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            assert shard_id in ("k", "v"), shard_id
+            dst = param.data.narrow(0, offset, self.kv_size)
+            start = self.kv_head_start * self.head_dim
+        _copy(dst, narrow(loaded, 0, start, dst.shape[0]))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[T, q + 2kv] -> [T, q], [T, kv], [T, kv]` (this rank's heads)."""
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """`y = x W^T + b` with W's columns (input features) split across ranks: each rank computes a
+    partial sum from its slice of x; one all-reduce adds them; the bias is added once after."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
+    ) -> None:
+        super().__init__()
+        self.input_size_per_rank = divide(input_size, tp_size(), "input size")
+        self.reduce_results = reduce_results
+        self.weight = _param(output_size, self.input_size_per_rank, loader=self.weight_loader)
+        self.bias = _param(output_size, loader=load_full) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        assert shard_id is None
+        size = param.shape[1]
+        _copy(param.data, narrow(loaded, 1, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split in contiguous ranges across ranks: each rank looks up
+    the ids it owns, zeros the rest, and an all-reduce assembles the rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.vocab_per_rank = divide(num_embeddings, tp_size(), "vocab size")
+        self.vocab_start = tp_rank() * self.vocab_per_rank
+        self.weight = _param(self.vocab_per_rank, embedding_dim, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        assert shard_id is None
+        _copy(param.data, narrow(loaded, 0, self.vocab_start, self.vocab_per_rank))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start  # [T]
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, split like the embedding so the two can share one
+    parameter when embeddings are tied; logits are all-gathered so every rank holds all of them."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight

@@ -1,0 +1,202 @@
+"""Torch reference kernels against dense references and transformers; TP layer shard math."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.attention import Attention, build_attention_metadata
+from pagedserve.kernels.norm import RMSNorm
+from pagedserve.kernels.rotary import RotaryEmbedding, inv_frequencies, rope_config
+from pagedserve.parallel import layers
+
+
+def dense_attention(q, k, v, scale, window=None):  # q [L, Hq, D], k/v [S, Hkv, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    L, S = q.shape[0], k.shape[0]
+    q_pos = torch.arange(S - L, S)[:, None]
+    k_pos = torch.arange(S)[None, :]
+    mask = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)  # [L, Hq, D]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_dense(seed, window):
+    rng = random.Random(seed)
+    hq, hkv, d, bs, num_blocks = 8, 2, 16, 4, 96
+    attn = Attention(hq, hkv, d, scale=d**-0.5, sliding_window=window)
+    num_seqs = rng.randint(1, 5)
+    computed = [rng.choice([0, rng.randint(1, 30)]) for _ in range(num_seqs)]
+    new = [rng.choice([1, rng.randint(1, 12)]) for _ in range(num_seqs)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [
+        [free.pop() for _ in range(-(-(c + n) // bs))] for c, n in zip(computed, new, strict=True)
+    ]
+    kv_cache = torch.randn(num_blocks, 2, bs, hkv, d)  # garbage outside written slots
+    full_k = [torch.randn(c + n, hkv, d) for c, n in zip(computed, new, strict=True)]
+    full_v = [torch.randn(c + n, hkv, d) for c, n in zip(computed, new, strict=True)]
+    # Earlier context goes in the cache first, as previous steps would have written it.
+    prior, _ = build_attention_metadata([0] * num_seqs, computed, tables, bs)
+    for_k = torch.cat([k[:c] for k, c in zip(full_k, computed, strict=True)])
+    for_v = torch.cat([v[:c] for v, c in zip(full_v, computed, strict=True)])
+    attn.forward(
+        torch.zeros(len(for_k), hq * d), for_k.flatten(1), for_v.flatten(1), kv_cache, prior
+    )
+    meta, positions = build_attention_metadata(computed, new, tables, bs)
+    q = torch.randn(sum(new), hq, d)
+    new_k = torch.cat([k[c:] for k, c in zip(full_k, computed, strict=True)])
+    new_v = torch.cat([v[c:] for v, c in zip(full_v, computed, strict=True)])
+    out = attn(q.flatten(1), new_k.flatten(1), new_v.flatten(1), kv_cache, meta)
+    out = out.view(-1, hq, d)
+    start = 0
+    for i, n in enumerate(new):
+        ref = dense_attention(q[start : start + n], full_k[i], full_v[i], d**-0.5, window)
+        torch.testing.assert_close(out[start : start + n], ref, atol=1e-5, rtol=1e-5)
+        start += n
+    assert positions.tolist() == [
+        p for c, n in zip(computed, new, strict=True) for p in range(c, c + n)
+    ]
+
+
+def test_rope_config_reads_both_spellings():
+    new = {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    }
+    old = {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **new["rope_parameters"]}}
+    del old["rope_scaling"]["rope_type"]
+    assert rope_config(new).rope_type == rope_config(old).rope_type == "llama3"
+    assert rope_config(new).theta == rope_config(old).theta == 5e5
+    assert rope_config({}).rope_type == "default" and rope_config({}).theta == 10000.0
+    with pytest.raises(ValueError, match="yarn"):
+        rope_config({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    ],
+)
+def test_inv_freq_matches_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=2048, num_attention_heads=16, rope_parameters=dict(rope))
+    expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    ours = inv_frequencies(128, rope_config(config.to_dict()))
+    torch.testing.assert_close(ours, expected)
+
+
+def test_rotary_matches_rotate_half_and_partial_passthrough():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = rope_config({"rope_theta": 100.0})
+    rope = RotaryEmbedding(16, 64, cfg)
+    pos = torch.tensor([0, 3, 17, 63])
+    q, k = torch.randn(4, 4 * 16), torch.randn(4, 2 * 16)
+    q2, k2 = rope(pos, q, k)
+    inv = inv_frequencies(16, cfg)
+    emb = torch.cat([torch.outer(pos.float(), inv)] * 2, dim=-1)  # [T, D]
+    ref_q, ref_k = apply_rotary_pos_emb(q.view(4, 4, 16), k.view(4, 2, 16), emb.cos(), emb.sin())
+    torch.testing.assert_close(q2.view(4, 4, 16), ref_q)
+    torch.testing.assert_close(k2.view(4, 2, 16), ref_k)
+    half = RotaryEmbedding(16, 64, rope_config({"partial_rotary_factor": 0.5}))
+    q3, _ = half(pos, q, k)
+    torch.testing.assert_close(q3.view(4, 4, 16)[..., 8:], q.view(4, 4, 16)[..., 8:])
+
+
+def test_rmsnorm_and_residual_path():
+    norm = RMSNorm(32, eps=1e-5)
+    norm.weight.data = torch.randn(32)
+    x, res = torch.randn(5, 32), torch.randn(5, 32)
+    ref = norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(norm(x), ref)
+    out, new_res = norm(x, res)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(out, norm(x + res))
+    bf = norm.to(torch.bfloat16)(x.bfloat16())
+    assert bf.dtype == torch.bfloat16
+
+
+def test_silu_and_mul():
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+def _as_rank(monkeypatch, rank: int, size: int) -> None:
+    monkeypatch.setattr(layers, "tp_rank", lambda: rank)
+    monkeypatch.setattr(layers, "tp_size", lambda: size)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_shards_reassemble_full_weights(tp, monkeypatch, tmp_path):
+    """Load every rank's shards from safetensors slices; the shards put together (and the kv
+    heads replicated when tp > num_kv_heads) equal the full q/k/v, gate/up and o weights."""
+    hidden, d, hq, hkv, inter = 16, 4, 4, 2, 8
+    full = {
+        "q": torch.randn(hq * d, hidden),
+        "k": torch.randn(hkv * d, hidden),
+        "v": torch.randn(hkv * d, hidden),
+        "gate": torch.randn(inter, hidden),
+        "up": torch.randn(inter, hidden),
+        "o": torch.randn(hidden, hq * d),
+    }
+    save_file(full, tmp_path / "w.safetensors")
+    kv_reps = max(1, tp // hkv)
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        parts = []
+        for rank in range(tp):
+            _as_rank(monkeypatch, rank, tp)
+            qkv = layers.QKVParallelLinear(hidden, d, hq, hkv)
+            mlp = layers.MergedColumnParallelLinear(hidden, [inter, inter])
+            o = layers.RowParallelLinear(hq * d, hidden)
+            for sid in "qkv":
+                qkv.weight.weight_loader(qkv.weight, f.get_slice(sid), sid)
+            mlp.weight.weight_loader(mlp.weight, f.get_slice("gate"), 0)
+            mlp.weight.weight_loader(mlp.weight, f.get_slice("up"), 1)
+            o.weight.weight_loader(o.weight, f.get_slice("o"))
+            parts.append((qkv.split(qkv.weight.T), mlp.weight.chunk(2), o.weight))
+    torch.testing.assert_close(torch.cat([p[0][0].T for p in parts]), full["q"])
+    for j, name in ((1, "k"), (2, "v")):
+        unique = torch.cat([p[0][j].T for p in parts][::kv_reps])
+        torch.testing.assert_close(unique, full[name])
+    torch.testing.assert_close(torch.cat([p[1][0] for p in parts]), full["gate"])
+    torch.testing.assert_close(torch.cat([p[1][1] for p in parts]), full["up"])
+    torch.testing.assert_close(torch.cat([p[2] for p in parts], dim=1), full["o"])
+
+
+def test_tp_divisibility_errors(monkeypatch):
+    _as_rank(monkeypatch, 0, 3)
+    with pytest.raises(ValueError, match="attention heads"):
+        layers.QKVParallelLinear(16, 4, 4, 2)
+    with pytest.raises(ValueError, match="vocab size"):
+        layers.VocabParallelEmbedding(512, 8)
+    with pytest.raises(ValueError, match="intermediate size"):
+        layers.MergedColumnParallelLinear(16, [8, 8])

@@ -1,0 +1,176 @@
+"""The engine end to end through `LLM` (real EngineCore and worker processes), token for token
+against transformers' own `generate` on tiny random-weight models of every supported family."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.frontend.engine_client import EngineDeadError
+
+from proctools import descendants, wait_gone
+from tiny_models import TINY_KINDS, make_tiny_model
+
+NUM_NEW = 12
+CPU = dict(device="cpu", dtype="float32")
+
+
+def make_prompts(vocab: int, count: int = 8, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [3, 9, 17, 30, 5, 41, 12, 23][:count]
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> tuple[list, list]:
+    """transformers' greedy tokens and the raw-logit logprob of each chosen token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens, logprobs = [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+        new = out.sequences[0, len(prompt) :].tolist()
+        lps = [
+            torch.log_softmax(lg[0].float(), -1)[t].item()
+            for lg, t in zip(out.logits, new, strict=False)
+        ]
+        tokens.append(new)
+        logprobs.append(lps)
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module", params=TINY_KINDS)
+def family(request, tmp_path_factory):
+    path = make_tiny_model(request.param, str(tmp_path_factory.mktemp(request.param)))
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = make_prompts(vocab)
+    tokens, logprobs = hf_greedy(path, prompts, NUM_NEW)
+    return path, prompts, tokens, logprobs
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, **kw)
+
+
+def run(path: str, prompts: list[list[int]], params: SamplingParams, **kw) -> list:
+    with LLM(path, **CPU, **kw) as llm:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def test_greedy_equals_transformers_with_logprobs(family):
+    path, prompts, want, want_lps = family
+    outs = run(path, prompts, greedy(logprobs=2))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for out, lps in zip(outs, want_lps, strict=False):
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+        assert got == pytest.approx(lps, abs=1e-4)
+        assert all(len(d) in (2, 3) for d in out.outputs[0].logprobs)  # sampled + top-2
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_chunked_prefill_and_preemption_equal_transformers(family):
+    path, prompts, want, _ = family
+    # 16-token budget forces chunks; 20 blocks of 4 tokens cannot hold 8 running requests.
+    outs = run(
+        path, prompts, greedy(), max_num_batched_tokens=16, block_size=4,
+        num_gpu_blocks_override=20, max_model_len=80,
+    )  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_prefix_cache_hits_and_same_outputs_without_it(family):
+    path, prompts, _, _ = family
+    shared = prompts[5][:32]  # two full 16-token blocks shared by every prompt
+    batch = [shared + p for p in prompts]
+    with LLM(path, **CPU) as llm:
+        first = llm.generate([{"prompt_token_ids": batch[0]}], greedy())
+        rest = llm.generate([{"prompt_token_ids": p} for p in batch[1:]], greedy())
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 32 for o in rest)
+    off = run(path, batch, greedy(), enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in off]
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tmp_path_factory):
+    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("llama-shared")))
+    with LLM(path, **CPU) as llm:
+        yield llm
+
+
+def test_strings_chat_and_stop_strings(llama_llm):
+    out = llama_llm.generate("the quick brown fox", greedy())[0]
+    assert out.prompt_token_ids and len(out.outputs[0].token_ids) == NUM_NEW
+    text = out.outputs[0].text
+    assert text == llama_llm.get_tokenizer().decode(
+        out.outputs[0].token_ids, skip_special_tokens=True
+    )
+    cut = text.strip()[:3]
+    if cut:
+        stopped = llama_llm.generate("the quick brown fox", greedy(stop=[cut]))[0].outputs[0]
+        assert stopped.finish_reason == "stop" and stopped.stop_reason == cut
+        assert stopped.text == text[: text.index(cut)]
+    chat = llama_llm.chat([{"role": "user", "content": "hello"}], greedy())[0]
+    assert len(chat.outputs[0].token_ids) == NUM_NEW
+
+
+def test_sampling_n_seed_and_stop_tokens(llama_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)
+    a = llama_llm.generate({"prompt_token_ids": list(range(5, 40))}, params)[0]
+    b = llama_llm.generate({"prompt_token_ids": list(range(5, 40))}, params)[0]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+    first = a.outputs[0].token_ids[3]
+    stop = SamplingParams(temperature=1.0, seed=7, max_tokens=10, stop_token_ids=[first])
+    out = llama_llm.generate({"prompt_token_ids": list(range(5, 40))}, stop)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == first
+    assert out.token_ids[-1] == first and len(out.token_ids) <= 4
+
+
+def test_bad_prompts_are_refused(llama_llm):
+    with pytest.raises(ValueError, match="empty"):
+        llama_llm.generate({"prompt_token_ids": []})
+    with pytest.raises(ValueError, match="max_model_len"):
+        llama_llm.generate({"prompt_token_ids": [5] * 10_000})
+    with pytest.raises(ValueError, match="token ids"):
+        llama_llm.generate({"prompt_token_ids": [10**7]})
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_start_close_twice_leaves_no_process(tmp_path_factory):
+    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("hygiene")))
+    for _ in range(2):
+        llm = LLM(path, **CPU)
+        core_pid = llm._client.core.pid
+        family_pids = [core_pid, *descendants(core_pid)]
+        assert len(family_pids) >= 2  # the core and its worker
+        llm.close()
+        assert wait_gone(family_pids, timeout=10) == []
+    assert descendants(os.getpid()) == []
+
+
+def test_killed_worker_raises_quickly(tmp_path_factory):
+    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("kill")))
+    llm = LLM(path, **CPU)
+    core_pid = llm._client.core.pid
+    (worker_pid,) = descendants(core_pid)
+    os.kill(worker_pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker 0"):
+        llm.generate("hello", SamplingParams(max_tokens=500, ignore_eos=True))
+    assert time.monotonic() - start < 10
+    llm.close()
+    assert wait_gone([core_pid, worker_pid], timeout=10) == []

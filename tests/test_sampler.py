@@ -1,0 +1,145 @@
+"""Sampler semantics (vLLM's): greedy, seeded reproducibility, top-k/top-p/min-p, penalties,
+min_tokens, logprobs, and that temperature-1 sampling follows softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.ipc.messages import SamplingParams
+from pagedserve.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    filtered_probs,
+)
+
+V = 32
+
+
+def row(output=(), prompt=(1, 2), eos=None, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), eos)
+
+
+def logits_for(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = logits_for(5)
+    out = Sampler().sample(logits, [row(temperature=0.0) for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 5
+
+
+def test_seeded_sampling_reproducible_and_batch_independent():
+    logits = logits_for(4)
+    seeded = row(temperature=1.0, seed=42, output=[5, 6])
+    alone = [Sampler(seed=s).sample(logits[2:3], [seeded]).token_ids[0] for s in range(3)]
+    assert len(set(alone)) == 1
+    batch = [row(temperature=1.0), row(temperature=0.0), seeded, row(temperature=0.7, seed=1)]
+    in_batch = Sampler(seed=9).sample(logits, batch).token_ids[2]
+    assert in_batch == alone[0]
+    # A different step (number of generated tokens) draws different noise.
+    steps = {
+        Sampler().sample(logits[2:3], [row(temperature=1.0, seed=42, output=[0] * k)]).token_ids[0]
+        for k in range(20)
+    }
+    assert len(steps) > 1
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = logits_for(8, seed=3)
+    greedy = logits.argmax(-1).tolist()
+    s = Sampler()
+    assert s.sample(logits, [row(temperature=1.5, top_k=1) for _ in range(8)]).token_ids == greedy
+    assert (
+        s.sample(logits, [row(temperature=1.5, top_p=1e-6) for _ in range(8)]).token_ids == greedy
+    )
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)]))
+    probs = filtered_probs(logits, [row(top_k=2)])
+    assert (probs[0, :2] > 0).all() and (probs[0, 2:] == 0).all()
+    assert torch.allclose(probs[0, :2], torch.tensor([0.625, 0.375]))
+    probs = filtered_probs(logits, [row(top_p=0.7)])  # 0.5 + 0.3 reaches 0.7
+    assert (probs[0, :2] > 0).all() and (probs[0, 2:] == 0).all()
+    probs = filtered_probs(logits, [row(min_p=0.25)])  # keep p >= 0.125
+    assert (probs[0, :3] > 0).all() and (probs[0, 3:] == 0).all()
+    probs = filtered_probs(logits, [row()])
+    assert (probs[0] > 0).all()
+
+
+def test_penalties_follow_formulas():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4)])
+    r = row(
+        prompt=[0],
+        output=[1, 2, 2],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
+    out = logits.clone()
+    apply_penalties(out, [r])
+    expected = logits.clone()
+    expected[0, 0] = 2.0 / 2  # prompt token, positive: divided
+    expected[0, 1] = -2.0 * 2 - 0.5 * 1 - 0.25  # output once, negative: multiplied
+    expected[0, 2] = 1.0 / 2 - 0.5 * 2 - 0.25  # output twice
+    assert torch.allclose(out, expected)
+    greedy_penalized = Sampler().sample(
+        logits, [row(temperature=0.0, prompt=[0], repetition_penalty=4.0)]
+    )
+    assert greedy_penalized.token_ids == [2]  # 2.0 / 4 < 1.0
+
+
+def test_logit_bias_and_min_tokens():
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 5.0
+    out = Sampler().sample(
+        logits,
+        [
+            row(temperature=0.0, logit_bias={3: 10.0}),
+            row(temperature=0.0, eos=7, min_tokens=2, output=[4]),
+        ],
+    )
+    assert out.token_ids[0] == 3
+    assert out.token_ids[1] != 7
+    stop = Sampler().sample(logits[:1], [row(temperature=0.0, stop_token_ids=[7], min_tokens=1)])
+    assert stop.token_ids[0] != 7
+    done = Sampler().sample(logits[:1], [row(temperature=0.0, eos=7, min_tokens=1, output=[4])])
+    assert done.token_ids == [7]
+
+
+def test_logprobs_from_raw_logits_with_ranks():
+    logits = logits_for(3, seed=5)
+    rows = [
+        row(temperature=1.0, logprobs=3, repetition_penalty=1.5, output=[0, 1]),
+        row(temperature=0.0),
+        row(temperature=0.0, logprobs=0),
+    ]
+    out = Sampler().sample(logits, rows)
+    ref = torch.log_softmax(logits, -1)
+    lp = out.logprobs[0]
+    token = out.token_ids[0]
+    assert lp.token_ids[0] == token
+    assert lp.logprobs[0] == pytest.approx(ref[0, token].item(), abs=1e-5)
+    assert lp.ranks[0] == int((ref[0] > ref[0, token]).sum()) + 1
+    top = ref[0].topk(3)
+    assert lp.token_ids[1:] == top.indices.tolist() and lp.ranks[1:] == [1, 2, 3]
+    assert lp.logprobs[1:] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert out.logprobs[1] is None
+    assert out.logprobs[2].ranks == [1] and out.logprobs[2].token_ids == [out.token_ids[2]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampling_frequencies_match_softmax(temperature):
+    """Many rows of the same logits in one batch: empirical frequencies vs softmax(logits / T)."""
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, -3.0, 0.2]])
+    n = 20000
+    out = Sampler(seed=0).sample(
+        logits.expand(n, -1).contiguous(), [row(temperature=temperature) for _ in range(n)]
+    )
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).float() / n
+    probs = torch.softmax(logits[0] / temperature, -1)
+    assert (freq - probs).abs().max().item() < 0.015

@@ -1,0 +1,512 @@
+"""Scheduler: unit tests of each rule, then a hypothesis state machine with a fake worker that
+rebuilds its persistent batch from the plans' deltas alone and checks them against the core."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.invariants import check_invariants
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult, TokenLogprobs
+
+EOS = 2
+
+
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 64,
+    max_seqs: int = 8,
+    policy: str = "fcfs",
+    max_model_len: int = 64,
+    caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        debug=True,
+    )
+
+
+def add(s: Scheduler, req_id: str, prompt, priority: int = 0, arrival: float = 0.0, **sp) -> None:
+    sp.setdefault("max_tokens", 100)
+    s.add_request(
+        AddRequest(
+            req_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling=SamplingParams(**sp),
+            eos_token_id=EOS,
+            arrival_time=arrival,
+            priority=priority,
+        )
+    )
+
+
+def result_for(s: Scheduler, plan: StepPlan, token: int = 7) -> StepResult:
+    """A result sampling `token` for every request whose prompt+outputs are now all computed."""
+    sampled = []
+    for rid in plan.scheduled_ids:
+        req = s.requests.get(rid)
+        done = req is not None and req.num_computed_tokens == req.num_tokens
+        sampled.append([token] if done else [])
+    return StepResult(step_id=plan.step_id, sampled_token_ids=sampled)
+
+
+def step(s: Scheduler, token: int = 7):
+    plan = s.schedule()
+    return plan, (s.update_from_output(plan, result_for(s, plan, token)) if plan.scheduled_ids else [])
+
+
+def sched(plan: StepPlan) -> dict[str, int]:
+    return dict(zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True))
+
+
+# ---------------------------------------------------------------- budget and chunking
+def test_long_prompt_is_chunked_across_steps():
+    s = make(budget=4)
+    add(s, "a", range(10, 20))
+    sizes, outs = [], []
+    for _ in range(4):
+        plan, out = step(s)
+        sizes.append(sched(plan)["a"])
+        outs.append(out)
+    assert sizes == [4, 4, 2, 1]
+    assert outs[:2] == [[], []] and outs[2][0][1].new_token_ids == [7]
+    assert s.requests["a"].output_token_ids == [7, 7]
+
+
+def test_prefill_chunks_pipeline_but_decode_waits_for_its_token():
+    s = make(budget=4)
+    add(s, "a", range(10, 20))
+    p1, p2, p3 = s.schedule(), s.schedule(), s.schedule()
+    assert [sched(p)["a"] for p in (p1, p2, p3)] == [4, 4, 2]
+    assert [c.num_computed_tokens for c in p2.cached + p3.cached] == [4, 8]
+    assert s.schedule().scheduled_ids == [], "its token for step 3 is not back yet"
+    for p in (p1, p2, p3):
+        s.update_from_output(p, result_for(s, p))
+    assert s.requests["a"].output_token_ids == [7]
+    assert sched(s.schedule()) == {"a": 1}
+
+
+def test_budget_is_shared_running_first_then_waiting():
+    s = make(budget=6)
+    add(s, "a", range(5))
+    step(s)  # a: 5 tokens, sampled one
+    add(s, "b", range(100, 110))
+    plan, _ = step(s)
+    assert sched(plan) == {"a": 1, "b": 5}
+
+
+def test_max_num_seqs():
+    s = make(max_seqs=2)
+    for r in "abc":
+        add(s, r, range(5))
+    plan, _ = step(s)
+    assert plan.scheduled_ids == ["a", "b"] and s.num_waiting == 1
+    assert s.get_stats().num_running == 2
+
+
+# ---------------------------------------------------------------- prefix caching
+def test_prefix_hit_skips_computed_tokens_and_counts_stats():
+    s = make()
+    add(s, "a", range(9), max_tokens=1)
+    step(s)
+    assert not s.has_unfinished_requests()
+    add(s, "b", [*range(8), 50, 51])
+    plan, out = step(s)
+    (nr,) = plan.new_requests
+    assert nr.num_computed_tokens == 8 and sched(plan) == {"b": 2}
+    assert out[0][1].num_cached_tokens == 8
+    stats = s.get_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9 + 10, 8)
+
+
+def test_prefix_hit_leaves_one_token_to_compute():
+    s = make()
+    add(s, "a", range(8), max_tokens=1)
+    step(s)
+    add(s, "b", range(8))
+    plan, _ = step(s)
+    assert plan.new_requests[0].num_computed_tokens == 4 and sched(plan) == {"b": 4}
+
+
+def test_siblings_share_full_prompt_blocks_in_the_same_step():
+    s = make()
+    for r in "abc":
+        add(s, r, range(9), max_tokens=3)
+    plan, _ = step(s)
+    a, b, c = plan.new_requests
+    assert sched(plan) == {"a": 9, "b": 1, "c": 1}
+    assert b.num_computed_tokens == c.num_computed_tokens == 8
+    assert a.block_ids[:2] == b.block_ids[:2] == c.block_ids[:2]
+    assert len({a.block_ids[2], b.block_ids[2], c.block_ids[2]}) == 3
+    assert s.kv.pool.blocks[a.block_ids[0]].ref_cnt == 3
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.pool.num_free == 64
+
+
+def test_no_caching_means_no_hits():
+    s = make(caching=False)
+    add(s, "a", range(9), max_tokens=1)
+    add(s, "b", range(9), max_tokens=1)
+    plan, _ = step(s)
+    assert sched(plan) == {"a": 9, "b": 9}
+    assert s.get_stats().prefix_cache_hits == 0
+
+
+def test_reset_prefix_cache():
+    s = make()
+    add(s, "a", range(9), max_tokens=2)
+    step(s)
+    assert s.reset_prefix_cache() is False
+    step(s)
+    assert s.reset_prefix_cache() is True
+    add(s, "b", range(9))
+    plan, _ = step(s)
+    assert plan.new_requests[0].num_computed_tokens == 0
+
+
+# ---------------------------------------------------------------- preemption
+def test_preemption_frees_the_latest_and_resends_it_with_outputs():
+    s = make(num_blocks=4, block_size=4, max_model_len=16)
+    add(s, "a", range(4), ignore_eos=True)
+    add(s, "b", range(10, 14), ignore_eos=True)
+    step(s)  # a, b: one block each
+    step(s)  # tokens 5: second block each -> pool full
+    for _ in range(3):
+        step(s)  # 9 tokens each: 8 computed, 5 outputs
+    plan, _ = step(s)  # a needs a 3rd block: b is preempted
+    assert s.get_stats().num_preemptions == 1 and s.num_waiting == 1
+    assert sched(plan) == {"a": 1} and plan.finished_ids == ["b"]
+    while "b" not in {r.req_id for r in s.running}:
+        plan, _ = step(s)
+    (nr,) = [n for n in plan.new_requests if n.req_id == "b"]
+    # a's growth evicted b's freed cached blocks, so b recomputes prompt + 5 outputs
+    assert nr.output_token_ids == [7] * 5 and nr.num_computed_tokens == 0
+    assert sched(plan)["b"] == 9 and s.requests["b"].num_preemptions == 1
+
+
+def test_result_of_a_preempted_request_is_dropped():
+    s = make(num_blocks=3, block_size=4, budget=6, max_model_len=12)
+    add(s, "a", range(4), ignore_eos=True)
+    add(s, "b", range(10, 16), ignore_eos=True)
+    p1 = s.schedule()
+    assert sched(p1) == {"a": 4, "b": 2}
+    r1 = result_for(s, p1)
+    p2 = s.schedule()  # a waits for its token; b's last chunk (it will sample) goes in flight
+    assert sched(p2) == {"b": 4}
+    r2 = result_for(s, p2)
+    s.update_from_output(p1, r1)
+    p3 = s.schedule()  # a needs a 2nd block: b (tail) is preempted, its token still in flight
+    assert sched(p3) == {"a": 1} and p3.finished_ids == ["b"]
+    assert s.update_from_output(p2, r2) == []
+    assert s.requests["b"].output_token_ids == [] and s.requests["b"].num_preemptions == 1
+
+
+# ---------------------------------------------------------------- policies
+def test_priority_policy_admits_by_priority_then_arrival():
+    s = make(max_seqs=1, policy="priority")
+    add(s, "low", range(4), priority=5, arrival=0.0, max_tokens=1)
+    add(s, "late", range(4), priority=1, arrival=2.0, max_tokens=1)
+    add(s, "early", range(4), priority=1, arrival=1.0, max_tokens=1)
+    order = [step(s)[0].scheduled_ids for _ in range(3)]
+    assert order == [["early"], ["late"], ["low"]]
+
+
+def test_priority_preempts_the_lowest_priority_running():
+    s = make(num_blocks=2, block_size=4, max_model_len=8, policy="priority")
+    add(s, "low", range(4), priority=9, ignore_eos=True)
+    add(s, "high", range(10, 14), priority=0, ignore_eos=True)
+    step(s)
+    plan, _ = step(s)
+    assert plan.scheduled_ids == ["high"] and s.requests["low"].num_preemptions == 1
+
+
+def test_fcfs_does_not_skip_ahead():
+    s = make(num_blocks=4, block_size=4, max_model_len=16)
+    add(s, "big", range(12))
+    add(s, "huge", range(100, 116))
+    add(s, "small", range(2))
+    plan, _ = step(s)
+    assert plan.scheduled_ids == ["big"]
+
+
+# ---------------------------------------------------------------- stops
+def run_one(s: Scheduler, tokens: list[int], **sp):
+    add(s, "r", range(3), **sp)
+    deltas = []
+    for t in tokens:
+        plan, out = step(s, t)
+        deltas += [d for _, d in out]
+        if not s.has_unfinished_requests():
+            break
+    return deltas
+
+
+def test_stop_on_eos():
+    d = run_one(make(), [5, EOS, 5])
+    assert [x.new_token_ids for x in d] == [[5], [EOS]]
+    assert d[-1].finish_reason == "stop" and d[-1].stop_reason is None
+
+
+def test_ignore_eos():
+    d = run_one(make(), [EOS, EOS, 5], ignore_eos=True, max_tokens=3)
+    assert d[-1].finish_reason == "length" and len(d) == 3
+
+
+def test_stop_token_ids_set_stop_reason():
+    d = run_one(make(), [5, 9, 5], stop_token_ids=[9])
+    assert d[-1].finish_reason == "stop" and d[-1].stop_reason == 9 and len(d) == 2
+
+
+def test_min_tokens_defers_stops():
+    d = run_one(make(), [EOS, 9, EOS, 5], stop_token_ids=[9], min_tokens=3)
+    assert len(d) == 3 and d[-1].finish_reason == "stop" and d[-1].stop_reason is None
+
+
+def test_max_tokens():
+    d = run_one(make(), [5] * 9, max_tokens=4)
+    assert len(d) == 4 and d[-1].finish_reason == "length"
+
+
+def test_max_model_len_and_none_max_tokens():
+    d = run_one(make(max_model_len=8), [5] * 20, max_tokens=None)
+    assert len(d) == 5 and d[-1].finish_reason == "length"
+
+
+def test_logprobs_and_first_scheduled_time_pass_through():
+    s = make()
+    add(s, "a", range(3))
+    plan = s.schedule()
+    lp = TokenLogprobs(token_ids=[7], logprobs=[-0.5], ranks=[1])
+    res = StepResult(step_id=plan.step_id, sampled_token_ids=[[7]], logprobs=[lp])
+    ((_, d),) = s.update_from_output(plan, res)
+    assert d.new_logprobs == [lp] and d.first_scheduled_time > 0
+
+
+# ---------------------------------------------------------------- abort and deltas
+def test_abort_frees_blocks_and_is_finished_in_next_plan():
+    s = make()
+    add(s, "a", range(9))
+    add(s, "b", range(20, 29))
+    add(s, "w", range(3))
+    step(s)
+    out = s.abort_requests(["a", "nope"])
+    assert [(d.req_id, d.finish_reason) for _, d in out] == [("a", "abort")]
+    assert "a" not in s.requests and s.kv.pool.num_free == 64 - 3 - 1
+    plan, _ = step(s)
+    assert plan.finished_ids == ["a"]
+    add(s, "x", range(3))
+    s.abort_requests(["x"])  # never sent to the workers
+    plan, _ = step(s)
+    assert plan.finished_ids == []
+
+
+def test_result_of_an_aborted_request_is_dropped():
+    s = make()
+    add(s, "a", range(3))
+    plan = s.schedule()
+    s.abort_requests(["a"])
+    add(s, "a", range(3))  # the id is reused
+    assert s.update_from_output(plan, result_for(s, plan)) == []
+    assert s.requests["a"].output_token_ids == []
+
+
+def test_cached_delta_carries_only_the_new_token_and_blocks():
+    s = make(block_size=4)
+    add(s, "a", range(4), ignore_eos=True)
+    plan, _ = step(s)
+    assert plan.new_requests[0].block_ids == [0]
+    plan, _ = step(s, 8)
+    (cd,) = plan.cached
+    assert (cd.new_token_ids, cd.new_block_ids, cd.num_computed_tokens) == ([7], [1], 4)
+    plan, _ = step(s, 9)
+    (cd,) = plan.cached
+    assert (cd.new_token_ids, cd.new_block_ids, cd.num_computed_tokens) == ([8], [], 5)
+    assert plan.new_requests == [] and plan.step_id == 2
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="max_model_len"):
+        make(num_blocks=3, block_size=4, max_model_len=16)
+    s = make(max_model_len=8)
+    add(s, "a", range(3))
+    with pytest.raises(ValueError, match="in use"):
+        add(s, "a", range(3))
+    with pytest.raises(ValueError, match="exceeds"):
+        add(s, "b", range(9))
+
+
+# ---------------------------------------------------------------- property / state machine
+@dataclass
+class Mirror:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass
+class FakeWorker:
+    """Rebuilds the persistent batch from the plans alone, as a real worker must."""
+
+    batch: dict[str, Mirror] = field(default_factory=dict)
+
+    def apply(self, plan: StepPlan) -> list[bool]:
+        """Apply the delta; return, per scheduled request, whether this step samples a token."""
+        for rid in plan.finished_ids:
+            del self.batch[rid]
+        for nr in plan.new_requests:
+            assert nr.req_id not in self.batch
+            tokens = nr.prompt_token_ids + nr.output_token_ids
+            self.batch[nr.req_id] = Mirror(tokens, list(nr.block_ids), nr.num_computed_tokens)
+        for cd in plan.cached:
+            m = self.batch[cd.req_id]
+            assert m.num_computed == cd.num_computed_tokens
+            m.tokens += cd.new_token_ids
+            m.block_ids += cd.new_block_ids
+        samples = []
+        for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
+            m = self.batch[rid]
+            m.num_computed += n
+            assert 0 < n and m.num_computed <= len(m.tokens)
+            samples.append(m.num_computed == len(m.tokens))
+        return samples
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        budget=st.integers(1, 40),
+        max_seqs=st.integers(1, 6),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        caching=st.booleans(),
+        max_inflight=st.integers(1, 3),
+        seed=st.integers(0, 2**32),
+    )
+    def setup(self, num_blocks, block_size, budget, max_seqs, policy, caching, max_inflight, seed):
+        self.max_model_len = min(num_blocks * block_size, 40)
+        self.s = Scheduler(
+            SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
+            CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            debug=True,
+        )
+        self.worker = FakeWorker()
+        self.inflight: list[tuple[StepPlan, list[bool]]] = []
+        self.max_inflight = max_inflight
+        self.rng = random.Random(seed)
+        self.num_added = 0
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self.params: dict[str, tuple[int, int | None, int]] = {}
+
+    @rule(
+        prompt_len=st.integers(1, 40),
+        max_tokens=st.none() | st.integers(1, 12),
+        min_tokens=st.integers(0, 3),
+        priority=st.integers(0, 3),
+        shared_prefix=st.booleans(),
+    )
+    def add(self, prompt_len, max_tokens, min_tokens, priority, shared_prefix):
+        prompt_len = min(prompt_len, self.max_model_len)
+        if shared_prefix:  # prefix-cache hits, siblings in one step
+            prompt = list(range(100, 100 + prompt_len))
+        else:
+            prompt = [self.rng.randrange(3, 50) for _ in range(prompt_len)]
+        if max_tokens is not None:
+            min_tokens = min(min_tokens, max_tokens)
+        rid = f"r{self.num_added}"
+        self.num_added += 1
+        add(self.s, rid, prompt, priority, arrival=float(self.num_added), max_tokens=max_tokens,
+            min_tokens=min_tokens, stop_token_ids=[9])  # fmt: skip
+        self.outputs[rid] = []
+        self.params[rid] = (prompt_len, max_tokens, min_tokens)
+
+    @rule(pick=st.integers(0, 1000))
+    def abort(self, pick):
+        live = sorted(self.s.requests)
+        rid = live[pick % len(live)] if live and pick % 4 else "unknown"
+        self.record(self.s.abort_requests([rid]))
+
+    @precondition(lambda self: len(self.inflight) < self.max_inflight)
+    @rule()
+    def schedule(self):
+        plan = self.s.schedule()
+        if not plan.scheduled_ids:
+            assert not plan.finished_ids and not plan.new_requests and not plan.cached
+            return
+        assert sum(plan.num_scheduled_tokens) <= self.s.config.max_num_batched_tokens
+        assert len(set(plan.scheduled_ids)) == len(plan.scheduled_ids) <= self.s.config.max_num_seqs
+        samples = self.worker.apply(plan)
+        for rid in plan.scheduled_ids:  # the worker's view equals the core's
+            req, m = self.s.requests[rid], self.worker.batch[rid]
+            assert (m.tokens, m.block_ids) == (req.all_token_ids, req.block_ids)
+            assert m.num_computed == req.num_computed_tokens
+        assert set(self.worker.batch) == {r.req_id for r in self.s.running if r.in_batch}
+        self.inflight.append((plan, samples))
+
+    @precondition(lambda self: self.inflight)
+    @rule()
+    def complete(self):
+        plan, samples = self.inflight.pop(0)
+        tokens = [[self.rng.choice([EOS, 9] + [7] * 12)] if x else [] for x in samples]
+        self.record(self.s.update_from_output(plan, StepResult(plan.step_id, tokens)))
+
+    def record(self, deltas):
+        for _, d in deltas:
+            assert d.req_id not in self.finished, f"{d.req_id} emitted after finishing"
+            self.outputs[d.req_id] += d.new_token_ids
+            if d.finish_reason is not None:
+                self.finished[d.req_id] = d.finish_reason
+            else:
+                assert self.outputs[d.req_id] == self.s.requests[d.req_id].output_token_ids
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "s"):
+            check_invariants(self.s)
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        for _ in range(5000):  # drain: every request must finish
+            if not self.s.has_unfinished_requests() and not self.inflight:
+                break
+            if len(self.inflight) < self.max_inflight and self.s.has_unfinished_requests():
+                self.schedule()
+            if self.inflight:
+                self.complete()
+            check_invariants(self.s)
+        assert not self.s.has_unfinished_requests() and not self.inflight, self.s.requests
+        assert set(self.finished) == set(self.outputs)
+        pool = self.s.kv.pool
+        assert pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+        for rid, reason in self.finished.items():
+            out, (prompt_len, max_tokens, min_tokens) = self.outputs[rid], self.params[rid]
+            at_limit = len(out) == max_tokens or prompt_len + len(out) >= self.max_model_len
+            assert not (set(out[min_tokens:-1]) & {EOS, 9}), "a stop token did not stop"
+            if reason == "stop":
+                assert out[-1] in (EOS, 9) and len(out) >= min_tokens
+            elif reason == "length":
+                assert at_limit
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_state_machine = SchedulerMachine.TestCase

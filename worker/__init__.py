@@ -1,0 +1,1 @@
+"""Worker processes: model runner, persistent batch, models, weight loading, sampler."""

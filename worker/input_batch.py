@@ -1,0 +1,123 @@
+"""The persistent batch: every running request's tokens and block table, kept between steps.
+
+A StepPlan is a delta against this state, so a step with thousands of running requests carries a
+token and maybe a block id per request rather than whole prompts. Token ids and block tables live in
+preallocated numpy arrays (one row per request) so that preparing a step's inputs is a handful of
+vectorized gathers, with no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedserve.ipc.messages import CachedDelta, NewRequest, SamplingParams, StepPlan
+
+
+@dataclass
+class RequestRow:
+    req_id: str
+    row: int
+    sampling: SamplingParams
+    eos_token_id: int | None
+    prompt_len: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one step (numpy), in the order of the plan's scheduled requests."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    logits_indices: np.ndarray  # [S] int64, the last token of each request that samples
+    sample_rows: list[int]  # [S] indices into the plan's scheduled requests
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.requests: dict[str, RequestRow] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def apply(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_ids:
+            req = self.requests.pop(req_id, None)
+            if req is not None:
+                self._free_rows.append(req.row)
+        for new in plan.new_requests:
+            self._add(new)
+        for delta in plan.cached:
+            self._update(delta)
+
+    def _add(self, new: NewRequest) -> None:
+        assert new.req_id not in self.requests, f"{new.req_id} is already in the batch"
+        row = self._free_rows.pop()
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed[row] = new.num_computed_tokens
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        self.requests[new.req_id] = RequestRow(
+            new.req_id,
+            row,
+            new.sampling,
+            new.eos_token_id,
+            len(new.prompt_token_ids),
+            list(new.output_token_ids),
+        )
+
+    def _update(self, delta: CachedDelta) -> None:
+        req = self.requests[delta.req_id]
+        row = req.row
+        if delta.new_token_ids:
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n : n + len(delta.new_token_ids)] = delta.new_token_ids
+            self.num_tokens[row] = n + len(delta.new_token_ids)
+            req.output_token_ids.extend(delta.new_token_ids)
+        if delta.new_block_ids:
+            b = int(self.num_blocks[row])
+            self.block_table[row, b : b + len(delta.new_block_ids)] = delta.new_block_ids
+            self.num_blocks[row] = b + len(delta.new_block_ids)
+        self.num_computed[row] = delta.num_computed_tokens
+
+    def prepare(self, req_ids: list[str], num_scheduled: list[int]) -> StepInputs:
+        rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
+        n = np.asarray(num_scheduled, dtype=np.int64)  # [B]
+        start = self.num_computed[rows]  # [B] tokens already in the cache
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(n, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        token_req = np.repeat(np.arange(len(rows)), n)  # [T] which request each token is
+        positions = np.arange(total) - np.repeat(query_start_loc[:-1] - start, n)  # [T]
+        token_rows = rows[token_req]
+        input_ids = self.token_ids[token_rows, positions]
+        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        seq_lens = start + n
+        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(rows) else 0
+        samples = seq_lens >= self.num_tokens[rows]  # the prompt (or decode) is complete
+        sample_rows = np.nonzero(samples)[0]
+        self.num_computed[rows] = seq_lens
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=self.block_table[rows, :max_blocks],
+            logits_indices=query_start_loc[1:][sample_rows] - 1,
+            sample_rows=sample_rows.tolist(),
+        )

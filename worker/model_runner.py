@@ -1,0 +1,161 @@
+"""The model runner: weights, the paged KV cache, the persistent batch and one forward per plan.
+
+`execute(plan)` applies the plan's delta to the persistent batch, prepares inputs on the host with
+numpy, copies them to the device in one go, runs the model, and samples the rows whose known tokens
+are all computed (finished prompts and decodes). KV capacity comes from `profile_num_blocks()`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.ipc.messages import StepPlan, StepResult
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.worker.input_batch import InputBatch, StepInputs
+from pagedserve.worker.models import build_model
+from pagedserve.worker.sampler import Sampler, SamplingRow
+
+DEFAULT_CPU_KV_BYTES = 512 << 20
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = _DTYPES[config.model.resolved_dtype]
+        torch.manual_seed(config.model.seed)
+        self.model = build_model(config.model, self.dtype, device)
+        self.block_size = config.cache.block_size
+        self.batch = InputBatch(
+            config.scheduler.max_num_seqs, config.max_model_len, self.block_size
+        )
+        self.sampler = Sampler(seed=config.model.seed, device=device)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ KV cache
+    def _kv_block_shape(self) -> tuple[int, ...]:
+        # [2, block_size, num_kv_heads_per_rank, head_dim] per layer and block
+        return (2, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
+
+    def _block_bytes(self) -> int:
+        per_layer = int(np.prod(self._kv_block_shape())) * self.dtype.itemsize
+        return per_layer * len(self.model.layers)
+
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit: an explicit size, else (GPU) what a peak-sized forward leaves."""
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget(cache.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        return max(int(budget // self._block_bytes()), 0)
+
+    def _profile_cuda_budget(self, utilization: float) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._dummy_forward()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        ours = torch.cuda.memory_reserved()
+        others = total - free - ours  # other processes and the CUDA context
+        peak = torch.cuda.max_memory_allocated()
+        return int(total * utilization - others - peak)
+
+    def _dummy_forward(self) -> None:
+        """A prefill of max_num_batched_tokens tokens over a throwaway cache, for the peak."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = [
+            torch.zeros((num_blocks, *self._kv_block_shape()), dtype=self.dtype, device=self.device)
+            for _ in self.model.layers
+        ]
+        positions = np.arange(num_tokens, dtype=np.int64)
+        inputs = StepInputs(
+            input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=positions,
+            slot_mapping=positions.copy(),
+            query_start_loc=np.array([0, num_tokens], dtype=np.int32),
+            seq_lens=np.array([num_tokens], dtype=np.int32),
+            block_tables=np.arange(num_blocks, dtype=np.int32)[None],
+            logits_indices=np.array([num_tokens - 1], dtype=np.int64),
+            sample_rows=[0],
+        )
+        with torch.inference_mode():
+            hidden = self._forward(inputs, caches)
+            self.model.compute_logits(hidden[-1:])
+        del caches
+
+    def init_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, *self._kv_block_shape())
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
+        ]
+
+    # ------------------------------------------------------------------ steps
+    def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(inputs.slot_mapping),
+            query_start_loc=to_dev(inputs.query_start_loc),
+            seq_lens=to_dev(inputs.seq_lens),
+            block_tables=to_dev(np.ascontiguousarray(inputs.block_tables)),
+            query_start_loc_cpu=inputs.query_start_loc,
+            seq_lens_cpu=inputs.seq_lens,
+            max_query_len=int(np.diff(inputs.query_start_loc).max()),
+            max_seq_len=int(inputs.seq_lens.max()),
+            block_size=self.block_size,
+        )
+        return self.model(to_dev(inputs.input_ids), to_dev(inputs.positions), kv_caches, meta)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.batch.apply(plan)
+        sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
+        if not plan.scheduled_ids:
+            return StepResult(plan.step_id, sampled)
+        inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        hidden = self._forward(inputs, self.kv_caches)  # [T, H]
+        if not inputs.sample_rows:
+            return StepResult(plan.step_id, sampled)
+        logits_idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[logits_idx])  # [S, V]
+        rows = [self._sampling_row(plan.scheduled_ids[i]) for i in inputs.sample_rows]
+        out = self.sampler.sample(logits, rows)
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        logprobs = [None] * len(sampled) if want_logprobs else None
+        for j, i in enumerate(inputs.sample_rows):
+            sampled[i] = [out.token_ids[j]]
+            if logprobs is not None:
+                logprobs[i] = out.logprobs[j]
+        return StepResult(plan.step_id, sampled, logprobs)
+
+    def _sampling_row(self, req_id: str) -> SamplingRow:
+        req = self.batch.requests[req_id]
+        return SamplingRow(
+            params=req.sampling,
+            prompt_token_ids=self.batch.token_ids[req.row, : req.prompt_len],
+            output_token_ids=req.output_token_ids,
+            eos_token_id=req.eos_token_id,
+        )

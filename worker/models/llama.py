@@ -1,0 +1,248 @@
+"""The Llama family in one model: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Parameter names follow transformers' checkpoints except where two matrices run as one matmul
+(`qkv_proj`, `gate_up_proj`); `STACKED_PARAMS` maps the checkpoint names onto those. A pipeline
+stage holds the decoder layers `[start_layer, end_layer)` under their global indices (so the
+checkpoint names match), the embedding only on the first stage and the final norm and LM head only
+on the last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.kernels.norm import RMSNorm
+from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
+from pagedserve.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedserve.parallel.state import tp_size
+
+# (our param fragment, checkpoint fragment, shard id)
+STACKED_PARAMS = [
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+]
+
+HiddenAndResidual = tuple[torch.Tensor, torch.Tensor]
+
+
+def sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
+    """The layer's attention window, from whichever spelling the config uses (None: full)."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if hf.get("layer_types"):
+        return window if hf["layer_types"][layer_idx] == "sliding_attention" else None
+    if hf.get("model_type") in ("qwen2", "qwen3"):
+        use = hf.get("use_sliding_window") and layer_idx >= hf.get("max_window_layers", 0)
+        return window if use else None
+    return window if hf.get("model_type") == "mistral" else None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden = hf["hidden_size"]
+        num_heads = hf["num_attention_heads"]
+        num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        self.head_dim = hf.get("head_dim") or hidden // num_heads
+        model_type = hf.get("model_type")
+        bias = bool(hf.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, num_heads, num_kv_heads, bias=bias or model_type == "qwen2"
+        )
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bias)
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        max_position = hf.get("max_position_embeddings") or 2048
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_config(hf))
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=sliding_window(hf, layer_idx),
+            backend=backend,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D] x2
+        if self.qk_norm:
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf: dict[str, Any]) -> None:
+        super().__init__()
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+        bias = bool(hf.get("mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(hf, layer_idx, backend)
+        self.mlp = LlamaMLP(hf)
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # [T, H], None before the first layer
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> HiddenAndResidual:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, hf: dict[str, Any], start_layer: int, end_layer: int, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        num_layers = hf["num_hidden_layers"]
+        self.is_first = start_layer == 0
+        self.is_last = end_layer == num_layers
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"])
+        # Keyed by the global layer index so parameter names match the checkpoint on every stage.
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(hf, i, backend) for i in range(start_layer, end_layer)}
+        )
+        if self.is_last:
+            self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per layer of this stage
+        meta: AttentionMetadata,
+        intermediate: HiddenAndResidual | None = None,
+    ) -> torch.Tensor | HiddenAndResidual:
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None, (
+                "a later pipeline stage needs the previous one's output"
+            )
+            hidden, residual = intermediate
+        assert len(kv_caches) == len(self.layers), "one kv cache per decoder layer of this stage"
+        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if not self.is_last:
+            return hidden, residual
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """The serving interface: `forward` to hidden states, `compute_logits` on the rows to sample.
+
+    On a stage that is not the last, `forward` returns `(hidden, residual)` for the next stage,
+    which passes them back in as `intermediate`.
+    """
+
+    def __init__(
+        self,
+        hf: dict[str, Any],
+        backend: AttentionBackend,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        total = hf["num_hidden_layers"]
+        self.start_layer, self.end_layer = layer_range or (0, total)
+        if not 0 <= self.start_layer < self.end_layer <= total:
+            raise ValueError(f"layer range {layer_range} is outside the model's {total} layers")
+        self.model = LlamaModel(hf, self.start_layer, self.end_layer, backend)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        if self.model.is_last:
+            self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
+            if self.tie_word_embeddings and self.model.is_first:
+                self.lm_head.tie(self.model.embed_tokens)
+        attn = next(iter(self.model.layers.values())).self_attn
+        self.head_dim = attn.head_dim
+        self.num_kv_heads_per_rank = attn.qkv_proj.num_kv_heads
+        self.num_layers = self.end_layer - self.start_layer
+        self.vocab_size = hf["vocab_size"]
+        self.tp_size = tp_size()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        intermediate: HiddenAndResidual | None = None,
+    ) -> torch.Tensor | HiddenAndResidual:  # [T, H] on the last stage
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        """This stage's decoder layers, keyed by global index (len == num_layers)."""
+        return self.model.layers
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        return self.lm_head(hidden).float()
+
+    def checkpoint_name_wanted(self, name: str) -> bool:
+        """Whether this stage loads checkpoint tensor `name` (False: it belongs to another stage,
+        or is a tied/derived weight we do not keep)."""
+        if "rotary_emb.inv_freq" in name:
+            return False
+        if name.startswith("model.layers."):
+            return self.start_layer <= int(name.split(".")[2]) < self.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.is_first or (self.tie_word_embeddings and self.model.is_last)
+        if name.startswith("lm_head."):
+            return self.model.is_last and not self.tie_word_embeddings
+        return self.model.is_last  # model.norm.*
+
+    def checkpoint_to_param(self, name: str) -> tuple[str, Any]:
+        """Map a checkpoint tensor name to (our parameter name, shard id)."""
+        if name.startswith("model.embed_tokens.") and not self.model.is_first:
+            return name.replace("model.embed_tokens.", "lm_head."), None  # tied, later stage
+        for ours, theirs, shard_id in STACKED_PARAMS:
+            if theirs in name:
+                return name.replace(theirs, ours), shard_id
+        return name, None

@@ -1,0 +1,230 @@
+"""Sampling with vLLM's semantics, vectorized over the batch.
+
+Order per step: logit bias -> min_tokens masks -> repetition / frequency / presence penalties ->
+greedy rows take the argmax; the others: temperature -> min_p -> top_k -> top_p -> sample as
+`argmax(probs / Exponential(1))`, which draws exactly from `probs` and needs one noise tensor.
+A seeded request draws its noise from a generator seeded by (seed, number of tokens generated), so
+its tokens do not depend on which other requests share the batch or on preemption.
+Logprobs come from the raw logits (before penalties and temperature), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.ipc.messages import SamplingParams, TokenLogprobs
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_id: int | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether the row needs more than an argmax of its raw logits."""
+        p = self.params
+        return (
+            not p.greedy
+            or bool(p.logit_bias)
+            or len(self.output_token_ids) < p.min_tokens
+            or has_penalties(p)
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def seed_for_step(seed: int, step: int) -> int:
+    """A generator seed from the request's seed and how many tokens it has generated."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str | None = None) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        if device is not None:
+            self._generator(torch.device(device))
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """`logits [N, V]` float32, one row per `rows` entry -> one token (and logprobs) each."""
+        assert logits.shape[0] == len(rows), "one logits row per sampling row"
+        raw = logits
+        if any(r.needs_processing for r in rows):
+            token_ids = self._sample_processed(logits.clone(), rows)  # [N]
+        else:
+            token_ids = logits.argmax(dim=-1)  # [N]
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, compute_logprobs(raw, token_ids, rows))
+
+    def _sample_processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        apply_logit_bias(logits, rows)
+        apply_min_tokens(logits, rows)
+        apply_penalties(logits, rows)
+        greedy_ids = logits.argmax(dim=-1)  # [N]
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random:
+            return greedy_ids
+        sub_rows = [rows[i] for i in random]
+        probs = filtered_probs(logits[random], sub_rows)  # [R, V]
+        noise = self._exponential_noise(probs, sub_rows)  # [R, V]
+        greedy_ids[random] = (probs / noise).argmax(dim=-1)
+        return greedy_ids
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self._generator(probs.device))
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                g = torch.Generator(probs.device)
+                g.manual_seed(seed_for_step(row.params.seed, len(row.output_token_ids)))
+                noise[i].exponential_(generator=g)
+        return noise
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    r_idx, t_idx, vals = [], [], []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            if 0 <= int(token) < logits.shape[1]:
+                r_idx.append(i)
+                t_idx.append(int(token))
+                vals.append(float(bias))
+    if r_idx:
+        index = (
+            torch.tensor(r_idx, device=logits.device),
+            torch.tensor(t_idx, device=logits.device),
+        )
+        logits.index_put_(index, torch.tensor(vals, device=logits.device), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Below `min_tokens` outputs, EOS and the stop tokens cannot be sampled."""
+    r_idx, t_idx = [], []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            continue
+        stops = list(row.params.stop_token_ids or [])
+        if row.eos_token_id is not None:
+            stops.append(row.eos_token_id)
+        for token in stops:
+            if 0 <= token < logits.shape[1]:
+                r_idx.append(i)
+                t_idx.append(token)
+    if r_idx:
+        dev = logits.device
+        logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = _MASK
+
+
+def token_counts(
+    token_lists: list[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:  # [N, V] int64: occurrences of each token in each row's list
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.int64, device=device)
+    width = max((len(t) for t in token_lists), default=0)
+    if width:
+        padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.int64)
+        for i, tokens in enumerate(token_lists):
+            padded[i, : len(tokens)] = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+        counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition penalty over prompt + output (positive logits divided, negative multiplied);
+    frequency (per occurrence) and presence (once) penalties over output tokens, subtracted."""
+    if not any(has_penalties(r.params) for r in rows):
+        return
+    n, vocab = logits.shape
+    dev = logits.device
+    out_counts = token_counts([r.output_token_ids for r in rows], vocab, dev)  # [N, V]
+    prompt_seen = token_counts([r.prompt_token_ids for r in rows], vocab, dev) > 0  # [N, V]
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+    seen = prompt_seen | (out_counts > 0)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalized, logits))
+    logits -= freq * out_counts + pres * (out_counts > 0)
+
+
+def filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then min_p, top_k and top_p masks; returns the renormalized probs [R, V]."""
+    dev = logits.device
+    temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
+    logits = logits / temp
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)[:, None]
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _MASK)
+    return apply_top_k_top_p(logits, rows).softmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+    p = [r.params.top_p for r in rows]
+    if all(x >= vocab for x in k) and all(x >= 1.0 for x in p):
+        return logits
+    dev = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(vocab, device=dev)[None, :]  # [1, V]
+    drop = rank >= torch.tensor(k, device=dev).clamp(max=vocab)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [R, V]
+    # top_p 1 must keep the whole tail even where float cumsums reach 1 early: threshold inf.
+    top_p = torch.tensor([x if x < 1.0 else float("inf") for x in p], device=dev)[:, None]
+    drop = (mass_before >= top_p) & (rank > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+    return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Sampled token's logprob and rank plus the top-N, from the raw logits' log_softmax."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)  # [W, V]
+    chosen = token_ids[wanted][:, None]  # [W, 1]
+    chosen_lp = logprobs.gather(1, chosen)  # [W, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1  # [W]
+    top_n = max(rows[i].params.logprobs for i in wanted)
+    top_lp, top_ids = logprobs.topk(top_n, dim=-1)  # [W, N]
+    chosen_l, lp_l, rank_l = chosen[:, 0].tolist(), chosen_lp[:, 0].tolist(), ranks.tolist()
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        result[i] = TokenLogprobs(
+            token_ids=[chosen_l[j], *top_ids_l[j][:n]],
+            logprobs=[lp_l[j], *top_lp_l[j][:n]],
+            ranks=[rank_l[j], *range(1, n + 1)],
+        )
+    return result

@@ -1,0 +1,98 @@
+"""A worker process: one per GPU (or CPU rank). Receives plans, runs them, the driver replies.
+
+Run as `python -m pagedserve.worker.worker_process --config JSON --rank R --ipc-dir DIR`.
+Life: load weights -> report KV capacity (WorkerReady "profiled") -> allocate on InitCache
+(WorkerReady "cache_ready") -> execute every StepPlan in order. Any exception is reported to the
+core as WorkerError (with the traceback) before the process exits, so the core can say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.ipc.messages import (
+    CoreToWorker,
+    InitCache,
+    ShutdownWorkers,
+    StepPlan,
+    WorkerError,
+    WorkerReady,
+    WorkerToCore,
+)
+from pagedserve.ipc.process import die_with_parent
+from pagedserve.ipc.sockets import Receiver, Sender, ipc_address
+
+logger = logging.getLogger("pagedserve.worker")
+
+
+def serve(config: EngineConfig, rank: int, ipc_dir: str) -> None:
+    results: Sender[WorkerToCore] = Sender(ipc_address(ipc_dir, "results"), bind=False)
+    plans: Receiver[CoreToWorker] = Receiver(
+        ipc_address(ipc_dir, "plans"), CoreToWorker, bind=False, kind=zmq.SUB
+    )
+    try:
+        run_loop(config, rank, plans, results)
+    except Exception:
+        results.send(WorkerError(rank, traceback.format_exc()))
+        results.close(flush_timeout=2.0)
+        raise
+    results.close()
+    plans.close()
+
+
+def run_loop(config: EngineConfig, rank: int, plans: Receiver, results: Sender) -> None:
+    # torch is imported here so that a bad install is reported to the core as a WorkerError.
+    from pagedserve.worker.model_runner import ModelRunner, resolve_device
+
+    start = time.perf_counter()
+    device = resolve_device(config.parallel.device, rank)
+    runner = ModelRunner(config, device)
+    num_blocks = runner.profile_num_blocks()
+    results.send(WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start))
+    is_driver = rank == config.parallel.world_size - config.parallel.tensor_parallel_size
+    while True:
+        msg = plans.get(timeout=1.0)
+        if msg is None:
+            continue
+        if isinstance(msg, StepPlan):
+            result = runner.execute(msg)
+            if is_driver:
+                results.send(result)
+        elif isinstance(msg, InitCache):
+            start = time.perf_counter()
+            runner.init_cache(msg.num_blocks)
+            results.send(
+                WorkerReady(rank, msg.num_blocks, "cache_ready", time.perf_counter() - start)
+            )
+        elif isinstance(msg, ShutdownWorkers):
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pagedserve-worker")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--parent-pid", type=int)
+    args = ap.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(EngineConfig.from_json(args.config), args.rank, args.ipc_dir)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
