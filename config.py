@@ -152,16 +152,27 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    pp_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("--tp and --pp must be at least 1")
+        if self.pp_layer_partition is not None:
+            object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--node-rank must be in [0, --nnodes)")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} does not divide tp*pp={self.world_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 @dataclass(frozen=True)
@@ -172,12 +183,21 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        mc = self.model
-        if mc.num_heads % self.parallel.tensor_parallel_size:
-            raise ValueError(
-                f"--tp {self.parallel.tensor_parallel_size} does not divide the model's "
-                f"{mc.num_heads} attention heads"
-            )
+        mc, tp = self.model, self.parallel.tensor_parallel_size
+        sizes = {
+            "attention heads": mc.num_heads,
+            "intermediate size": int(mc.hf.get("intermediate_size", tp)),
+            "vocabulary size": mc.vocab_size,
+        }
+        for what, size in sizes.items():
+            if size % tp:
+                raise ValueError(f"--tp {tp} does not divide the model's {what} ({size})")
+        kv = mc.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"--tp {tp} and the model's {kv} KV heads: one must divide the other")
+        pp = self.parallel.pipeline_parallel_size
+        if pp > mc.num_layers:
+            raise ValueError(f"--pp {pp} exceeds the model's {mc.num_layers} layers")
 
     @property
     def max_model_len(self) -> int:

@@ -8,6 +8,7 @@ result -> update requests -> emit per-request deltas to the client that owns eac
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict, deque
 from typing import Protocol
@@ -29,6 +30,7 @@ from pagedserve.ipc.messages import (
     WorkerToCore,
 )
 
+logger = logging.getLogger("pagedserve.engine")
 IDLE_POLL_S = 0.5
 STATS_INTERVAL_S = 1.0
 
@@ -79,7 +81,13 @@ class EngineCore:
 
     def _handle_client_message(self, msg: ClientMessage) -> None:
         if isinstance(msg, AddRequest):
-            self.scheduler.add_request(msg)
+            try:
+                self.scheduler.add_request(msg)
+            except ValueError as e:  # clients validate first; never let one request kill the loop
+                logger.warning("refused request %s: %s", msg.req_id, e)
+                self._emit(
+                    [(msg.client_index, RequestDelta(msg.req_id, [], finish_reason="abort"))]
+                )
         elif isinstance(msg, AbortRequests):
             self._emit(self.scheduler.abort_requests(msg.req_ids))
         elif isinstance(msg, ClientHello):
@@ -91,14 +99,14 @@ class EngineCore:
 
     # ------------------------------------------------------------------ steps
     def _schedule_steps(self) -> None:
+        """Plan until `max_inflight` plans are out; an empty plan is not sent (the scheduler keeps
+        its finished ids for the next real one)."""
         while len(self.inflight) < self.max_inflight and self.scheduler.has_unfinished_requests():
             plan = self.scheduler.schedule()
-            if not plan.scheduled_ids and not plan.finished_ids:
+            if not plan.scheduled_ids:
                 return
             self.transport.broadcast(plan)
             self.inflight.append(plan)
-            if not plan.scheduled_ids:
-                return
 
     def _collect_one_result(self) -> None:
         msg = self.transport.next_worker_message(IDLE_POLL_S)

@@ -18,7 +18,7 @@ def check_invariants(sched: Scheduler) -> None:
       twice by one request never), and a block is free exactly when its ref_cnt is 0;
     - free + used == total;
     - every running request holds blocks for its computed tokens; waiting ones hold none;
-    - the hash map points only at blocks carrying that hash;
+    - the hash map and the blocks' hashes agree, both ways;
     - `running` and the waiting queue partition the unfinished requests.
     """
     pool = sched.kv.pool
@@ -38,6 +38,7 @@ def check_invariants(sched: Scheduler) -> None:
     assert pool.num_free + len(owners) == pool.num_blocks
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash, block
+    assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached)
     waiting = list(sched.policy)
     for req in waiting:
         assert not req.blocks and req.num_computed_tokens == 0, req

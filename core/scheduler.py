@@ -15,19 +15,17 @@ import time
 from collections.abc import Iterable
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.deltas import cached_delta, new_request, request_delta
 from pagedserve.core.invariants import check_invariants
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.policy import make_policy
 from pagedserve.core.request import Request, RequestStatus, check_stop
 from pagedserve.ipc.messages import (
     AddRequest,
-    CachedDelta,
-    NewRequest,
     RequestDelta,
     SchedulerStats,
     StepPlan,
     StepResult,
-    TokenLogprobs,
 )
 
 
@@ -104,7 +102,7 @@ class Scheduler:
             else:
                 self.policy.remove(req)
             self._release(req, RequestStatus.FINISHED_ABORTED)
-            out.append((req.client_index, self._delta(req, [], None)))
+            out.append((req.client_index, request_delta(req, [], None)))
         return out
 
     def _release(self, req: Request, status: RequestStatus) -> None:
@@ -196,9 +194,9 @@ class Scheduler:
             assert req.num_computed_tokens + num_new <= req.num_tokens
             assert len(req.blocks) >= cdiv(req.num_computed_tokens + num_new, self.block_size)
             if req.in_batch:
-                cached.append(self._cached_delta(req))
+                cached.append(cached_delta(req))
             else:
-                new_requests.append(self._new_request(req))
+                new_requests.append(new_request(req))
                 req.in_batch = True
             req.num_tokens_sent = req.num_tokens
             req.num_blocks_sent = len(req.blocks)
@@ -215,27 +213,6 @@ class Scheduler:
         self._inflight[plan.step_id] = [(req, req.num_preemptions) for req, _ in step.scheduled]
         self._next_step_id += 1
         return plan
-
-    @staticmethod
-    def _new_request(req: Request) -> NewRequest:
-        return NewRequest(
-            req_id=req.req_id,
-            prompt_token_ids=req.prompt_token_ids,
-            block_ids=req.block_ids,
-            sampling=req.sampling,
-            num_computed_tokens=req.num_computed_tokens,
-            output_token_ids=list(req.output_token_ids),
-            eos_token_id=req.eos_token_id,
-        )
-
-    @staticmethod
-    def _cached_delta(req: Request) -> CachedDelta:
-        return CachedDelta(
-            req_id=req.req_id,
-            new_token_ids=req.all_token_ids[req.num_tokens_sent :],
-            new_block_ids=[b.block_id for b in req.blocks[req.num_blocks_sent :]],
-            num_computed_tokens=req.num_computed_tokens,
-        )
 
     # ---------------------------------------------------------------- results
     def update_from_output(
@@ -260,7 +237,7 @@ class Scheduler:
                 del self.requests[req.req_id]
                 self._release(req, status)
             logprobs = result.logprobs[i] if result.logprobs else None
-            outputs.append((req.client_index, self._delta(req, new_ids, logprobs)))
+            outputs.append((req.client_index, request_delta(req, new_ids, logprobs)))
         if finished:
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]
@@ -285,18 +262,6 @@ class Scheduler:
             if status is not None:
                 return token_ids[:n], status
         return list(token_ids), None
-
-    @staticmethod
-    def _delta(req: Request, new_ids: list[int], logprobs: TokenLogprobs | None) -> RequestDelta:
-        return RequestDelta(
-            req_id=req.req_id,
-            new_token_ids=new_ids,
-            new_logprobs=[logprobs] if logprobs is not None else None,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_cached_tokens,
-            first_scheduled_time=req.first_scheduled_time or 0.0,
-        )
 
     # ---------------------------------------------------------------- queries
     @property

@@ -53,6 +53,8 @@ class AsyncEngine:
         self.stats = SchedulerStats()
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        # request id -> when the core first scheduled it (for the queue-time metric)
+        self._first_scheduled: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._liveness: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -85,6 +87,7 @@ class AsyncEngine:
                 self.stats = msg.stats
                 for listener in self.stats_listeners:
                     listener(msg.stats)
+            self._note_first_scheduled(msg)
             touched, to_abort = self.processor.process(msg.outputs)
             if to_abort:
                 self.client.send(AbortRequests(to_abort))
@@ -93,7 +96,16 @@ class AsyncEngine:
                 if queue is not None:
                     output = parent.make_output(streamable=True)
                     output.metrics = _metrics(parent)
+                    scheduled = self._first_scheduled.get(parent.request_id)
+                    if scheduled is not None:
+                        output.metrics["first_scheduled_time"] = scheduled
                     queue.put_nowait(output)
+
+    def _note_first_scheduled(self, msg: EngineOutputs) -> None:
+        for delta in msg.outputs:
+            entry = self.processor.children.get(delta.req_id)
+            if entry is not None and delta.first_scheduled_time:
+                self._first_scheduled.setdefault(entry[0].request_id, delta.first_scheduled_time)
 
     def _fail_all(self, message: str) -> None:
         self.processor.fail_all(message)
@@ -132,6 +144,7 @@ class AsyncEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            self._first_scheduled.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 

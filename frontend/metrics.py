@@ -60,7 +60,8 @@ class Metrics:
             return g.labels(model_name)
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(P + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+            h = Histogram(P + name, doc, labels, buckets=buckets, registry=reg)
+            return h.labels(model_name)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -79,10 +80,11 @@ class Metrics:
             registry=reg,
         )
         self.model_name = model_name
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        lat = _LATENCY_BUCKETS
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", lat)
         self.itl = hist("inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", lat)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", lat)
 
     def on_stats(self, stats: SchedulerStats) -> None:
         """An AsyncEngine stats listener (runs on the event loop for every EngineOutputs)."""

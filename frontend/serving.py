@@ -139,7 +139,9 @@ class Serving:
             try:
                 token_id = int(key)
             except ValueError:
-                raise APIError(400, f"logit_bias key {key!r} is not a token id.", "logit_bias")
+                raise APIError(
+                    400, f"logit_bias key {key!r} is not a token id.", "logit_bias"
+                ) from None
             if not 0 <= token_id < self.vocab_size:
                 raise APIError(
                     400, f"logit_bias token id {token_id} is out of vocabulary.", "logit_bias"

@@ -39,7 +39,8 @@ class ChatServing(Serving):
         self.check_request(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
-            raise APIError(400, "max_completion_tokens must be at least 1.", "max_completion_tokens")
+            message = "max_completion_tokens must be at least 1."
+            raise APIError(400, message, param="max_completion_tokens")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
         text, ids = self.render(req)

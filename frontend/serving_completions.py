@@ -183,8 +183,11 @@ def completion_logprobs(
         token = sampled.decoded_token or ""
         tokens.append(token)
         token_logprobs.append(clamp_logprob(sampled.logprob))
-        ranked = sorted(entries.values(), key=lambda e: e.rank or 0)
-        top.append({e.decoded_token or "": clamp_logprob(e.logprob) for e in ranked})
+        ranked: dict[str, float] = {}
+        for e in sorted(entries.values(), key=lambda e: e.rank or 0):
+            # Tokens can share a text (partial UTF-8 is "\ufffd"): keep the likeliest.
+            ranked.setdefault(e.decoded_token or "", clamp_logprob(e.logprob))
+        top.append(ranked)
         offsets.append(text_offset)
         text_offset += len(token)
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}

@@ -34,7 +34,7 @@ from pagedserve.ipc.messages import (
     WorkerToCore,
 )
 from pagedserve.ipc.process import Child, die_with_parent, spawn, stop_all
-from pagedserve.ipc.sockets import Receiver, Sender, ipc_address
+from pagedserve.ipc.sockets import CoreAddresses, Receiver, Sender, free_port
 
 logger = logging.getLogger("pagedserve.engine")
 STARTUP_TIMEOUT_S = 1800.0
@@ -45,13 +45,19 @@ class ZmqTransport:
 
     def __init__(self, config: EngineConfig, input_address: str, ipc_dir: str) -> None:
         self.config = config
+        parallel = config.parallel
+        if parallel.nnodes == 1:
+            bind = connect = CoreAddresses.local(ipc_dir)
+            self.dist_port = free_port()
+        else:  # other nodes' workers connect over TCP; only then do we listen beyond loopback
+            assert parallel.master_port is not None, "multi-node needs --master-port"
+            bind = CoreAddresses.tcp("0.0.0.0", parallel.master_port)
+            connect = CoreAddresses.tcp(parallel.master_addr, parallel.master_port)
+            self.dist_port = parallel.master_port
+        self.worker_addresses = connect
         self.clients_in: Receiver[ClientMessage] = Receiver(input_address, ClientMessage, bind=True)
-        self.results: Receiver[WorkerToCore] = Receiver(
-            ipc_address(ipc_dir, "results"), WorkerToCore, bind=True
-        )
-        self.plans: Sender[StepPlan] = Sender(
-            ipc_address(ipc_dir, "plans"), bind=True, kind=zmq.PUB
-        )
+        self.results: Receiver[WorkerToCore] = Receiver(bind.results, WorkerToCore, bind=True)
+        self.plans: Sender[StepPlan] = Sender(bind.plans, bind=True, kind=zmq.PUB)
         self.clients_out: dict[int, Sender[CoreToClient]] = {}
         self.workers: list[Child] = []
 
@@ -88,11 +94,10 @@ class ZmqTransport:
                 raise EngineDeadError(message)
 
     # Start-up -------------------------------------------------------------------------
-    def start_workers(self, config_json: str, ipc_dir: str) -> None:
-        world = self.config.parallel.world_size
-        for rank in range(world):
-            args = ["--config", config_json, "--rank", str(rank), "--ipc-dir", ipc_dir]
-            self.workers.append(spawn("pagedserve.worker.worker_process", args, f"worker {rank}"))
+    def start_workers(self, config_json: str) -> None:
+        """This node's workers (node 0: ranks [0, ranks_per_node)); other nodes start theirs."""
+        ranks = range(self.config.parallel.ranks_per_node)
+        self.workers = start_workers(config_json, ranks, self.worker_addresses, self.dist_port)
 
     def wait_workers(self, phase: str) -> list[WorkerReady]:
         world = self.config.parallel.world_size
@@ -147,6 +152,19 @@ class ZmqTransport:
         self.clients_in.close()
 
 
+def start_workers(
+    config_json: str, ranks: range, addresses: CoreAddresses, dist_port: int
+) -> list[Child]:
+    workers = []
+    for rank in ranks:
+        args = [
+            "--config", config_json, "--rank", str(rank), "--plans", addresses.plans,
+            "--results", addresses.results, "--dist-port", str(dist_port),
+        ]  # fmt: skip
+        workers.append(spawn("pagedserve.worker.worker_process", args, f"worker {rank}"))
+    return workers
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagedserve-engine")
     ap.add_argument("--config", required=True)
@@ -162,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     transport = ZmqTransport(config, args.input_address, args.ipc_dir)
     code = 0
     try:
-        transport.start_workers(args.config, args.ipc_dir)
+        transport.start_workers(args.config)
         num_blocks = transport.init_cache()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
         EngineCore(config, transport, num_blocks).run()

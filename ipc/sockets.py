@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -30,6 +32,29 @@ def ipc_dir() -> str:
 
 def ipc_address(directory: str, name: str) -> str:
     return f"ipc://{os.path.join(directory, name)}"
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """Where workers reach the core: its plan broadcast and its result socket."""
+
+    plans: str
+    results: str
+
+    @classmethod
+    def local(cls, directory: str) -> CoreAddresses:
+        return cls(ipc_address(directory, "plans"), ipc_address(directory, "results"))
+
+    @classmethod
+    def tcp(cls, host: str, base_port: int) -> CoreAddresses:
+        """Multi-node: the core binds base_port+1 and base_port+2 on every interface."""
+        return cls(f"tcp://{host}:{base_port + 1}", f"tcp://{host}:{base_port + 2}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:

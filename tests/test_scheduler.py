@@ -63,7 +63,9 @@ def result_for(s: Scheduler, plan: StepPlan, token: int = 7) -> StepResult:
 
 def step(s: Scheduler, token: int = 7):
     plan = s.schedule()
-    return plan, (s.update_from_output(plan, result_for(s, plan, token)) if plan.scheduled_ids else [])
+    return plan, (
+        s.update_from_output(plan, result_for(s, plan, token)) if plan.scheduled_ids else []
+    )
 
 
 def sched(plan: StepPlan) -> dict[str, int]:
@@ -211,6 +213,36 @@ def test_result_of_a_preempted_request_is_dropped():
     assert sched(p3) == {"a": 1} and p3.finished_ids == ["b"]
     assert s.update_from_output(p2, r2) == []
     assert s.requests["b"].output_token_ids == [] and s.requests["b"].num_preemptions == 1
+
+
+def test_stale_result_is_dropped_even_after_the_request_resumed():
+    s = make(num_blocks=3, block_size=4, budget=6, max_model_len=12)
+    add(s, "a", range(4), ignore_eos=True)
+    add(s, "b", range(10, 16), ignore_eos=True)
+    p1 = s.schedule()
+    r1 = result_for(s, p1)
+    p2 = s.schedule()
+    r2 = result_for(s, p2)  # b samples here
+    s.update_from_output(p1, r1)
+    s.schedule()  # b preempted, its p2 token in flight
+    s.abort_requests(["a"])
+    p4 = s.schedule()  # b resumes: its first block is a prefix hit, it computes the rest
+    assert sched(p4) == {"b": 2} and p4.new_requests[0].num_computed_tokens == 4
+    assert s.requests["b"].num_computed_tokens == 6, "r2 would look like its answer"
+    assert s.update_from_output(p2, r2) == []
+    assert s.requests["b"].output_token_ids == []
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s = make(num_blocks=3, block_size=4, max_seqs=2, max_model_len=12, policy="priority")
+    add(s, "a", range(4), priority=1, ignore_eos=True)
+    add(s, "b", range(10, 14), priority=1, ignore_eos=True)
+    step(s)
+    add(s, "c", range(20, 22), priority=0)
+    plan, _ = step(s)  # b preempts itself; c would fit in b's freed block, but waits
+    assert sched(plan) == {"a": 1} and s.requests["b"].num_preemptions == 1
+    plan, _ = step(s)
+    assert sched(plan) == {"a": 1, "c": 2}
 
 
 # ---------------------------------------------------------------- policies
@@ -378,7 +410,7 @@ class FakeWorker:
         for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
             m = self.batch[rid]
             m.num_computed += n
-            assert 0 < n and m.num_computed <= len(m.tokens)
+            assert n > 0 and m.num_computed <= len(m.tokens)
             samples.append(m.num_computed == len(m.tokens))
         return samples
 

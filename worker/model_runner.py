@@ -13,6 +13,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.ipc.messages import StepPlan, StepResult
 from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.input_batch import InputBatch, StepInputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow
@@ -32,12 +33,15 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, info: RankInfo) -> None:
         self.config = config
         self.device = device
+        self.info = info
         self.dtype = _DTYPES[config.model.resolved_dtype]
+        self.hidden_size = int(config.model.hf["hidden_size"])
         torch.manual_seed(config.model.seed)
-        self.model = build_model(config.model, self.dtype, device)
+        layers = layer_range(config.model.num_layers, info, config.parallel.pp_layer_partition)
+        self.model = build_model(config.model, self.dtype, device, layers)
         self.block_size = config.cache.block_size
         self.batch = InputBatch(
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size
@@ -52,7 +56,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         per_layer = int(np.prod(self._kv_block_shape())) * self.dtype.itemsize
-        return per_layer * len(self.model.layers)
+        return per_layer * self.model.num_layers
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit: an explicit size, else (GPU) what a peak-sized forward leaves."""
@@ -85,7 +89,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         caches = [
             torch.zeros((num_blocks, *self._kv_block_shape()), dtype=self.dtype, device=self.device)
-            for _ in self.model.layers
+            for _ in range(self.model.num_layers)
         ]
         positions = np.arange(num_tokens, dtype=np.int64)
         inputs = StepInputs(
@@ -99,18 +103,31 @@ class ModelRunner:
             sample_rows=[0],
         )
         with torch.inference_mode():
-            hidden = self._forward(inputs, caches)
-            self.model.compute_logits(hidden[-1:])
+            intermediate = None
+            if not self.info.is_first_stage:
+                zeros = torch.zeros(
+                    (num_tokens, self.hidden_size), dtype=self.dtype, device=self.device
+                )
+                intermediate = (zeros, zeros)
+            hidden = self._forward(inputs, caches, intermediate)
+            if self.info.is_last_stage:
+                self.model.compute_logits(hidden[-1:])
         del caches
 
     def init_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, *self._kv_block_shape())
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.model.num_layers)
         ]
 
     # ------------------------------------------------------------------ steps
-    def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(
+        self,
+        inputs: StepInputs,
+        kv_caches: list[torch.Tensor],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
@@ -127,20 +144,33 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()),
             block_size=self.block_size,
         )
-        return self.model(to_dev(inputs.input_ids), to_dev(inputs.positions), kv_caches, meta)
+        input_ids, positions = to_dev(inputs.input_ids), to_dev(inputs.positions)
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one plan; the result on the last stage (None on earlier stages)."""
         self.batch.apply(plan)
         sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
         if not plan.scheduled_ids:
-            return StepResult(plan.step_id, sampled)
+            return StepResult(plan.step_id, sampled) if self.info.is_driver else None
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
-        hidden = self._forward(inputs, self.kv_caches)  # [T, H]
+        info = self.info
+        intermediate = None
+        if not info.is_first_stage:
+            intermediate = recv_intermediate(
+                len(inputs.input_ids), self.hidden_size, self.dtype, self.device, info.prev_rank
+            )
+        hidden = self._forward(inputs, self.kv_caches, intermediate)  # [T, H]
+        if not info.is_last_stage:
+            send_intermediate(*hidden, info.next_rank)
+            return None
         if not inputs.sample_rows:
-            return StepResult(plan.step_id, sampled)
+            return StepResult(plan.step_id, sampled) if info.is_driver else None
         logits_idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[logits_idx])  # [S, V]
+        logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
+        if not info.is_driver:
+            return None
         rows = [self._sampling_row(plan.scheduled_ids[i]) for i in inputs.sample_rows]
         out = self.sampler.sample(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)

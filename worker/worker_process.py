@@ -1,6 +1,7 @@
 """A worker process: one per GPU (or CPU rank). Receives plans, runs them, the driver replies.
 
-Run as `python -m pagedserve.worker.worker_process --config JSON --rank R --ipc-dir DIR`.
+Run as `python -m pagedserve.worker.worker_process --config JSON --rank R --plans ADDR
+--results ADDR --dist-port PORT` (started by the EngineCore, or by `launch --node-rank K`).
 Life: load weights -> report KV capacity (WorkerReady "profiled") -> allocate on InitCache
 (WorkerReady "cache_ready") -> execute every StepPlan in order. Any exception is reported to the
 core as WorkerError (with the traceback) before the process exits, so the core can say why.
@@ -28,18 +29,18 @@ from pagedserve.ipc.messages import (
     WorkerToCore,
 )
 from pagedserve.ipc.process import die_with_parent
-from pagedserve.ipc.sockets import Receiver, Sender, ipc_address
+from pagedserve.ipc.sockets import CoreAddresses, Receiver, Sender
 
 logger = logging.getLogger("pagedserve.worker")
 
 
-def serve(config: EngineConfig, rank: int, ipc_dir: str) -> None:
-    results: Sender[WorkerToCore] = Sender(ipc_address(ipc_dir, "results"), bind=False)
+def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
+    results: Sender[WorkerToCore] = Sender(addresses.results, bind=False)
     plans: Receiver[CoreToWorker] = Receiver(
-        ipc_address(ipc_dir, "plans"), CoreToWorker, bind=False, kind=zmq.SUB
+        addresses.plans, CoreToWorker, bind=False, kind=zmq.SUB
     )
     try:
-        run_loop(config, rank, plans, results)
+        run_loop(config, rank, dist_port, plans, results)
     except Exception:
         results.send(WorkerError(rank, traceback.format_exc()))
         results.close(flush_timeout=2.0)
@@ -48,23 +49,28 @@ def serve(config: EngineConfig, rank: int, ipc_dir: str) -> None:
     plans.close()
 
 
-def run_loop(config: EngineConfig, rank: int, plans: Receiver, results: Sender) -> None:
+def run_loop(
+    config: EngineConfig, rank: int, dist_port: int, plans: Receiver, results: Sender
+) -> None:
     # torch is imported here so that a bad install is reported to the core as a WorkerError.
+    from pagedserve.parallel.groups import init_distributed, rank_info
     from pagedserve.worker.model_runner import ModelRunner, resolve_device
 
     start = time.perf_counter()
-    device = resolve_device(config.parallel.device, rank)
-    runner = ModelRunner(config, device)
+    parallel = config.parallel
+    info = rank_info(parallel, rank)
+    device = resolve_device(parallel.device, rank % parallel.ranks_per_node)
+    init_distributed(info, parallel.master_addr, dist_port, device)
+    runner = ModelRunner(config, device, info)
     num_blocks = runner.profile_num_blocks()
     results.send(WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start))
-    is_driver = rank == config.parallel.world_size - config.parallel.tensor_parallel_size
     while True:
         msg = plans.get(timeout=1.0)
         if msg is None:
             continue
         if isinstance(msg, StepPlan):
             result = runner.execute(msg)
-            if is_driver:
+            if result is not None:
                 results.send(result)
         elif isinstance(msg, InitCache):
             start = time.perf_counter()
@@ -80,14 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagedserve-worker")
     ap.add_argument("--config", required=True)
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--plans", required=True, help="address of the core's plan broadcast")
+    ap.add_argument("--results", required=True, help="address of the core's result socket")
+    ap.add_argument("--dist-port", type=int, required=True)
     ap.add_argument("--parent-pid", type=int)
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        serve(EngineConfig.from_json(args.config), args.rank, args.ipc_dir)
+        addresses = CoreAddresses(args.plans, args.results)
+        serve(EngineConfig.from_json(args.config), args.rank, addresses, args.dist_port)
     except Exception:
         traceback.print_exc()
         return 1

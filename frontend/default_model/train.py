@@ -217,8 +217,9 @@ def main() -> None:
     tokenizer = train_tokenizer(texts, args.vocab_size)
     ids = encode_corpus(tokenizer, texts)
     held_out = (Path(args.lib_dir) / "json" / "decoder.py").read_text(encoding="utf-8")
-    held_out_ids = tokenizer.backend_tokenizer.encode(held_out).ids[:1024]  # with BOS
-    held_out_ids = torch.tensor([held_out_ids], device=args.device)  # [1, S]
+    # Windows as long as the training context: RoPE positions beyond it are never trained.
+    held_out_ids = tokenizer.backend_tokenizer.encode(held_out).ids[: 4 * args.context]
+    held_out_ids = torch.tensor(held_out_ids, device=args.device).view(4, args.context)  # [4, S]
     model = build_model(tokenizer, args.hidden_size).to(args.device)
     train(model, ids, held_out_ids, args)
     print(f"held-out loss on json/decoder.py: {held_out_loss(model, held_out_ids):.3f}")

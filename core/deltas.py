@@ -1,0 +1,45 @@
+"""How a request's state is encoded for the other processes, as deltas.
+
+Workers keep a persistent batch: a request is sent whole once (`NewRequest`, also after a
+preemption, since the workers dropped it), then only what changed since the last plan
+(`CachedDelta`), so a step's message stays small with thousands of running requests. Clients get
+only the tokens new since the last output (`RequestDelta`).
+"""
+
+from __future__ import annotations
+
+from pagedserve.core.request import Request
+from pagedserve.ipc.messages import CachedDelta, NewRequest, RequestDelta, TokenLogprobs
+
+
+def new_request(req: Request) -> NewRequest:
+    return NewRequest(
+        req_id=req.req_id,
+        prompt_token_ids=req.prompt_token_ids,
+        block_ids=req.block_ids,
+        sampling=req.sampling,
+        num_computed_tokens=req.num_computed_tokens,
+        output_token_ids=list(req.output_token_ids),
+        eos_token_id=req.eos_token_id,
+    )
+
+
+def cached_delta(req: Request) -> CachedDelta:
+    return CachedDelta(
+        req_id=req.req_id,
+        new_token_ids=req.all_token_ids[req.num_tokens_sent :],
+        new_block_ids=[b.block_id for b in req.blocks[req.num_blocks_sent :]],
+        num_computed_tokens=req.num_computed_tokens,
+    )
+
+
+def request_delta(req: Request, new_ids: list[int], logprobs: TokenLogprobs | None) -> RequestDelta:
+    return RequestDelta(
+        req_id=req.req_id,
+        new_token_ids=new_ids,
+        new_logprobs=[logprobs] if logprobs is not None else None,
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_cached_tokens,
+        first_scheduled_time=req.first_scheduled_time or 0.0,
+    )

@@ -1,0 +1,128 @@
+"""The `pagedserve` command: `pagedserve launch ...` (and room for `pagedserve bench ...`).
+
+Every mistake a user can make on the command line ends in one line on stderr and exit code 2:
+argparse's own errors (without the usage dump) and the config's ValueErrors alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import pagedserve
+
+DEFAULT_MODEL_NAME = "pagedserve-default"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def default_model_dir() -> str:
+    import pagedserve.frontend
+
+    return os.path.join(os.path.dirname(pagedserve.frontend.__file__), "default_model")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `1073741824`, `512M`, `2G`, `1.5GiB` (binary multiples)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (like 512M or 2G)")
+    number, unit = match.groups()
+    power = "kmgt".index(unit.lower()) + 1 if unit else 0
+    return int(float(number) * 1024**power)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", help="HF model directory (default: the embedded tiny model)")
+    a("--served-model-name", help="the model name clients use (default: --model)")
+    a("--host", default="0.0.0.0")
+    a("--port", type=int, default=8000, help="0 picks a free port")
+    a("--api-servers", type=_positive_int, default=1, help="API server processes on one port")
+    a("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    a("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    a("--max-model-len", type=int)
+    a("--max-num-seqs", type=int)
+    a("--max-num-batched-tokens", type=int)
+    a("--block-size", type=int, default=16)
+    a("--gpu-memory-utilization", type=float, default=0.9)
+    a("--kv-cache-memory", type=parse_size, help="KV cache size in bytes (512M, 2G)")
+    a("--dtype", default="auto")
+    a("--load-format", default="auto")
+    a("--seed", type=int, default=0)
+    a("--device", default="auto")
+    a("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"), help="or PAGEDSERVE_API_KEY")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+
+
+def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
+    from pagedserve.frontend.launcher import Launcher, LaunchOptions
+    from pagedserve.frontend.llm import build_engine_config
+
+    model, served_name = args.model, args.served_model_name
+    if model is None:
+        model = default_model_dir()
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            fail(f"no --model given and the embedded default model is missing at {model}")
+        served_name = served_name or DEFAULT_MODEL_NAME
+    try:
+        config = build_engine_config(
+            model,
+            served_model_name=served_name,
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            seed=args.seed,
+            device=args.device,
+            enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+        )
+    except (ValueError, TypeError, OSError) as e:
+        fail(str(e))
+    opts = LaunchOptions(args.host, args.port, args.api_servers, args.api_key, args.log_level)
+    return Launcher(config, opts).run()
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = _Parser(prog="pagedserve", description="An LLM serving engine.")
+    parser.add_argument("--version", action="version", version=pagedserve.__version__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    launch_p = sub.add_parser("launch", help="serve a model over an OpenAI-compatible HTTP API")
+    add_launch_args(launch_p)
+    launch_p.set_defaults(handler=launch)
+    return parser, {"launch": launch_p}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, subparsers = build_parser()
+    args = parser.parse_args(argv)
+    sub: Any = subparsers[args.command]
+    return args.handler(args, sub.error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

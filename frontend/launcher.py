@@ -1,0 +1,179 @@
+"""`pagedserve launch`: one EngineCore process and N API server processes sharing one port.
+
+The launcher binds the listening socket itself and hands the fd to every API server (pass_fds),
+so the kernel spreads connections over the servers without a proxy. It then only watches:
+- start-up: servers report "engine I" / "server I" on a pipe; the launcher prints phase times;
+- run: if any child dies, print which one and how (`Child.death_message`), stop the rest, exit 1;
+- SIGINT / SIGTERM: stop every child (SIGTERM, then SIGKILL after a grace period), exit 0.
+Children also die with the launcher (PR_SET_PDEATHSIG), so even `kill -9` leaves no orphans.
+API servers run in their own process group so a terminal's Ctrl-C reaches only the launcher,
+which then shuts them down in order.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from pagedserve.config import EngineConfig
+from pagedserve.frontend.engine_client import start_engine_core
+from pagedserve.ipc.process import Child, stop_all
+from pagedserve.ipc.sockets import ipc_dir
+
+POLL_S = 0.2
+
+
+@dataclass
+class LaunchOptions:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_servers: int = 1
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+def say(message: str) -> None:
+    print(f"pagedserve: {message}", flush=True)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The shared listening socket (port 0 picks a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=4096)
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_api_server(
+    index: int, config_json: str, directory: str, core_pid: int, sock: socket.socket,
+    ready_fd: int, opts: LaunchOptions, metrics_dir: str,
+) -> Child:  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "pagedserve.frontend.api_server",
+        "--parent-pid", str(os.getpid()),
+        "--config", config_json,
+        "--ipc-dir", directory,
+        "--core-pid", str(core_pid),
+        "--client-index", str(index),
+        "--fd", str(sock.fileno()),
+        "--ready-fd", str(ready_fd),
+        "--log-level", opts.log_level,
+    ]  # fmt: skip
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+    env.pop("PAGEDSERVE_API_KEY", None)
+    if opts.api_key:
+        env["PAGEDSERVE_API_KEY"] = opts.api_key
+    proc = subprocess.Popen(cmd, env=env, pass_fds=(sock.fileno(), ready_fd), process_group=0)
+    return Child(proc, f"API server {index}")
+
+
+class Launcher:
+    def __init__(self, config: EngineConfig, opts: LaunchOptions) -> None:
+        self.config = config
+        self.opts = opts
+        self.children: list[Child] = []
+        self.stop_signal: int | None = None
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stop_signal = signum
+
+    def run(self) -> int:
+        t0 = time.monotonic()
+        try:
+            sock = bind(self.opts.host, self.opts.port)
+        except OSError as e:
+            say(f"error: cannot listen on {self.opts.host}:{self.opts.port}: {e.strerror or e}")
+            return 1
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        directory = ipc_dir()
+        metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")
+        ready_r, ready_w = os.pipe()
+        try:
+            self._start(sock, directory, metrics_dir, ready_w)
+            os.close(ready_w)
+            ready_w = -1
+            return self._watch(t0, sock, ready_r)
+        finally:
+            self._shutdown()
+            for fd in (ready_r, ready_w):
+                if fd >= 0:
+                    os.close(fd)
+            sock.close()
+            shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _start(self, sock: socket.socket, directory: str, metrics_dir: str, ready_w: int) -> None:
+        mc = self.config.model
+        say(
+            f"serving {mc.model} as {mc.name!r} (max_model_len {self.config.max_model_len}, "
+            f"tp {self.config.parallel.tensor_parallel_size}, "
+            f"pp {self.config.parallel.pipeline_parallel_size}, "
+            f"{self.opts.api_servers} API server(s))"
+        )
+        core = start_engine_core(self.config, directory, self.opts.log_level.upper())
+        self.children.append(core)
+        config_json = self.config.to_json()
+        for i in range(self.opts.api_servers):
+            child = start_api_server(
+                i, config_json, directory, core.pid, sock, ready_w, self.opts, metrics_dir
+            )
+            self.children.append(child)
+
+    def _watch(self, t0: float, sock: socket.socket, ready_r: int) -> int:
+        engine_ready = False
+        servers_ready: set[int] = set()
+        pending = b""
+        pipe_open = True
+        while self.stop_signal is None:
+            for child in self.children:
+                message = child.death_message()
+                if message is not None:
+                    say(f"error: {message}; stopping")
+                    return 1
+            if not pipe_open:
+                time.sleep(POLL_S)
+                continue
+            readable, _, _ = select.select([ready_r], [], [], POLL_S)
+            if not readable:
+                continue
+            data = os.read(ready_r, 4096)
+            if not data:  # every server closed the pipe; deaths are reported above
+                pipe_open = False
+                continue
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                what, _, index = line.decode().partition(" ")
+                if what == "engine" and not engine_ready:
+                    engine_ready = True
+                    say(f"engine ready in {time.monotonic() - t0:.1f} s")
+                elif what == "server":
+                    servers_ready.add(int(index))
+                    if len(servers_ready) == self.opts.api_servers:
+                        self._say_listening(t0, sock)
+        say(f"{signal.Signals(self.stop_signal).name} received; shutting down")
+        return 0
+
+    def _say_listening(self, t0: float, sock: socket.socket) -> None:
+        host, port = sock.getsockname()[:2]
+        shown = "[" + host + "]" if ":" in host else host
+        say(
+            f"{self.opts.api_servers} API server(s) ready in {time.monotonic() - t0:.1f} s; "
+            f"listening on http://{shown}:{port}"
+        )
+
+    def _shutdown(self) -> None:
+        """API servers first (they may still be answering), then the EngineCore."""
+        servers = [c for c in self.children if c.name.startswith("API server")]
+        stop_all(servers, timeout=5)
+        stop_all([c for c in self.children if c not in servers], timeout=10)

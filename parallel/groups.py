@@ -1,0 +1,113 @@
+"""Process groups for one worker: the world, its tensor-parallel group and its pipeline neighbours.
+
+Rank layout: `rank = pp_stage * tp + tp_rank`, so a TP group is a contiguous run of ranks (one
+host's NVLink island when tp <= GPUs per host) and pipeline stages talk rank to rank +/- tp.
+NCCL on GPU, gloo on CPU; both rendezvous over TCP at master_addr:master_port, with a timeout so
+that a missing peer fails start-up instead of hanging it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.config import ParallelConfig
+from pagedserve.parallel.state import init_tp_group
+
+INIT_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_stage: int
+    pp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_stage == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """TP rank 0 of the last stage: the one rank that sends StepResults."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    @property
+    def prev_rank(self) -> int:
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + self.tp_size
+
+
+def rank_info(parallel: ParallelConfig, rank: int) -> RankInfo:
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    return RankInfo(rank, tp * pp, rank % tp, tp, rank // tp, pp)
+
+
+def init_distributed(info: RankInfo, master_addr: str, master_port: int, device: torch.device):
+    """Join the world group and build every TP group (all ranks must create all groups)."""
+    if info.world_size == 1:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=INIT_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+    my_group = None
+    for stage in range(info.pp_size):
+        ranks = list(range(stage * info.tp_size, (stage + 1) * info.tp_size))
+        group = dist.new_group(ranks) if info.tp_size > 1 else None
+        if stage == info.pp_stage:
+            my_group = group
+    init_tp_group(my_group, info.tp_rank, info.tp_size)
+
+
+def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = None) -> list[int]:
+    """Layer counts per stage: `partition` if given, else as even as possible (earlier stages
+    take the remainder last, since the last stage also runs the LM head)."""
+    if partition is not None:
+        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(
+                f"--pp-layer-partition {partition}: needs {pp_size} positive counts summing "
+                f"to the model's {num_layers} layers"
+            )
+        return list(partition)
+    if num_layers < pp_size:
+        raise ValueError(f"--pp {pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    return [base + (1 if i < extra else 0) for i in range(pp_size)]
+
+
+def layer_range(num_layers: int, info: RankInfo, partition: list[int] | None) -> tuple[int, int]:
+    counts = split_layers(num_layers, info.pp_size, partition)
+    start = sum(counts[: info.pp_stage])
+    return start, start + counts[info.pp_stage]
+
+
+def send_intermediate(hidden: torch.Tensor, residual: torch.Tensor, dst: int) -> None:
+    """Hidden states and residual to the next stage ([T, H] each, stacked: one message)."""
+    dist.send(torch.stack([hidden, residual]).contiguous(), dst)
+
+
+def recv_intermediate(
+    num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device, src: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    buf = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
+    dist.recv(buf, src)
+    return buf[0], buf[1]
