@@ -38,6 +38,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     served_model_name: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs
     # Derived from config.json in __post_init__:
     hf: dict[str, Any] = field(init=False, repr=False, compare=False)
 
@@ -54,6 +55,11 @@ class ModelConfig:
             object.__setattr__(self, "max_model_len", int(limit))
         elif self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
+        elif self.max_model_len > limit:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in self.hf:
                 raise ValueError(f"{self.model}/config.json lacks {key!r}")

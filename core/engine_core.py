@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from typing import Protocol
 
 from pagedserve.config import EngineConfig
@@ -32,7 +33,7 @@ from pagedserve.ipc.messages import (
 
 logger = logging.getLogger("pagedserve.engine")
 IDLE_POLL_S = 0.5
-STATS_INTERVAL_S = 1.0
+STATS_INTERVAL_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
@@ -128,15 +129,17 @@ class EngineCore:
         for client_index, delta in deltas:
             by_client[client_index].append(delta)
         stats = self.scheduler.get_stats()
-        self._last_stats = time.monotonic()
         for client_index, outputs in by_client.items():
             self.transport.send_outputs(client_index, EngineOutputs(outputs, stats))
+        self._maybe_send_stats(force=False, skip=by_client.keys())
 
-    def _maybe_send_stats(self, force: bool) -> None:
-        """When idle, refresh every client's gauges once a second (running/waiting/KV usage)."""
+    def _maybe_send_stats(self, force: bool, skip: Iterable[int] = ()) -> None:
+        """Refresh every client's gauges (running/waiting/KV usage) at least once a second, also
+        clients with no request in flight, so each API server's /metrics stays current."""
         if not force and time.monotonic() - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = time.monotonic()
         stats = self.scheduler.get_stats()
         for client_index in self.transport.client_indices():
-            self.transport.send_outputs(client_index, EngineOutputs([], stats))
+            if client_index not in skip:
+                self.transport.send_outputs(client_index, EngineOutputs([], stats))

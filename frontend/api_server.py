@@ -145,25 +145,17 @@ def build_app(
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(ServerMiddleware, api_key=api_key, server_index=server_index)
+    base = Serving(engine, metrics)
+    add_openai_routes(app, engine, metrics, base)
+    add_utility_routes(app, metrics, base, ChatServing(engine, metrics))
+    return app
+
+
+def add_openai_routes(
+    app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving
+) -> None:
     completions = CompletionServing(engine, metrics)
     chat = ChatServing(engine, metrics)
-    base = Serving(engine, metrics)
-
-    @app.get("/health")
-    async def health() -> Response:
-        base.check_alive()
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> Response:
-        return _json({"version": pagedserve.__version__})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        if metrics is None:
-            raise APIError(404, "metrics are disabled")
-        body, content_type = metrics.render()
-        return Response(body, 200, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -186,6 +178,28 @@ def build_app(
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
 
+
+def add_utility_routes(
+    app: FastAPI, metrics: Metrics | None, base: Serving, chat: ChatServing
+) -> None:
+    """Health, version, Prometheus metrics and vLLM's /tokenize and /detokenize."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        base.check_alive()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": pagedserve.__version__})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are disabled")
+        body, content_type = metrics.render()
+        return Response(body, 200, media_type=content_type)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
         base.check_model(req.model)
@@ -197,8 +211,8 @@ def build_app(
             add_special = req.add_special_tokens is not False
         else:
             raise APIError(400, "Pass either prompt or messages.", param="prompt")
-        ids = encode_prompt(engine.tokenizer, text, add_special_tokens=add_special)
-        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        ids = encode_prompt(base.tokenizer, text, add_special_tokens=add_special)
+        strs = base.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         body = {"count": len(ids), "max_model_len": base.max_model_len, "tokens": ids}
         return _json({**body, "token_strs": strs})
 
@@ -208,9 +222,7 @@ def build_app(
         bad = [t for t in req.tokens if not 0 <= t < base.vocab_size]
         if bad:
             raise APIError(400, f"Token id {bad[0]} is out of vocabulary.", param="tokens")
-        return _json({"prompt": engine.tokenizer.decode(req.tokens)})
-
-    return app
+        return _json({"prompt": base.tokenizer.decode(req.tokens)})
 
 
 async def _notify_when_started(app: FastAPI, on_ready: Any) -> None:

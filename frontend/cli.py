@@ -1,4 +1,4 @@
-"""The `pagedserve` command: `pagedserve launch ...` (and room for `pagedserve bench ...`).
+"""The `pagedserve` command: `pagedserve launch ...` and `pagedserve bench ...` (frontend/bench.py).
 
 Every mistake a user can make on the command line ends in one line on stderr and exit code 2:
 argparse's own errors (without the usage dump) and the config's ValueErrors alike.
@@ -114,13 +114,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     launch_p = sub.add_parser("launch", help="serve a model over an OpenAI-compatible HTTP API")
     add_launch_args(launch_p)
     launch_p.set_defaults(handler=launch)
-    return parser, {"launch": launch_p}
+    return parser, {"launch": launch_p, "bench": _add_bench(sub)}
+
+
+def _add_bench(sub: Any) -> argparse.ArgumentParser:
+    """`pagedserve bench ...` lives in frontend/bench.py."""
+    from pagedserve.frontend.bench import add_bench_parser, run_bench
+
+    add_bench_parser(sub)
+    bench: argparse.ArgumentParser = sub.choices["bench"]
+    bench.set_defaults(handler=lambda args, fail: run_bench(args))
+    return bench
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     sub: Any = subparsers[args.command]
+    if unknown:
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.handler(args, sub.error)
 
 

@@ -6,8 +6,8 @@ so the kernel spreads connections over the servers without a proxy. It then only
 - run: if any child dies, print which one and how (`Child.death_message`), stop the rest, exit 1;
 - SIGINT / SIGTERM: stop every child (SIGTERM, then SIGKILL after a grace period), exit 0.
 Children also die with the launcher (PR_SET_PDEATHSIG), so even `kill -9` leaves no orphans.
-API servers run in their own process group so a terminal's Ctrl-C reaches only the launcher,
-which then shuts them down in order.
+API servers run in their own session so a terminal's Ctrl-C reaches only the launcher, which
+then shuts them down in order.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -71,7 +70,9 @@ def start_api_server(
     env.pop("PAGEDSERVE_API_KEY", None)
     if opts.api_key:
         env["PAGEDSERVE_API_KEY"] = opts.api_key
-    proc = subprocess.Popen(cmd, env=env, pass_fds=(sock.fileno(), ready_fd), process_group=0)
+    # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops servers.
+    fds = (sock.fileno(), ready_fd)
+    proc = subprocess.Popen(cmd, env=env, pass_fds=fds, start_new_session=True)
     return Child(proc, f"API server {index}")
 
 
@@ -94,7 +95,8 @@ class Launcher:
             return 1
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         directory = ipc_dir()
-        metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")
+        metrics_dir = os.path.join(directory, "metrics")  # private, and removed with it
+        os.mkdir(metrics_dir)
         ready_r, ready_w = os.pipe()
         try:
             self._start(sock, directory, metrics_dir, ready_w)
@@ -108,7 +110,6 @@ class Launcher:
                     os.close(fd)
             sock.close()
             shutil.rmtree(directory, ignore_errors=True)
-            shutil.rmtree(metrics_dir, ignore_errors=True)
             for s, handler in old.items():
                 signal.signal(s, handler)
 

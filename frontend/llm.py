@@ -42,6 +42,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             seed=kw.get("seed", 0),
             tokenizer=kw.get("tokenizer"),
             served_model_name=kw.get("served_model_name"),
+            enforce_eager=kw.get("enforce_eager", False),
         ),
         cache=CacheConfig(
             block_size=kw.get("block_size", 16),
@@ -94,7 +95,7 @@ class LLM:
             prompts = [prompts]
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, params, list(priority or [0] * len(prompts)))
+        return self._run(encoded, params, list(priority or [0] * len(prompts)), use_tqdm)
 
     def chat(
         self,
@@ -153,6 +154,7 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]],
         params: list[SamplingParams],
         priority: list[int],
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         client = self._client
         if client is None:
@@ -167,21 +169,37 @@ class LLM:
             for msg in processor.add(request_id, text, ids, p, prio, client.client_index):
                 client.send(msg)
         results: dict[str, RequestOutput] = {}
-        while processor.parents:
-            msg = client.outputs.get(timeout=0.5)
-            if msg is None:
-                client.check_alive()
-            elif isinstance(msg, EngineDead):
-                client.dead_message = msg.message
-                client.check_alive()
-            elif isinstance(msg, EngineOutputs):
-                touched, to_abort = processor.process(msg.outputs)
-                if to_abort:
-                    client.send(AbortRequests(to_abort))
-                for parent in touched:
-                    if parent.finished:
-                        results[parent.request_id] = parent.make_output()
+        progress = _progress(len(order)) if use_tqdm else None
+        try:
+            while processor.parents:
+                msg = client.outputs.get(timeout=0.5)
+                if msg is None:
+                    client.check_alive()
+                elif isinstance(msg, EngineDead):
+                    client.dead_message = msg.message
+                    client.check_alive()
+                elif isinstance(msg, EngineOutputs):
+                    touched, to_abort = processor.process(msg.outputs)
+                    if to_abort:
+                        client.send(AbortRequests(to_abort))
+                    for parent in touched:
+                        if parent.finished:
+                            results[parent.request_id] = parent.make_output()
+                            if progress is not None:
+                                progress.update(1)
+        except BaseException:  # e.g. Ctrl-C: leave nothing running in the engine
+            if processor.children and client.dead_message is None:
+                client.send(AbortRequests(list(processor.children)))
+            raise
+        if progress is not None:
+            progress.close()
         return [results[r] for r in order]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", mininterval=1.0)
 
 
 def _per_prompt(

@@ -7,7 +7,7 @@ each rule lives in one place. Responses are plain dicts built by the serving cla
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -134,6 +134,3 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-FinishReason = Literal["stop", "length", "abort"]

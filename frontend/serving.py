@@ -9,6 +9,7 @@ are closed explicitly (`SSEResponse`, `merge_streams`) rather than left to the g
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from pagedserve.ipc.messages import SamplingParams
 
 T = TypeVar("T")
 _DONE = object()
+logger = logging.getLogger("pagedserve.api")
 
 
 class Serving:
@@ -276,6 +278,7 @@ def stream_error(e: Exception) -> dict[str, Any]:
         return e.body()
     if isinstance(e, EngineDeadError):
         return APIError(503, f"The engine is not running: {e}", code="engine_dead").body()
+    logger.exception("a stream failed")
     return APIError(500, f"Internal error: {type(e).__name__}: {e}").body()
 
 

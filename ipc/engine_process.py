@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
     config = EngineConfig.from_json(args.config)
     transport = ZmqTransport(config, args.input_address, args.ipc_dir)
     code = 0
@@ -186,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         EngineCore(config, transport, num_blocks).run()
     except Exception as e:
         message = str(e) if isinstance(e, EngineDeadError) else traceback.format_exc()
-        logger.error("engine stopped: %s", message)
         print(f"pagedserve: engine stopped: {message}", file=sys.stderr, flush=True)
         transport.fail(f"EngineCore failed: {message}")
         time.sleep(0.2)  # let the EngineDead messages leave

@@ -12,8 +12,9 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.ipc.messages import StepPlan, StepResult
-from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata, select_backend
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
+from pagedserve.worker.cuda_graphs import DecodeGraphs
 from pagedserve.worker.input_batch import InputBatch, StepInputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow
@@ -48,6 +49,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
@@ -120,6 +122,25 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.model.num_layers)
         ]
+        if self._use_cuda_graphs():
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                max_batch=min(self.config.scheduler.max_num_seqs, 512),
+                max_blocks=self.batch.block_table.shape[1],
+                max_model_len=self.config.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            self.graphs.capture()
+
+    def _use_cuda_graphs(self) -> bool:
+        """Decode graphs need a capturable attention kernel (no host loops) and one stage."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.model.enforce_eager
+            and self.info.pp_size == 1
+            and getattr(select_backend(self.device), "cuda_graph_safe", False)
+        )
 
     # ------------------------------------------------------------------ steps
     def _forward(
@@ -161,7 +182,11 @@ class ModelRunner:
             intermediate = recv_intermediate(
                 len(inputs.input_ids), self.hidden_size, self.dtype, self.device, info.prev_rank
             )
-        hidden = self._forward(inputs, self.kv_caches, intermediate)  # [T, H]
+        bucket = self._graph_bucket(inputs)
+        if bucket is not None:
+            hidden = self.graphs.run(inputs, bucket)  # [T, H]
+        else:
+            hidden = self._forward(inputs, self.kv_caches, intermediate)  # [T, H]
         if not info.is_last_stage:
             send_intermediate(*hidden, info.next_rank)
             return None
@@ -180,6 +205,12 @@ class ModelRunner:
             if logprobs is not None:
                 logprobs[i] = out.logprobs[j]
         return StepResult(plan.step_id, sampled, logprobs)
+
+    def _graph_bucket(self, inputs: StepInputs) -> int | None:
+        num_seqs = len(inputs.seq_lens)
+        if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
+            return None
+        return self.graphs.bucket(num_seqs)
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         req = self.batch.requests[req_id]

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
     try:
         addresses = CoreAddresses(args.plans, args.results)
         serve(EngineConfig.from_json(args.config), args.rank, addresses, args.dist_port)
