@@ -124,9 +124,10 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
 def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
     """Time from `pagedserve launch` to the first 200 on /health, over `--num-iters` starts."""
     times = []
+    launch_args = [a for a in args.launch_args if a != "--"]
     for _ in range(args.num_iters):
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--port",
-               str(args.port), "--host", "127.0.0.1", *args.launch_args]  # fmt: skip
+               str(args.port), "--host", "127.0.0.1", *launch_args]  # fmt: skip
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

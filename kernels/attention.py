@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.kernels.backend import attention_backend_name, use_triton_cache_write
+
 QUERY_CHUNK = 1024  # query rows per score matrix in the reference
 
 
@@ -88,7 +90,27 @@ def write_kv_cache(
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Store each new token's K/V in its cache slot, in place."""
+    """Store each new token's K/V in its cache slot, in place; slots < 0 (padding) are skipped.
+
+    On CUDA this runs the Triton kernel (no host sync, CUDA-graph safe); the reference below
+    filters padding with a boolean mask, which syncs.
+    """
+    if use_triton_cache_write(kv_cache):
+        from pagedserve.kernels.triton_cache import triton_write_kv_cache
+
+        triton_write_kv_cache(key, value, kv_cache, slot_mapping)
+    else:
+        write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    keep = slot_mapping >= 0
+    key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     block_size = kv_cache.shape[2]
     block_ids = slot_mapping // block_size  # [T]
     offsets = slot_mapping % block_size  # [T]
@@ -152,12 +174,18 @@ AttentionBackend = Callable[..., torch.Tensor]
 
 
 def select_backend(device: torch.device) -> AttentionBackend:
-    """Pick the attention implementation once, at model build time.
+    """Pick the attention implementation once, at model build time: Triton on CUDA, the torch
+    reference elsewhere, or what `PAGEDSERVE_ATTENTION_BACKEND` forces (see kernels/backend.py).
+    Every backend keeps `paged_attention_ref`'s signature."""
+    name = attention_backend_name(device)
+    if name == "triton":
+        from pagedserve.kernels.triton_attention import triton_paged_attention
 
-    Only the torch reference exists today; a Triton or FlashAttention path returns here for CUDA
-    devices, keeping `paged_attention_ref`'s signature.
-    """
-    del device
+        return triton_paged_attention
+    if name == "flash":
+        from pagedserve.kernels.flash_attention import flash_paged_attention
+
+        return flash_paged_attention
     return paged_attention_ref
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels.backend import use_triton
+
 
 class RMSNorm(nn.Module):
     """`forward(x)` returns the normed x; `forward(x, residual)` adds first, returns both.
@@ -23,6 +25,10 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., H]
         residual: torch.Tensor | None = None,  # [..., H]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):
+            from pagedserve.kernels.triton_norm import triton_rms_norm
+
+            return triton_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             return rms_norm(x, self.weight, self.eps), x

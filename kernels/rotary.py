@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.kernels.backend import use_triton
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -90,6 +92,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rotary_dim == 0:
             return query, key
+        if use_triton(query):  # rotates in place (query/key are views of the fresh qkv output)
+            from pagedserve.kernels.triton_rotary import triton_rotary_embedding
+
+            return triton_rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, R / 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

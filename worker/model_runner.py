@@ -12,7 +12,8 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.ipc.messages import StepPlan, StepResult
-from pagedserve.kernels.attention import AttentionMetadata, select_backend
+from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.backend import attention_backend_name
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cuda_graphs import DecodeGraphs
 from pagedserve.worker.input_batch import InputBatch, StepInputs
@@ -139,7 +140,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and not self.config.model.enforce_eager
             and self.info.pp_size == 1
-            and getattr(select_backend(self.device), "cuda_graph_safe", False)
+            and attention_backend_name(self.device) == "triton"
         )
 
     # ------------------------------------------------------------------ steps

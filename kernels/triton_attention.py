@@ -1,0 +1,256 @@
+"""Paged attention for mixed decode / chunked-prefill batches, in Triton (the CUDA default).
+
+Algorithm. The batch's query tokens are cut into tiles of `BLOCK_Q` consecutive tokens of one
+row; a program owns one tile, one KV head and one KV split. Its `BLOCK_M = BLOCK_Q * GROUP_PAD`
+matrix rows are (token, query head) pairs over every query head that shares the KV head (GQA), so
+each K/V tile is read once per KV head and feeds one `tl.dot` for the whole group: for a decode the
+group's heads are the M dimension (4 heads of Llama-3-8B padded to M = 16). The program walks the
+row's block table `BLOCK_N` keys at a time, gathering keys from their paged blocks (any
+`block_size`), masks causally (and by the sliding window), and keeps an online softmax in float32
+(exp2 with log2(e) folded into the scale).
+
+Grid, with no host sync: tile ids run over `T // BLOCK_Q + num_seqs`, an upper bound on the tiles
+of all rows when row i's tiles start at `query_start_loc[i] // BLOCK_Q + i`; a program finds its
+row by binary search over `query_start_loc` and exits if its tile is past the row's end. Every
+size comes from host ints the caller already has (shapes, `max_query_len`, `max_seq_len`), so a
+decode batch can be captured in a CUDA graph.
+
+Split-K (flash-decoding): a decode batch of few sequences gives fewer programs than SMs, so each
+row's KV tiles are also split over `num_splits` programs, each writing an unnormalized partial
+output with its running max and sum; `_reduce_kernel` rescales and sums them. Splits divide each
+row's own length, so a graph captured at the longest context stays valid for shorter ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last row whose first tile (`query_start_loc[i] // BLOCK_Q + i`) is <= tile_idx."""
+    lo: tl.int32 = 0
+    hi = lo + num_seqs  # a tensor even when num_seqs == 1 is specialized to a constant
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, num_tokens, num_q_heads, qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+):  # fmt: skip
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_tile = tile_idx - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # cached tokens before this step's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    q_off = local_tile * BLOCK_Q + rows // GROUP_PAD  # [M] query index within the row
+    head = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
+    row_ok = (rows % GROUP_PAD < GROUP) & (q_off < q_len)
+    q_pos = ctx_len + q_off  # [M] absolute positions
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + q_off).to(tl.int64)
+    q_ptrs = query_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+
+    # Keys this tile can see: causal end at its last query; the window trims the start.
+    kv_end = tl.minimum(seq_len, ctx_len + (local_tile + 1) * BLOCK_Q)
+    if USE_WINDOW:
+        first_tile = tl.maximum(ctx_len + local_tile * BLOCK_Q - window + 1, 0) // BLOCK_N
+    else:
+        first_tile = 0
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_kv_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * BLOCK_N + n  # [N]
+        k_ok = k_pos < kv_end
+        block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_ptrs = kv_cache_ptr + kv_off[:, None] + d[None, :]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)  # [N, D]
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain
+        mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials: out [S, T, Hq, BLOCK_D] and (max, sum) [S, T, Hq, 2], all contiguous.
+        row = (split * num_tokens + tok) * num_q_heads + head  # [M] int64
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr, part_ml_ptr, out_ptr, num_tokens, num_q_heads, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    row = (s * num_tokens + tok) * num_q_heads + head  # [S]
+    m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [S]; empty splits weigh 0
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)  # [D]
+    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int
+) -> int:
+    """Splits per row so a decode batch fills about two programs per SM; 1 for prefills (their
+    tiles already fill the GPU) and for batches that fill it without splitting."""
+    programs = num_seqs * num_kv_heads
+    if max_query_len > 1 or programs >= num_sms:
+        return 1
+    by_occupancy = triton.cdiv(2 * num_sms, programs)
+    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _check(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"expected query [T, Hq, D] and kv_cache [num_blocks, 2, block_size, Hkv, D], got "
+            f"{tuple(query.shape)} and {tuple(kv_cache.shape)}"
+        )
+    if query.shape[2] != kv_cache.shape[4] or query.shape[1] % kv_cache.shape[3]:
+        raise ValueError(
+            f"query heads/dim {tuple(query.shape[1:])} do not fit the cache's "
+            f"{tuple(kv_cache.shape[3:])} (Hq must be a multiple of Hkv, D equal)"
+        )
+    if query.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("query and kv_cache need a contiguous last (head_dim) dimension")
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    tensors = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    if any(t.dtype != torch.int32 for t in tensors) or meta.block_tables.stride(1) != 1:
+        raise ValueError("query_start_loc, seq_lens, block_tables must be int32 (rows contiguous)")
+    if any(t.device != query.device for t in (kv_cache, *tensors)):
+        raise ValueError("query, kv_cache and the attention metadata must share one device")
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    num_splits: int | None = None,  # None: choose from the batch (tests force it)
+    block_m: int | None = None,  # None: 16+ for decode batches, up to 128 with prefills
+) -> torch.Tensor:  # [T, Hq, D]
+    """`paged_attention_ref`'s contract, from device tensors and host ints only."""
+    _check(query, kv_cache, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_seqs = meta.seq_lens.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if block_m is None:
+        want = triton.next_power_of_2(max(meta.max_query_len, 1) * group_pad)
+        block_m = min(128, max(16, want))
+    block_m = max(block_m, group_pad)
+    if num_splits is None:
+        sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, meta.max_query_len, meta.max_seq_len, sms
+        )
+    block_q = block_m // group_pad
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    part_out = part_ml = out  # unused placeholders without splits
+    if num_splits > 1:
+        f32 = dict(dtype=torch.float32, device=query.device)
+        part_out = torch.empty(num_splits, num_tokens, num_q_heads, block_d, **f32)
+        part_ml = torch.empty(num_splits, num_tokens, num_q_heads, 2, **f32)
+    _paged_attention_kernel[grid](
+        query, kv_cache, out, part_out, part_ml,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        num_seqs, num_tokens, num_q_heads, scale * LOG2E, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        meta.block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        USE_WINDOW=sliding_window is not None,
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(num_tokens, num_q_heads)](
+            part_out, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d, HEAD_DIM=head_dim, num_warps=4,
+        )  # fmt: skip
+    return out

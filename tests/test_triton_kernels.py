@@ -1,0 +1,252 @@
+"""Triton kernels against their torch references.
+
+Without a GPU the kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, set before
+anything here imports triton) at tiny sizes; with one, the same tiny tests run compiled, and the
+`gpu`-marked tests add Llama-3-8B sizes in bf16, a CUDA-graph capture and a timing printout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
+    # Triton reads this when it decorates a kernel (its own `tl.max`, `tl.cdiv` too), so it must
+    # be set before triton is first imported; it stays set for triton's lazy imports at launch.
+    os.environ["TRITON_INTERPRET"] = "1"
+# False when an earlier test module imported triton uninterpreted: then the tiny tests skip here
+# and `test_rerun_under_interpreter` runs this file in a fresh process.
+RUNNABLE = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+tiny = pytest.mark.skipif(not RUNNABLE, reason="triton already imported without the interpreter")
+
+if HAS_TRITON:
+    from pagedserve.kernels import backend
+    from pagedserve.kernels.activation import silu_and_mul_ref
+    from pagedserve.kernels.attention import (
+        Attention,
+        paged_attention_ref,
+        select_backend,
+        write_kv_cache_ref,
+    )
+    from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.norm import RMSNorm, rms_norm
+    from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
+    from pagedserve.kernels.triton_activation import triton_silu_and_mul
+    from pagedserve.kernels.triton_attention import choose_num_splits, triton_paged_attention
+    from pagedserve.kernels.triton_cache import triton_write_kv_cache
+    from pagedserve.kernels.triton_norm import triton_rms_norm
+    from pagedserve.kernels.triton_rotary import triton_rotary_embedding
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = dict(atol=2e-2, rtol=2e-2) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)  # tf32 dots on GPU
+LLAMA3_ROPE = {
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
+
+# (cached tokens, new tokens) per row: decodes, prefill chunks with and without earlier context.
+MIXED = ([0, 37, 70, 5, 100, 16], [9, 1, 1, 20, 1, 16])
+
+
+@tiny
+@pytest.mark.parametrize(
+    ("block_size", "hq", "num_splits", "window", "block_m"),
+    [
+        (16, 4, 1, None, None),
+        (16, 4, 3, None, None),  # split-K forced on a mixed batch
+        (32, 4, 2, 7, 32),  # sliding window, larger tiles
+        (16, 6, 1, None, 16),  # GQA group 3: padded to 4 rows per token
+        (32, 2, 4, None, None),  # MHA; more splits than some rows have KV tiles
+    ],
+)
+def test_attention_mixed_batch(block_size, hq, num_splits, window, block_m):
+    q, kv, meta = random_batch(*MIXED, hq, 2, 16, block_size, torch.float32, DEV, seed=hq)
+    ref = paged_attention_ref(q, kv, meta, 0.25, window)
+    out = triton_paged_attention(q, kv, meta, 0.25, window, num_splits=num_splits, block_m=block_m)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@tiny
+def test_attention_decode_auto_splits():
+    computed = [700, 5, 64]
+    q, kv, meta = random_batch(computed, [1, 1, 1], 4, 2, 16, 16, torch.float32, DEV, seed=1)
+    assert choose_num_splits(3, 2, 1, meta.max_seq_len, num_sms=132) > 1
+    out = triton_paged_attention(q, kv, meta, 0.25)
+    torch.testing.assert_close(out, paged_attention_ref(q, kv, meta, 0.25), **TOL)
+
+
+@tiny
+def test_attention_module_writes_then_attends():
+    """Through `Attention` (write, then attend): the Triton backend sees the step's own K/V."""
+    computed, new = [20, 0, 7], [1, 12, 3]
+    _, kv, meta = random_batch(computed, new, 4, 2, 16, 16, torch.float32, DEV, seed=2)
+    q, k, v = (torch.randn(sum(new), h * 16, device=DEV) for h in (4, 2, 2))
+    kv_ref = kv.clone()
+    ref = Attention(4, 2, 16, 0.25, backend=paged_attention_ref)(q, k, v, kv_ref, meta)
+    out = Attention(4, 2, 16, 0.25, backend=triton_paged_attention)(q, k, v, kv, meta)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@tiny
+def test_attention_rejects_bad_inputs():
+    q, kv, meta = random_batch([3], [1], 4, 2, 16, 16, torch.float32, DEV)
+    with pytest.raises(ValueError, match="dtype"):
+        triton_paged_attention(q.half(), kv, meta, 0.25)
+    with pytest.raises(ValueError, match="multiple"):
+        triton_paged_attention(q[:, :3], kv, meta, 0.25)
+
+
+@tiny
+def test_write_kv_cache_skips_padding():
+    kv = torch.randn(6, 2, 16, 2, 16, device=DEV)
+    key, value = torch.randn(5, 2, 16, device=DEV), torch.randn(5, 2, 16, device=DEV)
+    slots = torch.tensor([3, -1, 40, 94, -1], device=DEV)
+    expected = kv.clone()
+    write_kv_cache_ref(key, value, expected, slots)
+    assert torch.equal(expected[5, :, 15], kv[5, :, 15])  # -1 did not wrap to the last slot
+    strided = torch.randn(5, 6, 16, device=DEV)[:, 1:3]  # [T, Hkv, D] view with a row stride
+    write_kv_cache_ref(strided, value, expected, slots)
+    triton_write_kv_cache(key, value, kv, slots)
+    triton_write_kv_cache(strided, value, kv, slots)
+    assert torch.equal(kv, expected)
+
+
+@tiny
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(dtype):
+    w = torch.randn(48, device=DEV, dtype=dtype)
+    x, r = (torch.randn(7, 48, device=DEV, dtype=dtype) for _ in range(2))
+    tol = TOL if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)  # interpreter truncates
+    out, new_r = triton_rms_norm(x, w, 1e-5, r)
+    torch.testing.assert_close(out, rms_norm(x + r, w, 1e-5), **tol)
+    torch.testing.assert_close(new_r, x + r, **tol)
+    heads = torch.randn(5, 24, device=DEV, dtype=dtype)[:, 4:20].unflatten(-1, (2, 8))  # qk-norm
+    w8 = torch.randn(8, device=DEV, dtype=dtype)
+    torch.testing.assert_close(triton_rms_norm(heads, w8, 1e-6), rms_norm(heads, w8, 1e-6), **tol)
+    assert isinstance(RMSNorm(8).to(DEV)(heads.float()), torch.Tensor)  # the dispatching module
+
+
+@tiny
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotary_in_place_on_qkv_views(partial):
+    cfg = rope_config({**LLAMA3_ROPE, "partial_rotary_factor": partial})
+    rope = RotaryEmbedding(16, 128, cfg)
+    qkv = torch.randn(6, (4 + 2 + 2) * 16)
+    pos = torch.randint(0, 128, (6,))
+    ref_q, ref_k = rope(pos, qkv[:, :64], qkv[:, 64:96])  # CPU: the reference
+    qkv = qkv.to(DEV)
+    q, k = qkv[:, :64], qkv[:, 64:96]  # strided views, as the model passes them
+    v_before = qkv[:, 96:].clone()
+    out_q, out_k = triton_rotary_embedding(pos.to(DEV), q, k, rope.cos_sin_cache.to(DEV), 16)
+    assert out_q.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qkv[:, :64].cpu(), ref_q, **TOL)
+    torch.testing.assert_close(qkv[:, 64:96].cpu(), ref_k, **TOL)
+    assert torch.equal(qkv[:, 96:], v_before)
+
+
+@tiny
+def test_silu_and_mul():
+    x = torch.randn(3, 2, 80, device=DEV)
+    torch.testing.assert_close(triton_silu_and_mul(x), silu_and_mul_ref(x), **TOL)
+
+
+def test_backend_choice(monkeypatch):
+    assert select_backend(torch.device("cpu")) is paged_attention_ref
+    for value, error in (("flash2", "not one of"), ("triton", "CUDA device")):
+        monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", value)
+        backend.forced_attention_backend.cache_clear()
+        with pytest.raises(ValueError, match=error):
+            select_backend(torch.device("cpu"))
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND")
+    backend.forced_attention_backend.cache_clear()
+    if HAS_CUDA:
+        assert select_backend(torch.device("cuda")) is triton_paged_attention
+
+
+@pytest.mark.skipif(RUNNABLE or not HAS_TRITON, reason="the tiny tests ran in this process")
+def test_rerun_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# GPU: Llama-3-8B shapes (32 q heads, 8 kv heads, head_dim 128), bf16.
+
+
+def _check_gpu_attention(computed, new, seed=0, **kwargs):
+    q, kv, meta = random_batch(computed, new, 32, 8, 128, 16, torch.bfloat16, "cuda", seed)
+    out = triton_paged_attention(q, kv, meta, 128**-0.5, **kwargs)
+    err = relative_error(out, paged_attention_ref(q, kv, meta, 128**-0.5))
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_decode_batch():
+    rng = torch.Generator().manual_seed(0)
+    computed = torch.randint(1, 4096, (64,), generator=rng).tolist()
+    _check_gpu_attention(computed, [1] * 64)
+    _check_gpu_attention([4000], [1])  # one long row: split-K
+    _check_gpu_attention([3000, 17], [1, 1], num_splits=8)
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_batch():
+    computed = [1024, 1024] + torch.randint(1, 4096, (30,)).tolist()
+    _check_gpu_attention(computed, [512, 512] + [1] * 30)
+    _check_gpu_attention([0, 1024], [700, 512], seed=1)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph():
+    """Captured once at the longest context, replayed with new lengths: no host syncs inside."""
+    q, kv, meta = random_batch(
+        [4095, 100, 2000, 9], [1] * 4, 32, 8, 128, 16, torch.bfloat16, "cuda"
+    )
+    triton_paged_attention(q, kv, meta, 0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_paged_attention(q, kv, meta, 0.1)
+    meta.seq_lens.copy_(torch.tensor([50, 4096, 1, 300], dtype=torch.int32))
+    meta.seq_lens_cpu[:] = [50, 4096, 1, 300]
+    graph.replay()
+    assert relative_error(out, paged_attention_ref(q, kv, meta, 0.1)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_elementwise_kernels():
+    x, r = (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    out, new_r = triton_rms_norm(x, w, 1e-5, r)
+    assert torch.equal(new_r, x + r)
+    assert relative_error(out, rms_norm(x + r, w, 1e-5)) < 1e-2
+    gu = torch.randn(512, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    assert relative_error(triton_silu_and_mul(gu), silu_and_mul_ref(gu)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_timing():
+    from triton.testing import do_bench_cudagraph
+
+    for batch in (1, 64, 256):
+        q, kv, meta = random_batch([2047] * batch, [1] * batch, 32, 8, 128, 16, torch.bfloat16, DEV)
+        fn = lambda q=q, kv=kv, meta=meta: triton_paged_attention(q, kv, meta, 0.1)  # noqa: E731
+        ms = do_bench_cudagraph(fn, return_mode="median")
+        gbps = batch * 2048 * 8 * 128 * 2 * 2 / ms / 1e6
+        print(f"\ndecode attention batch {batch:>3} ctx 2048: {ms * 1e3:8.1f} us {gbps:6.0f} GB/s")
