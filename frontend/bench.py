@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -128,13 +129,18 @@ def bench_startup(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.num_iters):
         cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--port",
                str(args.port), "--host", "127.0.0.1", *launch_args]  # fmt: skip
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            times.append(_wait_health(args.port, proc, start, timeout=args.timeout))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        with tempfile.TemporaryFile() as log:
+            start = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                times.append(_wait_health(args.port, proc, start, timeout=args.timeout))
+            except RuntimeError:
+                log.seek(0)
+                print(log.read().decode(errors="replace")[-3000:], file=sys.stderr)
+                raise
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
     return {"ready_s_min": min(times), "ready_s_median": float(np.median(times)),
             "starts": len(times)}  # fmt: skip
 
