@@ -29,6 +29,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
+        if self.tokenizer is None:  # skip_tokenizer_init: ids only
+            return ""
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
@@ -40,8 +42,10 @@ class IncrementalDetokenizer:
         self.text += new_text
         return new_text
 
-    def decode_one(self, token_id: int) -> str:
+    def decode_one(self, token_id: int) -> str | None:
         """A token's own text, for logprob entries."""
+        if self.tokenizer is None:
+            return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 

@@ -56,6 +56,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             max_num_batched_tokens=max_batched,
             policy=kw.get("scheduling_policy", "fcfs"),
             max_waiting=kw.get("max_waiting"),
+            step_timeout=kw.get("step_timeout") or 600.0,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=kw.get("tensor_parallel_size", 1),
@@ -66,12 +67,16 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
+        """`skip_tokenizer_init`: no tokenizer (prompts must be token ids; outputs carry ids,
+        no text), as in vLLM."""
         self.config = build_engine_config(model, **kwargs)
         self._client: EngineClient | None = None
         self._client = EngineClient(self.config)
         try:
-            self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
+            self.tokenizer = (
+                None if skip_tokenizer_init else load_tokenizer(self.config.model.tokenizer_path)
+            )
             self._client.wait_ready()
         except BaseException:
             self.close()
@@ -131,6 +136,10 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and not (
+            isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        ):
+            raise ValueError("without a tokenizer (skip_tokenizer_init) prompts must be token ids")
         if isinstance(prompt, str):
             return prompt, encode_prompt(self.tokenizer, prompt)
         if "prompt_token_ids" in prompt:

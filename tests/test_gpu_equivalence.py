@@ -1,36 +1,33 @@
-"""On a GPU: greedy bf16 output of a small real-shaped Llama equals transformers' bf16 greedy output
-for the first 32 tokens of 8 prompts, and agrees with our own fp32 CPU output where bf16 noise
-permits (the agreement rate is printed). Skipped without CUDA."""
+"""On a GPU: greedy bf16 output of a small trained Llama (the embedded default model: trained
+weights give peaked distributions, so greedy paths are not decided by bf16 rounding of near-ties as
+they are with random weights) equals transformers' bf16 greedy output for the first 32 tokens of 8
+prompts, and agrees with our own fp32 CPU output where bf16 noise permits (the agreement rate is
+printed). Skipped without CUDA."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+import pagedserve.frontend
 from pagedserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 NUM_NEW = 32
 
 
-def make_model(path: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=500000.0, bos_token_id=1, eos_token_id=2, initializer_range=0.05,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (7, 33, 64, 100,
-            5, 250, 17, 513)]  # fmt: skip
+PROMPTS = [
+    "import os\n",
+    "def fib(n):\n",
+    "class Queue:\n    def __init__(self",
+    "# Copyright",
+    "for i in range(10):\n    print(",
+    "try:\n    import json\nexcept ImportError:\n",
+    "    return self._",
+    "def main(argv=None):\n    parser = argparse.",
+]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -38,11 +35,13 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 
 def hf_greedy(path: str, dtype: torch.dtype, device: str) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     outs = []
-    for p in prompts():
+    for text in PROMPTS:
+        p = tok(text)["input_ids"]
         ids = torch.tensor([p], device=device)
         seq = model.generate(
             ids,
@@ -59,12 +58,12 @@ def hf_greedy(path: str, dtype: torch.dtype, device: str) -> list[list[int]]:
 def ours(path: str, dtype: str, device: str) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(path, dtype=dtype, device=device, gpu_memory_utilization=0.3) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
+        outs = llm.generate(PROMPTS, params)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_bf16_gpu_matches_transformers_and_fp32(tmp_path):
-    path = make_model(str(tmp_path / "llama-small"))
+def test_bf16_gpu_matches_transformers_and_fp32():
+    path = os.path.join(os.path.dirname(pagedserve.frontend.__file__), "default_model")
     want = hf_greedy(path, torch.bfloat16, "cuda")
     got = ours(path, "bfloat16", "cuda")
     fp32 = ours(path, "float32", "cpu")
@@ -73,6 +72,11 @@ def test_bf16_gpu_matches_transformers_and_fp32(tmp_path):
     rate = sum(fp32_match) / (NUM_NEW * len(fp32))
     print(f"\nbf16 GPU vs transformers bf16: tokens equal before divergence {hf_match}")
     print(f"bf16 GPU vs our fp32 CPU: {fp32_match}, agreement rate {rate:.2%}")
-    # bf16 kernels differ in accumulation order from transformers' SDPA path; a divergence is
-    # allowed only after the first 32 tokens in at least 6 of the 8 prompts.
-    assert sum(m == NUM_NEW for m in hf_match) >= 6, hf_match
+    hf32 = hf_greedy(path, torch.float32, "cuda")
+    noise = [first_divergence(a, b) for a, b in zip(want, hf32, strict=True)]
+    print(f"transformers bf16 vs transformers fp32 (bf16 noise alone): {noise}")
+    # Equal to transformers' bf16 for all 32 tokens, except where transformers' own bf16 run
+    # leaves its fp32 run (bf16 rounding deciding a near-tie): there we must follow fp32.
+    for ours_vs_hf, hf_noise, ours_vs_fp32 in zip(hf_match, noise, fp32_match, strict=True):
+        assert ours_vs_hf == NUM_NEW or (hf_noise < NUM_NEW and ours_vs_fp32 == NUM_NEW)
+    assert rate >= 0.9

@@ -69,14 +69,15 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights without reading files: normal(0, 0.02), norms at 1, seeded so every rank and
-    run gets the same values."""
-    generator = torch.Generator().manual_seed(seed)
+    """Random weights without reading files: normal(0, 0.02), norms at 1, seeded. Drawn on the
+    parameter's own device, in place: an 8B model drawn on the CPU in float32 and copied over
+    took most of a minute of start-up."""
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
                 continue
-            values = torch.empty(param.shape, dtype=torch.float32)
-            values.normal_(0.0, 0.02, generator=generator)
-            param.copy_(values)
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=generators[param.device])

@@ -16,23 +16,25 @@ PS="python3 -m pagedserve.frontend.cli"
 M=/tmp/m8b
 [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
 COMMON="--model $M --load-format dummy --dtype bfloat16"
-STEPS=${STEPS:-"kernels gpu-tests w3 w1 w4 w2"}
+STEPS=${STEPS:-"kernels gpu-tests w3 w1 w4 w2 profile"}
 summary=()
 for step in $STEPS; do
   t0=$(date +%s)
+  T="timeout ${STEP_TIMEOUT:-240}"
   case $step in
-    kernels) python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
-    gpu-tests) python3 -m pytest -q -m gpu -s tests 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 ;;
-    w3) $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 256 \
+    profile) $T python3 tests/gpu/profile_step.py $M 2>&1 | tee "$OUT/profile.txt" | tail -60 ;;
+    kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
+    gpu-tests) $T python3 -m pytest -q -m gpu -s tests/test_gpu_equivalence.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 ;;
+    w3) $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 256 \
           --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/w3.json" 2>&1 | tail -12 ;;
-    w1) $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
-          --num-prompts ${W1_PROMPTS:-1000} --output-json "$OUT/w1.json" 2>&1 | tail -12 ;;
-    w4) $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
+    w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
+          --num-prompts ${W1_PROMPTS:-1000} ${W1_FLAGS:-} --output-json "$OUT/w1.json" 2>&1 | tail -12 ;;
+    w4) $T $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
           $COMMON 2>&1 | tail -6 ;;
     w2) $PS launch $COMMON --port 8012 --host 127.0.0.1 > "$OUT/w2-server.log" 2>&1 &
         srv=$!
         for _ in $(seq 600); do curl -sf localhost:8012/health >/dev/null && break; sleep 0.2; done
-        $PS bench serve --base-url http://127.0.0.1:8012 --model $M --vocab-size 128000 \
+        $T $PS bench serve --base-url http://127.0.0.1:8012 --model $M --vocab-size 128000 \
           --num-prompts ${W2_PROMPTS:-800} --random-input-len 512 --random-output-len 256 \
           --random-range-ratio 0.5 --request-rate 20 --ignore-eos \
           --output-json "$OUT/w2.json" 2>&1 | tail -25
