@@ -138,9 +138,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     policy: str = "fcfs"  # "fcfs" | "priority"
-    max_waiting: int | None = None
+    max_waiting: int | None = None  # None: unbounded; else AddRequests beyond it are refused
+    step_timeout: float = 600.0  # seconds a step may take before the engine is declared dead
 
     def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError("--max-waiting must be >= 0")
+        if not self.step_timeout > 0:
+            raise ValueError("--step-timeout must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
@@ -169,6 +174,8 @@ class ParallelConfig:
             raise ValueError("--node-rank must be in [0, --nnodes)")
         if self.world_size % self.nnodes:
             raise ValueError(f"--nnodes {self.nnodes} does not divide tp*pp={self.world_size}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr of node 0)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")
 

@@ -4,6 +4,11 @@ Pure Python: it talks to the outside world only through a `Transport` (queues an
 ipc/engine_process.py builds from ZeroMQ sockets and tests can build from plain queues. One loop:
 drain client messages -> schedule while fewer than `max_inflight` plans are out -> take the oldest
 result -> update requests -> emit per-request deltas to the client that owns each request.
+
+Every AddRequest is answered at once with an empty delta (admitted) or a "rejected" one (the
+waiting queue is at `max_waiting`), so an API server knows before it sends a 200 whether the
+request will run. A watchdog declares the engine dead when the oldest plan in flight gets no
+result within `step_timeout` (a worker stuck in a step never reports anything by itself).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class EngineDeadError(RuntimeError):
     """A worker died or reported an error; the engine cannot go on."""
 
 
+class StepTimeoutError(EngineDeadError):
+    """A step got no result within `step_timeout`: a worker hangs (the transport names it)."""
+
+
 class Transport(Protocol):
     def next_client_message(self, timeout: float | None) -> ClientMessage | None: ...
     def next_worker_message(self, timeout: float) -> WorkerToCore | None: ...
@@ -59,6 +68,8 @@ class EngineCore:
         # One plan per pipeline stage keeps every stage busy; with one stage, one at a time.
         self.max_inflight = config.parallel.pipeline_parallel_size
         self.inflight: deque[StepPlan] = deque()
+        self.step_timeout = config.scheduler.step_timeout
+        self._sent_at: dict[int, float] = {}  # step_id -> when its plan was broadcast
         self.running = True
         self._last_stats = 0.0
 
@@ -75,28 +86,38 @@ class EngineCore:
 
     # ------------------------------------------------------------------ clients
     def _drain_client_messages(self, block: bool) -> None:
+        """Handle every queued client message; their answers leave in one EngineOutputs per
+        client (so the n AddRequests of one user request are answered together)."""
+        deltas: list[tuple[int, RequestDelta]] = []
         msg = self.transport.next_client_message(IDLE_POLL_S if block else None)
         while msg is not None:
-            self._handle_client_message(msg)
+            deltas.extend(self._handle_client_message(msg))
             msg = self.transport.next_client_message(None)
+        self._emit(deltas)
 
-    def _handle_client_message(self, msg: ClientMessage) -> None:
+    def _handle_client_message(self, msg: ClientMessage) -> list[tuple[int, RequestDelta]]:
         if isinstance(msg, AddRequest):
-            try:
-                self.scheduler.add_request(msg)
-            except ValueError as e:  # clients validate first; never let one request kill the loop
-                logger.warning("refused request %s: %s", msg.req_id, e)
-                self._emit(
-                    [(msg.client_index, RequestDelta(msg.req_id, [], finish_reason="abort"))]
-                )
-        elif isinstance(msg, AbortRequests):
-            self._emit(self.scheduler.abort_requests(msg.req_ids))
-        elif isinstance(msg, ClientHello):
+            return [(msg.client_index, self._add_request(msg))]
+        if isinstance(msg, AbortRequests):
+            return self.scheduler.abort_requests(msg.req_ids)
+        if isinstance(msg, ClientHello):
             self.transport.add_client(msg)
         elif isinstance(msg, ResetPrefixCache):
             self.scheduler.reset_prefix_cache()
         elif isinstance(msg, ShutdownEngine):
             self.running = False
+        return []
+
+    def _add_request(self, msg: AddRequest) -> RequestDelta:
+        """The answer to an AddRequest: admitted (no tokens yet), rejected or aborted."""
+        if self.scheduler.is_full():
+            return RequestDelta(msg.req_id, [], finish_reason="rejected")
+        try:
+            self.scheduler.add_request(msg)
+        except ValueError as e:  # clients validate first; never let one request kill the loop
+            logger.warning("refused request %s: %s", msg.req_id, e)
+            return RequestDelta(msg.req_id, [], finish_reason="abort")
+        return RequestDelta(msg.req_id, [])
 
     # ------------------------------------------------------------------ steps
     def _schedule_steps(self) -> None:
@@ -108,18 +129,42 @@ class EngineCore:
                 return
             self.transport.broadcast(plan)
             self.inflight.append(plan)
+            self._sent_at[plan.step_id] = time.monotonic()
 
     def _collect_one_result(self) -> None:
         msg = self.transport.next_worker_message(IDLE_POLL_S)
         if msg is None:
+            self._check_step_timeout()
             return
         if isinstance(msg, WorkerError):
+            self._blame_dead_worker()
             raise EngineDeadError(f"worker {msg.rank} failed: {msg.message}")
         if not isinstance(msg, StepResult):
             return
         plan = self.inflight.popleft()
         assert plan.step_id == msg.step_id, (plan.step_id, msg.step_id)
-        self._emit(self.scheduler.update_from_output(plan, msg))
+        del self._sent_at[plan.step_id]
+        deltas = self.scheduler.update_from_output(plan, msg)
+        self._schedule_steps()  # the next plan leaves before outputs are encoded: GPU idles less
+        self._emit(deltas)
+
+    def _check_step_timeout(self) -> None:
+        plan = self.inflight[0]
+        waited = time.monotonic() - self._sent_at[plan.step_id]
+        if waited > self.step_timeout:
+            raise StepTimeoutError(
+                f"step {plan.step_id} ({len(plan.scheduled_ids)} requests, "
+                f"{sum(plan.num_scheduled_tokens)} tokens) got no result from the workers in "
+                f"{waited:.1f} s (--step-timeout {self.step_timeout:g})"
+            )
+
+    def _blame_dead_worker(self) -> None:
+        """A worker's error is often a peer's death seen through a collective ("connection reset"):
+        give the dead process a moment to be reaped, and report it as the cause if it is there."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            self.transport.check_workers()
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ outputs
     def _emit(self, deltas: list[tuple[int, RequestDelta]]) -> None:

@@ -283,7 +283,13 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_unfinished=len(self.requests),
         )
+
+    def is_full(self) -> bool:
+        """The waiting queue is at `max_waiting`: a new request would be refused."""
+        limit = self.config.max_waiting
+        return limit is not None and self.num_waiting >= limit
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -7,15 +7,19 @@ request's outputs back to the server that sent it. Readiness is reported to the 
 on `--ready-fd` ("engine I" once the engine answered, "server I" once accepting connections).
 
 Every error leaves in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+
+Signals: SIGTERM drains (new requests and /health get 503, running requests and streams finish
+for up to `--drain-timeout` s, then are aborted with an error), then the process exits 0. SIGINT
+(what the launcher sends when another process died) aborts running requests at once, then exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
+import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
@@ -26,14 +30,19 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
 
 import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.async_engine import AsyncEngine
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.metrics import Metrics
+from pagedserve.frontend.middleware import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    Drain,
+    DrainingServer,
+    ServerMiddleware,
+)
 from pagedserve.frontend.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -49,40 +58,11 @@ from pagedserve.frontend.tokenizer import encode_prompt
 from pagedserve.ipc.process import die_with_parent
 
 logger = logging.getLogger("pagedserve.api")
-OPEN_PATHS = ("/health", "/metrics")
-SERVER_HEADER = b"x-pagedserve-api-server"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
-class ServerMiddleware:
-    """Checks the API key (all paths but OPEN_PATHS) and tags responses with the server index."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, server_index: int) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.tag = (SERVER_HEADER, str(server_index).encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def tagged_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), self.tag]
-            await send(message)
-
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                body = error_body(
-                    "Invalid or missing API key.", "invalid_request_error", None, "invalid_api_key"
-                )
-                return await JSONResponse(body, 401)(scope, receive, tagged_send)
-        await self.app(scope, receive, tagged_send)
-
-
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status, media_type="application/json")
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -99,7 +79,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> Response:
-        return _json(e.body(), e.status)
+        return _json(e.body(), e.status, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> Response:
@@ -128,34 +108,59 @@ def build_app(
     api_key: str | None = None,
     server_index: int = 0,
     on_ready: Any = None,
+    drain: Drain | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    log_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
-    server accepts connections (uvicorn's `Server` is expected at `app.state.server`)."""
+    server accepts connections (uvicorn's `Server` is expected at `app.state.server`, and is told
+    to exit when a drain started by `drain.request()` ends)."""
+    drain = drain or Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
         await engine.start()
+        drain.attach()
         if metrics is not None:
             engine.stats_listeners.append(metrics.on_stats)
-        watcher = asyncio.ensure_future(_notify_when_started(app, on_ready))
+            engine.stats_listeners.append(lambda _: metrics.api_tracked.set(engine.num_tracked))
+        tasks = [
+            asyncio.ensure_future(_notify_when_started(app, on_ready)),
+            asyncio.ensure_future(drain.run(lambda: _abort_all(engine), lambda: _exit(app))),
+        ]
         yield
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
         engine.shutdown()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(ServerMiddleware, api_key=api_key, server_index=server_index)
-    base = Serving(engine, metrics)
+    app.add_middleware(
+        ServerMiddleware, api_key=api_key, server_index=server_index, drain=drain,
+        max_request_bytes=max_request_bytes,
+    )  # fmt: skip
+    base = Serving(engine, metrics, log_requests)
     add_openai_routes(app, engine, metrics, base)
     add_utility_routes(app, metrics, base, ChatServing(engine, metrics))
     return app
 
 
+def _abort_all(engine: AsyncEngine) -> None:
+    message = "The server is shutting down; the request was aborted (drain timeout)."
+    engine.abort_all(APIError(503, message, code="server_shutting_down"))
+
+
+def _exit(app: FastAPI) -> None:
+    server = getattr(app.state, "server", None)
+    if server is not None:
+        server.should_exit = True
+
+
 def add_openai_routes(
     app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving
 ) -> None:
-    completions = CompletionServing(engine, metrics)
-    chat = ChatServing(engine, metrics)
+    completions = CompletionServing(engine, metrics, base.log_requests)
+    chat = ChatServing(engine, metrics, base.log_requests)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -248,7 +253,11 @@ def _notifier(ready_fd: int | None, line: str) -> Any:
     return notify
 
 
-def main(argv: list[str] | None = None) -> int:
+def _exit_quietly(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagedserve-api-server")
     ap.add_argument("--config", required=True, help="EngineConfig.to_json()")
     ap.add_argument("--ipc-dir", required=True)
@@ -260,8 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--ready-fd", type=int)
     ap.add_argument("--log-level", default="info")
-    args = ap.parse_args(argv)
+    ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S)
+    ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    ap.add_argument("--log-requests", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     die_with_parent(args.parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over: exit quietly
+        signal.signal(sig, _exit_quietly)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s[%(process)d]: %(message)s")
     index = args.client_index
@@ -273,23 +291,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedserve: API server {index}: {e}", file=sys.stderr, flush=True)
         return 1
     _notifier(args.ready_fd, f"engine {index}")()
+    drain = Drain()
     app = build_app(
         engine,
         Metrics(config.model.name),
         os.environ.get("PAGEDSERVE_API_KEY") or None,
         index,
         on_ready=_notifier(args.ready_fd, f"server {index}"),
+        drain=drain,
+        max_request_bytes=args.max_request_bytes,
+        log_requests=args.log_requests,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            loop="uvloop",
-            http="h11",
-            log_level=args.log_level.lower(),
-            access_log=args.log_level.lower() == "debug",
-            timeout_graceful_shutdown=2,
-        )
+    uv_config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="h11",
+        log_level=args.log_level.lower(),
+        access_log=args.log_level.lower() == "debug",
+        timeout_graceful_shutdown=2,
     )
+    server = DrainingServer(uv_config, drain, args.drain_timeout)
     app.state.server = server
     server.run(sockets=[sock])
     return 0

@@ -3,6 +3,10 @@
 The output socket's IO thread hands each EngineOutputs to the event loop (call_soon_threadsafe);
 there it is detokenized and fanned out to one asyncio.Queue per request. Leaving `generate` early
 (client disconnect, cancellation) aborts the request in the core, which frees its KV blocks.
+
+The core answers each request at once: admitted (an output with no tokens, the first item
+`generate` yields) or rejected because its waiting queue is full (`generate` raises a 503 APIError
+with Retry-After), so a server can wait for that answer before it sends a status line.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.protocol import APIError
 from pagedserve.frontend.tokenizer import load_tokenizer
 from pagedserve.ipc.messages import (
     AbortRequests,
@@ -76,12 +81,12 @@ class AsyncEngine:
             try:
                 self.client.check_alive()
             except EngineDeadError as e:
-                self._fail_all(str(e))
+                self._fail_all(e)
 
     def _on_message(self, msg: CoreToClient) -> None:
         if isinstance(msg, EngineDead):
             self.client.dead_message = msg.message
-            self._fail_all(msg.message)
+            self._fail_all(EngineDeadError(msg.message))
         elif isinstance(msg, EngineOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
@@ -107,10 +112,30 @@ class AsyncEngine:
             if entry is not None and delta.first_scheduled_time:
                 self._first_scheduled.setdefault(entry[0].request_id, delta.first_scheduled_time)
 
-    def _fail_all(self, message: str) -> None:
-        self.processor.fail_all(message)
+    def _fail_all(self, error: Exception) -> None:
+        """End every request with `error` (raised from its `generate`)."""
+        self.processor.fail_all(str(error))
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(message))
+            queue.put_nowait(error)
+
+    def abort_all(self, error: Exception) -> None:
+        """Abort every request in the core too (a drain that timed out)."""
+        ids = list(self.processor.children)
+        if ids and self.client.dead_message is None:
+            self.client.send(AbortRequests(ids))
+        self._fail_all(error)
+
+    def _overloaded(self) -> APIError:
+        limit = self.config.scheduler.max_waiting
+        return APIError(
+            503, f"The server is overloaded ({limit} requests are waiting). Retry later.",
+            code="server_overloaded", headers={"Retry-After": "1"},
+        )  # fmt: skip
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests this client holds state for (0 when idle: anything else is a leak)."""
+        return len(self._queues) + len(self.processor.parents) + len(self._first_scheduled)
 
     def new_request_id(self) -> str:
         return f"{self.client.client_index}-{next(self._ids)}"
@@ -141,6 +166,8 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                if any(c.finish_reason == "rejected" for c in item.outputs):
+                    raise self._overloaded()  # admitted siblings (n > 1) are aborted below
                 yield item
         finally:
             self._queues.pop(request_id, None)

@@ -47,6 +47,36 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--model", help="HF model directory (default: the embedded tiny model)")
@@ -56,6 +86,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     a("--api-servers", type=_positive_int, default=1, help="API server processes on one port")
     a("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     a("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    a("--pp-layer-partition", type=_int_list, help="layers per pipeline stage, e.g. 20,12")
+    a("--nnodes", type=_positive_int, default=1, help="machines in one TP x PP group")
+    a("--node-rank", type=_non_negative_int, default=0, help="0 runs the engine and API servers")
+    a("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
+    a("--master-port", type=_positive_int, help="node 0's rendezvous port (multi-node; it also "
+      "uses the next two ports for the step plans and results)")  # fmt: skip
     a("--max-model-len", type=int)
     a("--max-num-seqs", type=int)
     a("--max-num-batched-tokens", type=int)
@@ -70,6 +106,30 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     a("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    a("--log-requests", action="store_true", help="log each request's prompt (off: no prompt text)")
+    a(
+        "--max-waiting",
+        type=_non_negative_int,
+        help="refuse requests (503 + Retry-After) while this many wait (default: no bound)",
+    )
+    a(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish before they are aborted",
+    )
+    a(
+        "--step-timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds one engine step may take before the engine is declared dead (stuck worker)",
+    )
+    a(
+        "--max-request-bytes",
+        type=parse_size,
+        default=4 << 20,
+        help="largest request body (4M); bigger bodies get 413",
+    )
 
 
 def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
@@ -88,6 +148,11 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
             served_model_name=served_name,
             tensor_parallel_size=args.tp,
             pipeline_parallel_size=args.pp,
+            pp_layer_partition=args.pp_layer_partition,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -100,10 +165,20 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
             device=args.device,
             enable_prefix_caching=args.enable_prefix_caching,
             scheduling_policy=args.scheduling_policy,
+            max_waiting=args.max_waiting,
+            step_timeout=args.step_timeout,
         )
     except (ValueError, TypeError, OSError) as e:
         fail(str(e))
-    opts = LaunchOptions(args.host, args.port, args.api_servers, args.api_key, args.log_level)
+    opts = LaunchOptions(
+        args.host, args.port, args.api_servers, args.api_key, args.log_level,
+        drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
+        log_requests=args.log_requests,
+    )  # fmt: skip
+    if config.parallel.node_rank > 0:
+        from pagedserve.frontend.launcher import run_worker_node
+
+        return run_worker_node(config)
     return Launcher(config, opts).run()
 
 

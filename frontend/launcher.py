@@ -3,8 +3,12 @@
 The launcher binds the listening socket itself and hands the fd to every API server (pass_fds),
 so the kernel spreads connections over the servers without a proxy. It then only watches:
 - start-up: servers report "engine I" / "server I" on a pipe; the launcher prints phase times;
-- run: if any child dies, print which one and how (`Child.death_message`), stop the rest, exit 1;
-- SIGINT / SIGTERM: stop every child (SIGTERM, then SIGKILL after a grace period), exit 0.
+- run: if any child dies, print which one and how (`Child.death_message`, plus the EngineCore's
+  own reason: which worker died or which step hung), then stop the rest: API servers get SIGINT
+  (abort running requests with an error, /health 503, exit), then the EngineCore; exit 1;
+- SIGINT / SIGTERM: drain. API servers get SIGTERM: they answer 503 to new requests and /health,
+  let running requests and streams finish for up to `--drain-timeout` s (then abort them with an
+  error event), and exit; then the EngineCore stops; exit 0. A second signal aborts at once.
 Children also die with the launcher (PR_SET_PDEATHSIG), so even `kill -9` leaves no orphans.
 API servers run in their own session so a terminal's Ctrl-C reaches only the launcher, which
 then shuts them down in order.
@@ -24,10 +28,12 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.engine_client import start_engine_core
+from pagedserve.ipc.engine_process import ERROR_FILE, start_workers
 from pagedserve.ipc.process import Child, stop_all
-from pagedserve.ipc.sockets import ipc_dir
+from pagedserve.ipc.sockets import CoreAddresses, ipc_dir
 
 POLL_S = 0.2
+ABORT_GRACE_S = 5.0  # for API servers to end aborted requests and exit
 
 
 @dataclass
@@ -37,6 +43,9 @@ class LaunchOptions:
     api_servers: int = 1
     api_key: str | None = None
     log_level: str = "info"
+    drain_timeout: float = 30.0
+    max_request_bytes: int = 4 << 20
+    log_requests: bool = False
 
 
 def say(message: str) -> None:
@@ -65,7 +74,11 @@ def start_api_server(
         "--fd", str(sock.fileno()),
         "--ready-fd", str(ready_fd),
         "--log-level", opts.log_level,
+        "--drain-timeout", str(opts.drain_timeout),
+        "--max-request-bytes", str(opts.max_request_bytes),
     ]  # fmt: skip
+    if opts.log_requests:
+        cmd.append("--log-requests")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
     env.pop("PAGEDSERVE_API_KEY", None)
     if opts.api_key:
@@ -82,9 +95,12 @@ class Launcher:
         self.opts = opts
         self.children: list[Child] = []
         self.stop_signal: int | None = None
+        self.num_signals = 0
+        self.directory = ""
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stop_signal = signum
+        self.num_signals += 1
 
     def run(self) -> int:
         t0 = time.monotonic()
@@ -94,17 +110,19 @@ class Launcher:
             say(f"error: cannot listen on {self.opts.host}:{self.opts.port}: {e.strerror or e}")
             return 1
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        directory = ipc_dir()
+        directory = self.directory = ipc_dir()
         metrics_dir = os.path.join(directory, "metrics")  # private, and removed with it
         os.mkdir(metrics_dir)
         ready_r, ready_w = os.pipe()
+        code = 1
         try:
             self._start(sock, directory, metrics_dir, ready_w)
             os.close(ready_w)
             ready_w = -1
-            return self._watch(t0, sock, ready_r)
+            code = self._watch(t0, sock, ready_r)
+            return code
         finally:
-            self._shutdown()
+            self._shutdown(drain=code == 0)
             for fd in (ready_r, ready_w):
                 if fd >= 0:
                     os.close(fd)
@@ -139,7 +157,7 @@ class Launcher:
             for child in self.children:
                 message = child.death_message()
                 if message is not None:
-                    say(f"error: {message}; stopping")
+                    say(f"error: {message}{self._reason(child)}; stopping")
                     return 1
             if not pipe_open:
                 time.sleep(POLL_S)
@@ -173,8 +191,73 @@ class Launcher:
             f"listening on http://{shown}:{port}"
         )
 
-    def _shutdown(self) -> None:
-        """API servers first (they may still be answering), then the EngineCore."""
+    def _reason(self, child: Child) -> str:
+        """Why the EngineCore exited, in its own words (it names the worker or the step)."""
+        if child.name != "EngineCore":
+            return ""
+        try:
+            with open(os.path.join(self.directory, ERROR_FILE)) as f:
+                return f" ({f.read().strip()})"
+        except OSError:
+            return ""
+
+    def _shutdown(self, drain: bool) -> None:
+        """API servers first (drained, or told to abort), then the EngineCore."""
         servers = [c for c in self.children if c.name.startswith("API server")]
-        stop_all(servers, timeout=5)
+        if drain:
+            say(f"draining: running requests may finish for up to {self.opts.drain_timeout:g} s")
+            self._wait_servers(servers, signal.SIGTERM, self.opts.drain_timeout + ABORT_GRACE_S)
+        else:
+            self._wait_servers(servers, signal.SIGINT, ABORT_GRACE_S)
+        stop_all(servers, timeout=0)  # whatever is left: SIGTERM, then SIGKILL
         stop_all([c for c in self.children if c not in servers], timeout=10)
+        say("stopped")
+
+    def _wait_servers(self, servers: list[Child], sig: int, timeout: float) -> None:
+        """Signal the servers and wait for them to exit; a further signal to the launcher turns a
+        drain into an abort (SIGINT)."""
+        for child in servers:
+            if child.proc.poll() is None:
+                child.proc.send_signal(sig)
+        seen = self.num_signals
+        deadline = time.monotonic() + timeout
+        while any(c.proc.poll() is None for c in servers) and time.monotonic() < deadline:
+            if self.num_signals != seen:
+                seen = self.num_signals
+                say("signal received again; aborting running requests")
+                for child in servers:
+                    if child.proc.poll() is None:
+                        child.proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """`launch --node-rank K` (K > 0): only this node's workers, which join node 0's EngineCore
+    over TCP; exit 1 if one dies (node 0 then reports it too), 0 on SIGTERM/SIGINT."""
+    parallel = config.parallel
+    assert parallel.master_port is not None
+    per_node = parallel.ranks_per_node
+    ranks = range(parallel.node_rank * per_node, (parallel.node_rank + 1) * per_node)
+    addresses = CoreAddresses.tcp(parallel.master_addr, parallel.master_port)
+    stop: list[int] = []
+    old = {
+        s: signal.signal(s, lambda sig, _f: stop.append(sig))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    workers = start_workers(config.to_json(), ranks, addresses, parallel.master_port)
+    say(f"node {parallel.node_rank}: workers {ranks.start}-{ranks.stop - 1} joining "
+        f"{parallel.master_addr}:{parallel.master_port}")  # fmt: skip
+    code = 0
+    try:
+        while not stop:
+            dead = next((m for w in workers if (m := w.death_message()) is not None), None)
+            if dead is not None:
+                say(f"error: {dead}; stopping")
+                code = 1
+                break
+            time.sleep(POLL_S)
+    finally:
+        stop_all(workers, timeout=10)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return code

@@ -62,6 +62,11 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             tensor_parallel_size=kw.get("tensor_parallel_size", 1),
             pipeline_parallel_size=kw.get("pipeline_parallel_size", 1),
             device=kw.get("device", "auto"),
+            nnodes=kw.get("nnodes", 1),
+            node_rank=kw.get("node_rank", 0),
+            master_addr=kw.get("master_addr", "127.0.0.1"),
+            master_port=kw.get("master_port"),
+            pp_layer_partition=kw.get("pp_layer_partition"),
         ),
     )
 

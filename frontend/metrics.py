@@ -66,6 +66,13 @@ class Metrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.unfinished = gauge(
+            "num_requests_unfinished", "Requests the scheduler tracks (running or waiting)."
+        )
+        # Per server, summed: requests an API server holds state for (0 when idle).
+        self.api_tracked = gauge(
+            "api_server_requests_tracked", "Requests the API servers hold state for.", mode="sum"
+        )
         self.totals = {key: gauge(key, doc, mode="max") for key, doc in _TOTALS.items()}
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=reg
@@ -91,6 +98,7 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.unfinished.set(stats.num_unfinished)
         self.totals["prefix_cache_queries"].set(stats.prefix_cache_queries)
         self.totals["prefix_cache_hits"].set(stats.prefix_cache_hits)
         self.totals["num_preemptions"].set(stats.num_preemptions)

@@ -24,6 +24,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,6 +32,7 @@ class APIError(Exception):
         self.param = param
         self.type = type or _ERROR_TYPES.get(status, "internal_error")
         self.code = code
+        self.headers = headers  # extra response headers (Retry-After on 503 overload)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -41,6 +43,7 @@ _ERROR_TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable",
 }
 

@@ -23,16 +23,20 @@ from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.metrics import Metrics
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.protocol import MAX_LOGPROBS, APIError
-from pagedserve.ipc.messages import SamplingParams
+from pagedserve.ipc.messages import MAX_N, SamplingParams
 
 T = TypeVar("T")
 _DONE = object()
 logger = logging.getLogger("pagedserve.api")
+MAX_CHOICES = 2048  # prompts x n of one request: each is an engine request
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, metrics: Metrics | None = None, log_requests: bool = False
+    ) -> None:
         self.engine = engine
+        self.log_requests = log_requests  # prompts reach the log only when asked (--log-requests)
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_name = engine.config.model.name
@@ -90,6 +94,10 @@ class Serving:
     def check_request(self, req: Any) -> None:
         """Checks that do not depend on the prompt."""
         self.check_model(req.model)
+        if not 1 <= req.n <= MAX_N:
+            raise APIError(400, f"n must be between 1 and {MAX_N}.", param="n")
+        if not -(2**31) <= req.priority < 2**31:
+            raise APIError(400, "priority must fit in 32 bits.", param="priority")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must be equal to n (or unset).", param="best_of")
         if req.stream_options is not None and not req.stream:
@@ -157,10 +165,44 @@ class Serving:
     def generate(
         self, ids: list[int], params: SamplingParams, prompt: str | None, priority: int
     ) -> AsyncIterator[RequestOutput]:
-        stream = self.engine.generate(ids, params, prompt=prompt, priority=priority)
+        request_id = self.engine.new_request_id()
+        if self.log_requests:
+            logger.info(
+                "request %s: prompt %r, %d tokens, %s", request_id, prompt, len(ids), params
+            )
+        stream = self.engine.generate(ids, params, request_id, prompt=prompt, priority=priority)
         if self.metrics is not None:
             stream = self.metrics.track(stream, len(ids))
         return stream
+
+    async def admit(
+        self, streams: list[AsyncIterator[RequestOutput]]
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Start the requests and wait for the core's answer to each (admitted, or refused with a
+        503 + Retry-After when its queue is full) before any status line is sent: a refusal is
+        then a 503, not an error inside a 200 stream. Refused: every other one is aborted."""
+        firsts = await asyncio.gather(*(_first(s) for s in streams), return_exceptions=True)
+        errors = [f for f in firsts if isinstance(f, BaseException)]
+        if errors:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)  # type: ignore[attr-defined]
+            raise errors[0]
+        return [_prepend(f, s) for f, s in zip(firsts, streams, strict=True)]  # type: ignore[arg-type]
+
+
+async def _first(stream: AsyncIterator[T]) -> T:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError("a request ended without any output") from None
+
+
+async def _prepend(first: T, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        yield first
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 class Cursor:

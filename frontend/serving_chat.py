@@ -47,7 +47,7 @@ class ChatServing(Serving):
         max_tokens = self.check_prompt(ids, max_tokens)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top_n)
-        stream = self.generate(ids, params, text, req.priority)
+        (stream,) = await self.admit([self.generate(ids, params, text, req.priority)])
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -97,6 +97,8 @@ class ChatServing(Serving):
             )
         except Exception as e:  # jinja2 errors, a missing template, bad kwargs
             raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from e
+        if not isinstance(text, str):  # chat_template_kwargs such as {"tokenize": true}
+            raise APIError(400, "chat_template_kwargs must not change the output.", "messages")
         return text, encode_prompt(self.tokenizer, text, add_special_tokens=False)
 
     async def _stream(
@@ -155,7 +157,15 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def _message(m: ChatMessage) -> dict[str, Any]:
+    if m.role not in ROLES:
+        raise APIError(
+            400, f"Unknown message role {m.role!r}; expected one of {', '.join(ROLES)}.",
+            param="messages",
+        )  # fmt: skip
     content = m.content
     if isinstance(content, list):
         texts = []

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.protocol import APIError, CompletionRequest
 from pagedserve.frontend.serving import (
+    MAX_CHOICES,
     SSE_DONE,
     ClientDisconnected,
     Cursor,
@@ -44,14 +45,19 @@ class CompletionServing(Serving):
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs (unsupported).", "echo")
         prompts = self._prompts(req)
+        if len(prompts) * req.n > MAX_CHOICES:
+            message = f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts) * req.n})."
+            raise APIError(400, message, param="prompt")
         params = [
             self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
             for _, ids in prompts
         ]
-        streams = [
-            self.generate(ids, p, text, req.priority)
-            for (text, ids), p in zip(prompts, params, strict=True)
-        ]
+        streams = await self.admit(
+            [
+                self.generate(ids, p, text, req.priority)
+                for (text, ids), p in zip(prompts, params, strict=True)
+            ]
+        )
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",

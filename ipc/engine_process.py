@@ -3,13 +3,16 @@
 Run as `python -m pagedserve.ipc.engine_process --config JSON --input-address ADDR --ipc-dir DIR`.
 Start-up: workers load weights and report how many KV blocks fit -> the core takes the minimum over
 ranks, broadcasts InitCache, waits for every rank -> answers each client's hello with EngineReady.
-If any worker dies or fails, every client gets EngineDead with the reason and the process exits 1.
+If any worker dies or fails, or a step times out (`--step-timeout`), every client gets EngineDead
+with the reason, the reason is also left in `<ipc-dir>/engine-error` (for the launcher's message)
+and the process exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -18,7 +21,7 @@ import traceback
 import zmq
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.engine_core import EngineCore, EngineDeadError
+from pagedserve.core.engine_core import EngineCore, EngineDeadError, StepTimeoutError
 from pagedserve.ipc.messages import (
     ClientHello,
     ClientMessage,
@@ -33,11 +36,12 @@ from pagedserve.ipc.messages import (
     WorkerReady,
     WorkerToCore,
 )
-from pagedserve.ipc.process import Child, die_with_parent, spawn, stop_all
+from pagedserve.ipc.process import Child, die_with_parent, process_state, spawn, stop_all
 from pagedserve.ipc.sockets import CoreAddresses, Receiver, Sender, free_port
 
 logger = logging.getLogger("pagedserve.engine")
 STARTUP_TIMEOUT_S = 1800.0
+ERROR_FILE = "engine-error"
 
 
 class ZmqTransport:
@@ -92,6 +96,10 @@ class ZmqTransport:
             message = child.death_message()
             if message is not None:
                 raise EngineDeadError(message)
+
+    def describe_workers(self) -> str:
+        """Each local worker's state ("worker 0 (pid 12) is stopped"), to name a stuck one."""
+        return ", ".join(f"{c.name} (pid {c.pid}) is {process_state(c.pid)}" for c in self.workers)
 
     # Start-up -------------------------------------------------------------------------
     def start_workers(self, config_json: str) -> None:
@@ -187,13 +195,25 @@ def main(argv: list[str] | None = None) -> int:
         EngineCore(config, transport, num_blocks).run()
     except Exception as e:
         message = str(e) if isinstance(e, EngineDeadError) else traceback.format_exc()
+        if isinstance(e, StepTimeoutError):
+            message += f"; {transport.describe_workers()}"
         print(f"pagedserve: engine stopped: {message}", file=sys.stderr, flush=True)
+        _leave_reason(args.ipc_dir, message if isinstance(e, EngineDeadError) else str(e))
         transport.fail(f"EngineCore failed: {message}")
         time.sleep(0.2)  # let the EngineDead messages leave
         code = 1
     finally:
         transport.close()
     return code
+
+
+def _leave_reason(directory: str, message: str) -> None:
+    """One line for the launcher, which says why the EngineCore exited."""
+    try:
+        with open(os.path.join(directory, ERROR_FILE), "w") as f:
+            f.write(message.strip().splitlines()[-1] if message.strip() else "unknown error")
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

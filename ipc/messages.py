@@ -12,6 +12,11 @@ import math
 import msgspec
 
 _HOT = dict(array_like=True, omit_defaults=True, gc=False)
+MAX_N = 128  # choices per request: each is an engine request, so this bounds one HTTP request
+# Integers must fit msgpack (64 bits) and the workers' tensors; bounds keep a client's huge number
+# a 400 instead of an encoding error on an IO thread.
+_I32 = 2**31
+_I64 = 2**63
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -46,18 +51,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, "n must be at least 1")
+        _check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}")
+        _check(self.seed is None or -_I64 <= self.seed < _I64, "seed must fit in 64 bits")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k must be -1 (off), 0 (off) or positive")
+        _check(0 <= self.top_k < _I32, "top_k must be -1 (off), 0 (off) or positive")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1")
-        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(self.max_tokens is None or self.max_tokens < _I32, "max_tokens is too large")
+        _check(0 <= self.min_tokens < _I32, "min_tokens must be >= 0")
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens must not exceed max_tokens",
         )
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0")
+        _check(self.logprobs is None or 0 <= self.logprobs < _I32, "logprobs must be >= 0")
         _check(self.prompt_logprobs is None, "prompt_logprobs is not supported")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -69,7 +76,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logit_bias:
             _check(all(_finite(v) for v in self.logit_bias.values()), "logit_bias must be finite")
         if self.stop_token_ids:
-            _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+            ok = all(0 <= t < _I32 for t in self.stop_token_ids)
+            _check(ok, "stop_token_ids must be token ids (>= 0)")
 
     @property
     def greedy(self) -> bool:
@@ -134,13 +142,14 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
+    num_unfinished: int = 0  # requests the scheduler tracks (running + waiting; 0 when idle)
 
 
 class RequestDelta(msgspec.Struct, **_HOT):
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" (queue full)
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     first_scheduled_time: float = 0.0  # when the core first scheduled it (queue time)

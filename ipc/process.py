@@ -63,7 +63,7 @@ class Child:
         """SIGTERM, wait up to `timeout`, then SIGKILL."""
         if self.proc.poll() is not None:
             return
-        self.proc.terminate()
+        _terminate(self.proc)
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -74,7 +74,7 @@ class Child:
 def stop_all(children: list[Child], timeout: float = 5.0) -> None:
     for child in children:
         if child.proc.poll() is None:
-            child.proc.terminate()
+            _terminate(child.proc)
     deadline = time.monotonic() + timeout
     for child in children:
         try:
@@ -82,3 +82,25 @@ def stop_all(children: list[Child], timeout: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             child.proc.kill()
             child.proc.wait(timeout=5)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger) handles SIGTERM only once
+    it runs again."""
+    proc.terminate()
+    try:
+        proc.send_signal(signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def process_state(pid: int) -> str:
+    """A process's scheduler state from /proc ("running", "stopped", ...), for error messages."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible IO", "T": "stopped",
+             "t": "stopped by a debugger", "Z": "a zombie"}  # fmt: skip
+    return names.get(code, f"in state {code}")

@@ -4,10 +4,15 @@ ZeroMQ sockets are not thread-safe, and a busy loop must never block on a socket
 so the main thread of every process only touches `queue.Queue`s: a `Receiver[T]` thread decodes
 messages of type T into its queue, a `Sender[T]` thread encodes what its queue holds and sends it.
 Decoding and encoding happen on those threads, off the step loop.
+
+Only typed msgpack travels (never pickle): a frame that does not decode as the receiver's type is
+logged and dropped, and a message that cannot be encoded is logged and dropped, so one bad frame
+never kills the IO thread that every later message needs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -21,6 +26,7 @@ import msgspec
 import zmq
 
 T = TypeVar("T")
+logger = logging.getLogger("pagedserve.ipc")
 _STOP = object()
 _POLL_MS = 100
 
@@ -107,7 +113,14 @@ class Receiver(Generic[T]):
                     frame = self._sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._on_message(self._decoder.decode(frame.buffer))
+                try:
+                    msg = self._decoder.decode(frame.buffer)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    logger.error(
+                        "%s: dropped a frame that is not a valid message: %s", self.address, e
+                    )
+                    continue
+                self._on_message(msg)
 
     def get(self, timeout: float | None = None) -> T | None:
         """The next message, or None after `timeout` seconds."""
@@ -176,7 +189,11 @@ class Sender(Generic[T]):
                 item = self._queue.get()
             if item is _STOP:
                 return
-            payload = item if isinstance(item, bytes) else self._encoder.encode(item)
+            try:
+                payload = item if isinstance(item, bytes) else self._encoder.encode(item)
+            except (TypeError, ValueError, OverflowError) as e:  # a bug upstream; keep sending
+                logger.error("%s: cannot encode %s: %s", self.address, type(item).__name__, e)
+                continue
             self._sock.send(payload, copy=False)
 
     def _count_subscriptions(self) -> None:

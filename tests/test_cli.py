@@ -3,6 +3,7 @@ use, shutdown on SIGTERM, when a child dies and when the launcher is killed (no 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -46,7 +47,33 @@ def child_pids(launched: Launched) -> dict[str, int]:
             out["EngineCore"] = pid
         elif "pagedserve.frontend.api_server" in argv:
             out[f"API server {argv[argv.index('--client-index') + 1]}"] = pid
+        elif "pagedserve.worker.worker_process" in argv:
+            out[f"worker {argv[argv.index('--rank') + 1]}"] = pid
     return out
+
+
+def stream_in_background(url: str, max_tokens: int) -> tuple[list, threading.Thread]:
+    """A streamed completion on its own thread, running when this returns; its SSE payloads
+    (or the transport error that ended it) collect in the returned list."""
+    body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    events: list = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        streaming.set()
+        except httpx.HTTPError as e:
+            events.append(e)
+        streaming.set()
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert streaming.wait(30)
+    return events, thread
 
 
 BAD_FLAGS = [
@@ -113,54 +140,93 @@ def test_default_model(tmp_path) -> None:
 
 
 def test_sigterm_stops_every_process(model_dir: str, tmp_path) -> None:
-    launched = Launched(launch_args(model_dir, "--api-servers", "2"), str(tmp_path / "l.log"))
+    """SIGTERM drains; a stream longer than --drain-timeout is aborted with an error event."""
+    args = launch_args(model_dir, "--api-servers", "2", "--drain-timeout", "1")
+    launched = Launched(args, str(tmp_path / "l.log"))
     try:
         url = launched.wait_ready()
         out = launched.output()
         assert re.search(r"engine ready in [\d.]+ s", out)
         assert re.search(r"2 API server\(s\) ready in [\d.]+ s; listening on", out)
         names = child_pids(launched)
-        assert set(names) == {"EngineCore", "API server 0", "API server 1"}
+        assert set(names) == {"EngineCore", "API server 0", "API server 1", "worker 0"}
         pids = descendants(launched.proc.pid)
         assert len(pids) >= 4  # + at least one worker under the EngineCore
-        body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        streaming = threading.Event()
-
-        def stream() -> None:  # a request still streaming when SIGTERM arrives
-            try:
-                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                    for _ in r.iter_lines():
-                        streaming.set()
-            except httpx.HTTPError:
-                pass
-
-        thread = threading.Thread(target=stream, daemon=True)
-        thread.start()
-        assert streaming.wait(30)
+        events, thread = stream_in_background(url, 480)  # still streaming when SIGTERM arrives
     finally:
         rc = launched.stop(signal.SIGTERM)
     assert rc == 0, launched.output()
     assert "SIGTERM received; shutting down" in launched.output()
     assert wait_gone(pids, 10) == []
     thread.join(10)
+    assert events[-1] == "[DONE]", events[-2:]
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
 
 
-@pytest.mark.parametrize("victim", ["EngineCore", "API server 1"])
+def wait_exit(launched: Launched, timeout: float) -> float:
+    """Seconds until launch exits (fails after `timeout`)."""
+    start = time.monotonic()
+    while launched.proc.poll() is None:
+        assert time.monotonic() - start < timeout, f"launch still running:\n{launched.output()}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def health_codes(url: str, until: threading.Event) -> list:
+    """What /health answers (a status, or "refused") until `until` is set."""
+    seen: list = []
+    while not until.is_set():
+        try:
+            seen.append(httpx.get(url + "/health", timeout=2).status_code)
+        except httpx.TransportError:
+            seen.append("refused")
+        time.sleep(0.02)
+    try:  # and once more after `until`: by then every server is gone
+        seen.append(httpx.get(url + "/health", timeout=2).status_code)
+    except httpx.TransportError:
+        seen.append("refused")
+    return seen
+
+
+@pytest.mark.parametrize("victim", ["EngineCore", "API server 1", "worker 0"])
 def test_child_death_stops_launch(model_dir: str, tmp_path, victim: str) -> None:
+    """kill -9 of any process: the in-flight stream ends (an error event then [DONE], or a broken
+    connection when its own API server was killed), /health stops answering 200, launch exits 1
+    naming the process and how it died, and nothing is left (descendants recorded before)."""
     launched = Launched(launch_args(model_dir, "--api-servers", "2"), str(tmp_path / "l.log"))
     try:
-        launched.wait_ready()
+        url = launched.wait_ready()
         pids = descendants(launched.proc.pid)
         pid = child_pids(launched)[victim]
+        events, thread = stream_in_background(url, 480)
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while launched.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        killed_at = time.monotonic()
+        exited = threading.Event()
+        health = []
+        poller = threading.Thread(target=lambda: health.extend(health_codes(url, exited)))
+        poller.start()
+        wait_exit(launched, 10)
+        exited.set()
+        poller.join()
+        thread.join(10)
     finally:
         rc = launched.stop()
-    assert rc == 1, launched.output()
-    assert f"error: {victim} (pid {pid}) killed by SIGKILL; stopping" in launched.output()
+    output = launched.output()
+    assert rc == 1, output
+    assert time.monotonic() - killed_at < 15
+    if victim == "worker 0":  # the EngineCore exits and says which worker died
+        expected = rf"EngineCore \(pid \d+\) exited with code 1 \(worker 0 \(pid {pid}\) killed by"
+        assert re.search(rf"error: {expected} SIGKILL\); stopping", output), output
+    else:
+        assert f"error: {victim} (pid {pid}) killed by SIGKILL; stopping" in output
     assert wait_gone(pids, 10) == []
+    assert not thread.is_alive()
+    if isinstance(events[-1], Exception):  # the stream's own server was killed
+        assert victim == "API server 1", events[-1]
+    else:
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-2:]
+    first_bad = next((i for i, code in enumerate(health) if code != 200), len(health))
+    assert set(health[first_bad:]) <= {503, "refused"} and first_bad < len(health), health
 
 
 def test_kill_9_launcher_leaves_no_orphans(model_dir: str, tmp_path) -> None:

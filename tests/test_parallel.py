@@ -3,6 +3,8 @@ token for token (fp32), including GQA with fewer KV heads than TP ranks (replica
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -64,3 +66,95 @@ def test_indivisible_sizes_are_refused(tmp_path_factory):
         build_engine_config(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="exceeds"):
         build_engine_config(path, pipeline_parallel_size=5)
+
+
+def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
+    """`launch --tp 2 --pp 2` on CPU: greedy completions over the openai client equal tp=1 pp=1
+    (text of token-id prompts);
+    then kill -9 one of the four workers mid-stream: launch exits 1 within 30 s naming it, and
+    no process is left."""
+    import re
+    import signal
+    import time
+
+    import openai
+    from test_cli import child_pids, stream_in_background
+    from test_server import Launched, launch_args
+
+    from proctools import descendants, wait_gone
+
+    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("par-launch")))
+    with LLM(path, device="cpu", dtype="float32") as llm:
+        want = [o.outputs[0].text for o in llm.generate(prompts(), PARAMS)]
+    log = str(tmp_path_factory.mktemp("par-launch-log") / "launch.log")
+    launched = Launched(launch_args(path, "--tp", "2", "--pp", "2"), log)
+    try:
+        url = launched.wait_ready()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        got = []
+        for p in prompts():
+            out = client.completions.create(
+                model=path, prompt=p["prompt_token_ids"], max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            got.append(out.choices[0].text)
+        assert got == want
+        pids = descendants(launched.proc.pid)
+        victim = child_pids(launched)["worker 3"]
+        _, thread = stream_in_background(url, 400)
+        time.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        launched.proc.wait(timeout=30)
+        assert time.monotonic() - killed_at < 30
+        thread.join(10)
+    finally:
+        rc = launched.stop()
+    assert rc == 1
+    assert re.search(rf"worker 3 \(pid {victim}\) killed by SIGKILL", launched.output())
+    assert wait_gone(pids, 10) == []
+
+
+def test_two_node_launch_on_one_machine(tmp_path_factory):
+    """`launch --nnodes 2`: node 0 runs the EngineCore, the API server and TP rank 0; node 1 (a
+    second `launch --node-rank 1`) runs TP rank 1 and joins over TCP. Greedy output equals tp=1."""
+    import openai
+    from test_server import Launched, launch_args
+
+    from pagedserve.ipc.sockets import free_port
+
+    from proctools import wait_gone
+
+    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("two-node")))
+    with LLM(path, device="cpu", dtype="float32") as llm:
+        want = [o.outputs[0].text for o in llm.generate(prompts(), PARAMS)]
+    port = free_port()
+    common = [
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    logs = tmp_path_factory.mktemp("two-node-logs")
+    head = Launched(launch_args(path, *common, "--node-rank", "0"), str(logs / "head.log"))
+    node1 = Launched(launch_args(path, *common, "--node-rank", "1"), str(logs / "node1.log"))
+    try:
+        url = head.wait_ready()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        got = [
+            client.completions.create(
+                model=path, prompt=p["prompt_token_ids"], max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True},
+            ).choices[0].text
+            for p in prompts()
+        ]  # fmt: skip
+        assert got == want
+    finally:
+        pids = [head.proc.pid, node1.proc.pid]
+        assert head.stop() == 0, head.output()
+        node1.stop()
+    assert wait_gone(pids, 10) == []
