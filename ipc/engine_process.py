@@ -37,7 +37,14 @@ from pagedserve.ipc.messages import (
     WorkerToCore,
 )
 from pagedserve.ipc.process import Child, die_with_parent, process_state, spawn, stop_all
-from pagedserve.ipc.sockets import CoreAddresses, Receiver, Sender, free_port
+from pagedserve.ipc.sockets import (
+    CoreAddresses,
+    Receiver,
+    Sender,
+    StepReceiver,
+    StepSender,
+    free_port,
+)
 
 logger = logging.getLogger("pagedserve.engine")
 STARTUP_TIMEOUT_S = 1800.0
@@ -60,8 +67,10 @@ class ZmqTransport:
             self.dist_port = parallel.master_port
         self.worker_addresses = connect
         self.clients_in: Receiver[ClientMessage] = Receiver(input_address, ClientMessage, bind=True)
-        self.results: Receiver[WorkerToCore] = Receiver(bind.results, WorkerToCore, bind=True)
-        self.plans: Sender[StepPlan] = Sender(bind.plans, bind=True, kind=zmq.PUB)
+        self.results: StepReceiver[WorkerToCore] = StepReceiver(
+            bind.results, WorkerToCore, bind=True
+        )
+        self.plans: StepSender[StepPlan] = StepSender(bind.plans, bind=True, kind=zmq.PUB)
         self.clients_out: dict[int, Sender[CoreToClient]] = {}
         self.workers: list[Child] = []
 

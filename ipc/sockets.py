@@ -1,13 +1,11 @@
-"""Typed ZeroMQ wrappers: each socket is owned by one IO thread that feeds (or drains) a queue.
+"""Typed ZeroMQ wrappers.
 
-ZeroMQ sockets are not thread-safe, and a busy loop must never block on a socket it does not need,
-so the main thread of every process only touches `queue.Queue`s: a `Receiver[T]` thread decodes
-messages of type T into its queue, a `Sender[T]` thread encodes what its queue holds and sends it.
-Decoding and encoding happen on those threads, off the step loop.
-
-Only typed msgpack travels (never pickle): a frame that does not decode as the receiver's type is
-logged and dropped, and a message that cannot be encoded is logged and dropped, so one bad frame
-never kills the IO thread that every later message needs.
+Most sockets are owned by one IO thread that feeds (or drains) a queue: ZeroMQ sockets are not
+thread-safe, and a busy loop must never block on a socket it does not need, so the main thread only
+touches `queue.Queue`s (`Receiver[T]` decodes into its queue, `Sender[T]` encodes and sends what its
+queue holds). The step path is the exception: the one socket a loop waits on (plans into a worker,
+results into the core) and the sends that start the next step are done on the caller's thread
+(`StepReceiver[T]`, `StepSender[T]`), because each thread hand-off costs a GIL switch per message.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import queue
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -141,6 +140,40 @@ class Receiver(Generic[T]):
         self._sock.close(linger=0)
 
 
+class StepReceiver(Generic[T]):
+    """A PULL or SUB socket read on the caller's thread: for the one socket a loop waits on.
+
+    The step path (worker waiting for its next plan, core waiting for a step result) has nothing
+    else to do while it waits, and a hand-off through an IO thread and a queue costs two thread
+    wake-ups per message under the GIL; at one step every few milliseconds that is a measurable
+    share of a decode step. Same `get` interface as `Receiver`.
+    """
+
+    def __init__(self, address: str, msg_type: Any, bind: bool, kind: int = zmq.PULL) -> None:
+        self.address = address
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._sock = _socket(zmq.Context.instance(), kind, address, bind)
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The next valid message, or None after `timeout` seconds (None: wait forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sock.poll(None if left is None else int(left * 1000)):
+                return None
+            frame = self._sock.recv(copy=False)
+            try:
+                return self._decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("%s: dropped a frame that is not a valid message: %s", self.address, e)
+
+    def get_nowait(self) -> T | None:
+        return self.get(timeout=0)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
 class Sender(Generic[T]):
     """PUSH or PUB socket; `send(msg)` queues, an IO thread encodes and sends in order.
 
@@ -194,7 +227,7 @@ class Sender(Generic[T]):
             except (TypeError, ValueError, OverflowError) as e:  # a bug upstream; keep sending
                 logger.error("%s: cannot encode %s: %s", self.address, type(item).__name__, e)
                 continue
-            self._sock.send(payload, copy=False)
+            self._sock.send(payload)
 
     def _count_subscriptions(self) -> None:
         while True:
@@ -211,3 +244,41 @@ class Sender(Generic[T]):
         self._queue.put(_STOP)
         self._thread.join(timeout=flush_timeout)
         self._sock.close(linger=0)
+
+
+class StepSender(Generic[T]):
+    """A PUSH or PUB socket written on the caller's thread: for the step path (plans out of the
+    core, results out of the driver worker). Handing a message to an IO thread costs the sender a
+    GIL hand-off while that thread encodes; measured with py-spy on a CPU decode loop, the worker
+    spent most of a step's non-model time in that `Queue.put`. Encoding a plan and a non-blocking
+    ZeroMQ send (no high-water mark) take microseconds, so they happen right here.
+
+    PUB becomes XPUB so `wait_subscribers(n)` can count subscriptions: ZeroMQ drops PUB messages
+    sent before a SUB has joined.
+    """
+
+    def __init__(self, address: str, bind: bool, kind: int = zmq.PUSH) -> None:
+        self.address = address
+        self._encoder = msgspec.msgpack.Encoder()
+        self._kind = zmq.XPUB if kind == zmq.PUB else kind
+        self._sock = _socket(zmq.Context.instance(), self._kind, address, bind)
+        if self._kind == zmq.XPUB:
+            self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._subscribers = 0
+
+    def send(self, msg: T) -> None:
+        self._sock.send(self._encoder.encode(msg))  # copy: zero-copy wakes pyzmq's gc thread
+
+    def wait_subscribers(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._subscribers < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000)):
+                return False
+            if self._sock.recv()[:1] == b"\x01":
+                self._subscribers += 1
+        return True
+
+    def close(self, flush_timeout: float = 0.0) -> None:
+        """Close, giving queued messages up to `flush_timeout` seconds to leave."""
+        self._sock.close(linger=int(flush_timeout * 1000))

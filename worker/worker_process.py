@@ -29,14 +29,14 @@ from pagedserve.ipc.messages import (
     WorkerToCore,
 )
 from pagedserve.ipc.process import die_with_parent
-from pagedserve.ipc.sockets import CoreAddresses, Receiver, Sender
+from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender
 
 logger = logging.getLogger("pagedserve.worker")
 
 
 def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
-    results: Sender[WorkerToCore] = Sender(addresses.results, bind=False)
-    plans: Receiver[CoreToWorker] = Receiver(
+    results: StepSender[WorkerToCore] = StepSender(addresses.results, bind=False)
+    plans: StepReceiver[CoreToWorker] = StepReceiver(
         addresses.plans, CoreToWorker, bind=False, kind=zmq.SUB
     )
     try:
@@ -50,7 +50,7 @@ def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: 
 
 
 def run_loop(
-    config: EngineConfig, rank: int, dist_port: int, plans: Receiver, results: Sender
+    config: EngineConfig, rank: int, dist_port: int, plans: StepReceiver, results: StepSender
 ) -> None:
     # torch is imported here so that a bad install is reported to the core as a WorkerError.
     from pagedserve.parallel.groups import init_distributed, rank_info
