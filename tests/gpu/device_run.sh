@@ -2,7 +2,10 @@
 # The GPU run, through the device tool (see README "Performance"): installs the wheels the GPU
 # image lacks, builds the Llama-3-8B-shaped benchmark model dir, then runs the steps named in
 # $STEPS (default: all) and prints a short table last. Outputs land in $OUT (or /tmp/out).
-#   STEPS="kernels gpu-tests w3 w1 w4 w2" bash tests/gpu/device_run.sh
+#   STEPS="kernels gpu-tests w3 w1 w4 w2 profile" bash tests/gpu/device_run.sh
+# Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh` (wheels in .whl/)
+# and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
+# through .git/info/exclude); name `.whl` and `.gpucarry` in the device call's `carry`.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
