@@ -4,7 +4,7 @@
 # $STEPS (default: all) and prints a short table last. Outputs land in $OUT (or /tmp/out).
 #   STEPS="kernels gpu-tests w3 w1 w4 w2 profile" bash tests/gpu/device_run.sh
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
-# annotated-doc==0.0.4` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
+# annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
 # and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
 # through .git/info/exclude); name `.whl` and `.gpucarry` in the device call's `carry`.
 set -uo pipefail
