@@ -39,6 +39,7 @@ from pagedserve.ipc.messages import (
 logger = logging.getLogger("pagedserve.engine")
 IDLE_POLL_S = 0.5
 STATS_INTERVAL_S = 0.5
+LIVENESS_INTERVAL_S = 0.2
 
 
 class EngineDeadError(RuntimeError):
@@ -72,17 +73,27 @@ class EngineCore:
         self._sent_at: dict[int, float] = {}  # step_id -> when its plan was broadcast
         self.running = True
         self._last_stats = 0.0
+        self._last_liveness = 0.0
 
     def run(self) -> None:
         while self.running:
             idle = not self.inflight and not self.scheduler.has_unfinished_requests()
             self._drain_client_messages(block=idle)
-            self.transport.check_workers()
+            self._check_workers()
             self._schedule_steps()
             if self.inflight:
                 self._collect_one_result()
             elif idle:
                 self._maybe_send_stats(force=False)
+
+    def _check_workers(self) -> None:
+        """Poll the workers' pids a few times a second, not every step (a waitpid per worker per
+        step showed up in py-spy profiles of the decode loop); a death is still seen well
+        within a second, and a worker's error message arrives at once on its own."""
+        now = time.monotonic()
+        if now - self._last_liveness >= LIVENESS_INTERVAL_S:
+            self._last_liveness = now
+            self.transport.check_workers()
 
     # ------------------------------------------------------------------ clients
     def _drain_client_messages(self, block: bool) -> None:

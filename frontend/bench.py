@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import urllib.request
 from typing import Any
 
 import numpy as np
+
+from pagedserve.config import ModelConfig
 
 ENGINE_FLAGS = {
     "--tp": ("tensor_parallel_size", int, 1),
@@ -61,9 +62,7 @@ def random_prompts(lengths: list[int], vocab: int, rng: np.random.Generator) -> 
 
 
 def _vocab(model: str) -> int:
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    return int((cfg.get("text_config") or cfg)["vocab_size"])
+    return ModelConfig(model).vocab_size
 
 
 def report(name: str, result: dict[str, Any], path: str | None) -> None:

@@ -61,14 +61,7 @@ class Child:
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait up to `timeout`, then SIGKILL."""
-        if self.proc.poll() is not None:
-            return
-        _terminate(self.proc)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        stop_all([self], timeout)
 
 
 def stop_all(children: list[Child], timeout: float = 5.0) -> None:
