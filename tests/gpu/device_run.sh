@@ -3,6 +3,7 @@
 # image lacks, builds the Llama-3-8B-shaped benchmark model dir, then runs the steps named in
 # $STEPS (default: all) and prints a short table last. Outputs land in $OUT (or /tmp/out).
 #   STEPS="kernels gpu-tests w3 w1 w4 w2 profile" bash tests/gpu/device_run.sh
+# (`tp`: tp=2 vs tp=1 greedy equality and decode latency; needs two GPUs, e.g. nvidia-h200-x2)
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
 # and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
@@ -33,6 +34,11 @@ for step in $STEPS; do
           --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/w3.json" 2>&1 | tail -12 ;;
     w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
           --num-prompts ${W1_PROMPTS:-1000} ${W1_FLAGS:-} --output-json "$OUT/w1.json" 2>&1 | tail -12 ;;
+    tp) $T python3 -m pytest -q -m gpu -s tests/test_gpu_equivalence.py -k tp2 2>&1 | tail -8
+        for tp in 1 2; do for bs in 1 64; do
+          $T $PS bench latency $COMMON --tp $tp --batch-size $bs --input-len 128 --output-len 256 \
+            --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/tp$tp-bs$bs.json" 2>&1 | tail -3
+        done; done ;;
     w4) $T $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
           $COMMON 2>&1 | tail -6 ;;
     w2) $PS launch $COMMON --port 8012 --host 127.0.0.1 > "$OUT/w2-server.log" 2>&1 &
