@@ -140,6 +140,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     max_waiting: int | None = None  # None: unbounded; else AddRequests beyond it are refused
     step_timeout: float = 600.0  # seconds a step may take before the engine is declared dead
+    async_scheduling: bool = True  # plan step N+1 while step N runs (single pipeline stage)
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 0:

@@ -65,9 +65,19 @@ class Transport(Protocol):
 class EngineCore:
     def __init__(self, config: EngineConfig, transport: Transport, num_blocks: int) -> None:
         self.transport = transport
-        self.scheduler = Scheduler(config.scheduler, config.cache, config.max_model_len, num_blocks)
-        # One plan per pipeline stage keeps every stage busy; with one stage, one at a time.
-        self.max_inflight = config.parallel.pipeline_parallel_size
+        # One plan per pipeline stage keeps every stage busy. With one stage, async scheduling
+        # keeps a second plan queued behind the running one: the workers start it the moment the
+        # first ends, while this loop digests the first's result (the GPU never waits for it).
+        pp = config.parallel.pipeline_parallel_size
+        async_scheduling = config.scheduler.async_scheduling and pp == 1
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            config.max_model_len,
+            num_blocks,
+            async_scheduling=async_scheduling,
+        )
+        self.max_inflight = 2 if async_scheduling else pp
         self.inflight: deque[StepPlan] = deque()
         self.step_timeout = config.scheduler.step_timeout
         self._sent_at: dict[int, float] = {}  # step_id -> when its plan was broadcast

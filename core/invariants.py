@@ -29,7 +29,8 @@ def check_invariants(sched: Scheduler) -> None:
         assert len(set(ids)) == len(ids), f"{req} holds a block twice"
         owners.update(ids)
         assert len(req.blocks) * sched.block_size >= req.num_computed_tokens, req
-        assert req.num_computed_tokens <= req.num_tokens, req
+        assert req.num_placeholders >= 0, req
+        assert req.num_computed_tokens <= req.num_tokens + req.num_placeholders, req
         assert req.num_hashed_blocks <= len(req.blocks), req
     for block in pool.blocks:
         assert block.ref_cnt == owners[block.block_id], f"{block}: {owners[block.block_id]} owners"
@@ -41,7 +42,7 @@ def check_invariants(sched: Scheduler) -> None:
     assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached)
     waiting = list(sched.policy)
     for req in waiting:
-        assert not req.blocks and req.num_computed_tokens == 0, req
+        assert not req.blocks and req.num_computed_tokens == 0 == req.num_placeholders, req
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
     assert len(sched.running) <= sched.config.max_num_seqs
     unfinished = {id(r) for r in sched.running} | {id(r) for r in waiting}

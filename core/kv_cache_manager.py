@@ -4,8 +4,10 @@ A full block is identified by a chained hash: blake2b(parent hash + its token id
 a block's hash name its whole prefix, so equal hashes mean equal KV (not just equal local tokens).
 blake2b, not Python's `hash()`: stable across processes and runs, and collisions are negligible.
 
-Invariant: `req.blocks[:req.num_hashed_blocks]` are exactly the request's blocks that are full once
-every planned token is computed, and each is registered (or a duplicate of a registered block).
+Invariant: `req.blocks[:req.num_hashed_blocks]` are exactly the request's blocks that are full of
+known tokens once every planned token is computed, and each is registered (or a duplicate of a
+registered block). A block whose last token is a placeholder (sampled by a plan still in flight)
+is registered by a later allocation, once the core knows that token.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class KVCacheManager:
         req.num_hashed_blocks += len(hits)
         new_blocks = self.pool.get_new_blocks(num_needed)
         req.blocks.extend(new_blocks)
-        self._cache_full_blocks(req, num_tokens // self.block_size)
+        self._cache_full_blocks(req, min(num_tokens, req.num_tokens) // self.block_size)
         return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, req: Request, num_full: int) -> None:

@@ -2,8 +2,11 @@
 
 Invariants:
 - `all_token_ids == prompt_token_ids + output_token_ids`;
-- `num_computed_tokens <= num_tokens`; it advances when a step is *planned*, not when it returns,
-  so a request whose next token is still in flight has `num_computed_tokens == num_tokens`;
+- `num_computed_tokens <= num_tokens + num_placeholders`; it advances when a step is *planned*,
+  not when it returns. `num_placeholders` counts tokens sampled by plans still in flight: with
+  async scheduling the next plan already feeds such a token back in (the workers know it, the
+  core does not yet), so a decoding request has
+  `num_computed_tokens == num_tokens + num_placeholders - 1`;
 - `blocks` hold at least `ceil(num_computed_tokens / block_size)` blocks while it runs;
 - `num_tokens_sent` / `num_blocks_sent` are what the workers' persistent batch holds, so a plan
   carries only the difference (meaningful while `in_batch`).
@@ -59,6 +62,7 @@ class Request:
         self.seq = seq  # admission order: the last tie-break of the priority key
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_placeholders = 0  # tokens sampled by plans in flight, not yet appended
         self.blocks: list[KVBlock] = []
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids

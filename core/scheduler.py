@@ -2,7 +2,11 @@
 
 One token budget per step, no prefill/decode phases (vLLM V1 style). `num_computed_tokens`
 advances when a step is planned, so several plans can be in flight (async scheduling, pipeline
-parallelism); a request whose sampled token is still in flight is simply skipped.
+parallelism). A request whose sampled token is still in flight is a *placeholder*: with
+`async_scheduling` the next plan already decodes it (the workers sample it, keep it in their
+batch and feed it in; the core learns it from the result), unless that token is bound to end the
+request by length; without it (pipeline stages, whose first stage never sees samples) the request
+is skipped until its token is back.
 
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
 (`NewRequest`), then only its new tokens and blocks (`CachedDelta`); requests that left the running
@@ -51,6 +55,7 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         debug: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         if num_blocks * cache_config.block_size < max_model_len:
             raise ValueError(
@@ -62,6 +67,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.debug = debug  # full (O(blocks)) invariant checks after every call
+        self.async_scheduling = async_scheduling
         self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
@@ -119,8 +125,9 @@ class Scheduler:
 
         Algorithm: one budget of `max_num_batched_tokens` tokens, no prefill/decode phases.
         1. Running requests, in policy order: each takes min(tokens left to compute, budget)
-           tokens (a decode is 1, an unfinished prompt a chunk); one whose sampled token is still
-           in flight has none left and is skipped. If its blocks don't fit, preempt the tail of
+           tokens (a decode is 1, an unfinished prompt a chunk; tokens in flight count as known
+           under async scheduling, else such a request has none left and is skipped). If its
+           blocks don't fit, preempt the tail of
            `running` (lowest priority / latest) by recompute, until it fits or it was the tail.
         2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
            and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at
@@ -142,12 +149,25 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            num_new = min(self._num_feedable(req) - req.num_computed_tokens, step.budget)
             if num_new > 0:
                 if not self._allocate_or_preempt(req, num_new, step):
                     break  # it preempted itself: it was the tail, nothing follows it
                 step.add(req, num_new)
             i += 1
+
+    def _num_feedable(self, req: Request) -> int:
+        """Tokens the workers can feed in: the known ones, and under async scheduling those in
+        flight too, unless they will end the request by length (then it just waits to finish)."""
+        if not (self.async_scheduling and req.num_placeholders):
+            return req.num_tokens
+        ahead = req.num_tokens + req.num_placeholders
+        max_tokens = req.sampling.max_tokens
+        if ahead >= self.max_model_len or (
+            max_tokens is not None and req.num_output_tokens + req.num_placeholders >= max_tokens
+        ):
+            return req.num_tokens
+        return ahead
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
         while self.kv.allocate_slots(req, num_new) is None:
@@ -162,6 +182,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._release(req, RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
+        req.num_placeholders = 0  # results of plans in flight are dropped (num_preemptions)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.push_preempted(req)
@@ -191,7 +212,7 @@ class Scheduler:
             return StepPlan(step_id=self._next_step_id, scheduled_ids=[], num_scheduled_tokens=[])
         new_requests, cached = [], []
         for req, num_new in step.scheduled:
-            assert req.num_computed_tokens + num_new <= req.num_tokens
+            assert req.num_computed_tokens + num_new <= req.num_tokens + req.num_placeholders
             assert len(req.blocks) >= cdiv(req.num_computed_tokens + num_new, self.block_size)
             if req.in_batch:
                 cached.append(cached_delta(req))
@@ -201,6 +222,8 @@ class Scheduler:
             req.num_tokens_sent = req.num_tokens
             req.num_blocks_sent = len(req.blocks)
             req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+                req.num_placeholders += 1  # every known token is computed: this step samples
         plan = StepPlan(
             step_id=self._next_step_id,
             scheduled_ids=[req.req_id for req, _ in step.scheduled],
@@ -230,7 +253,8 @@ class Scheduler:
             token_ids = result.sampled_token_ids[i]
             if not token_ids or not self._is_current(req, num_preemptions):
                 continue
-            assert req.num_computed_tokens == req.num_tokens, f"{req} sampled mid-prompt"
+            assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
+            req.num_placeholders -= 1
             new_ids, status = self._append_tokens(req, token_ids)
             if status is not None:
                 finished.append(req)

@@ -42,11 +42,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = [dest for dest, _, _ in ENGINE_FLAGS.values()]
-    kw = {k: getattr(args, k) for k in keys + ["enable_prefix_caching", "enforce_eager"]}
+    flags = ["enable_prefix_caching", "enforce_eager", "async_scheduling"]
+    kw = {k: getattr(args, k) for k in keys + flags}
     return {k: v for k, v in kw.items() if v is not None}
 
 

@@ -105,6 +105,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     a("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"), help="or PAGEDSERVE_API_KEY")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     a("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+      help="plan step N+1 while step N runs (one pipeline stage only)")  # fmt: skip
+    a("--enforce-eager", action="store_true", help="no CUDA graphs")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     a("--log-requests", action="store_true", help="log each request's prompt (off: no prompt text)")
     a(
@@ -167,6 +170,8 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
             scheduling_policy=args.scheduling_policy,
             max_waiting=args.max_waiting,
             step_timeout=args.step_timeout,
+            async_scheduling=args.async_scheduling,
+            enforce_eager=args.enforce_eager,
         )
     except (ValueError, TypeError, OSError) as e:
         fail(str(e))

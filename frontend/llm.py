@@ -57,6 +57,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             policy=kw.get("scheduling_policy", "fcfs"),
             max_waiting=kw.get("max_waiting"),
             step_timeout=kw.get("step_timeout") or 600.0,
+            async_scheduling=kw.get("async_scheduling", True),
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=kw.get("tensor_parallel_size", 1),

@@ -102,6 +102,37 @@ def test_prefix_cache_hits_and_same_outputs_without_it(family):
     assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in off]
 
 
+def test_async_scheduling_changes_no_output(tmp_path_factory):
+    """Async scheduling feeds each sampled token back in before the core has seen it: seeded
+    sampling, penalties, min_tokens, stop tokens and logprobs must come out exactly as with it
+    off, also under chunked prefill and preemption."""
+    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("llama-async")))
+    prompts = make_prompts(256)
+    params = [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=14, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=9, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.4),
+        SamplingParams(temperature=1.0, seed=11, top_k=20, top_p=0.9, min_tokens=5, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[17, 23, 99]),
+    ] * 2  # fmt: skip
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    tight = dict(max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=24)
+    results = []
+    for async_scheduling in (True, False):
+        with LLM(path, **CPU, **tight, max_model_len=80, async_scheduling=async_scheduling) as llm:
+            outs = llm.generate(batch, params)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                         o.outputs[0].logprobs) for o in outs])  # fmt: skip
+    for on, off in zip(*results, strict=True):
+        assert on[:2] == off[:2]  # tokens and finish reasons
+        if on[2] is not None:  # batches differ, so fp32 logits may differ in the last bits
+            for a, b in zip(on[2], off[2], strict=True):
+                assert list(a) == list(b)
+                assert [x.logprob for x in a.values()] == pytest.approx(
+                    [x.logprob for x in b.values()], abs=1e-4
+                )
+
+
 @pytest.fixture(scope="module")
 def llama_llm(tmp_path_factory):
     path = make_tiny_model("llama", str(tmp_path_factory.mktemp("llama-shared")))

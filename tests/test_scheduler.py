@@ -27,6 +27,7 @@ def make(
     policy: str = "fcfs",
     max_model_len: int = 64,
     caching: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
@@ -34,6 +35,7 @@ def make(
         max_model_len=max_model_len,
         num_blocks=num_blocks,
         debug=True,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -97,6 +99,55 @@ def test_prefill_chunks_pipeline_but_decode_waits_for_its_token():
         s.update_from_output(p, result_for(s, p))
     assert s.requests["a"].output_token_ids == [7]
     assert sched(s.schedule()) == {"a": 1}
+
+
+def test_async_scheduling_decodes_the_token_in_flight():
+    s = make(async_scheduling=True)
+    add(s, "a", range(10, 14))
+    p1, p2 = s.schedule(), s.schedule()
+    assert sched(p1) == {"a": 4} and sched(p2) == {"a": 1}, "p2 feeds p1's sample back in"
+    a = s.requests["a"]
+    assert (a.num_tokens, a.num_computed_tokens, a.num_placeholders) == (4, 5, 2)
+    ((_, d),) = s.update_from_output(p1, StepResult(p1.step_id, [[7]]))
+    assert d.new_token_ids == [7] and (a.num_tokens, a.num_placeholders) == (5, 1)
+    p3 = s.schedule()
+    assert sched(p3) == {"a": 1} and p3.cached[0].new_token_ids == [7]
+    s.update_from_output(p2, StepResult(p2.step_id, [[8]]))
+    assert a.output_token_ids == [7, 8]
+
+
+def test_async_scheduling_does_not_run_past_max_tokens():
+    s = make(async_scheduling=True)
+    add(s, "a", range(10, 14), max_tokens=2)
+    p1, p2 = s.schedule(), s.schedule()
+    assert sched(p2) == {"a": 1}
+    assert s.schedule().scheduled_ids == [], "the two tokens in flight are its last"
+    s.update_from_output(p1, StepResult(p1.step_id, [[7]]))
+    ((_, d),) = s.update_from_output(p2, StepResult(p2.step_id, [[8]]))
+    assert d.finish_reason == "length" and s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_async_scheduling_drops_the_step_after_a_stop():
+    s = make(async_scheduling=True)
+    add(s, "a", range(10, 14))
+    p1, p2 = s.schedule(), s.schedule()
+    ((_, d),) = s.update_from_output(p1, StepResult(p1.step_id, [[EOS]]))
+    assert d.finish_reason == "stop" and s.kv.pool.num_free == s.kv.pool.num_blocks
+    assert s.update_from_output(p2, StepResult(p2.step_id, [[7]])) == [], "its token is dropped"
+    add(s, "b", range(10, 12))
+    assert s.schedule().finished_ids == ["a"]
+
+
+def test_async_placeholder_block_is_cached_once_its_token_is_known():
+    s = make(block_size=4, async_scheduling=True)
+    add(s, "a", range(10, 13))
+    p1, p2 = s.schedule(), s.schedule()  # p2 fills the block's 4th slot with p1's sample
+    a = s.requests["a"]
+    assert a.num_hashed_blocks == 0, "its last token is not known yet"
+    s.update_from_output(p1, StepResult(p1.step_id, [[7]]))
+    s.update_from_output(p2, StepResult(p2.step_id, [[8]]))
+    s.schedule()
+    assert a.num_hashed_blocks == 1
 
 
 def test_budget_is_shared_running_first_then_waiting():
@@ -382,37 +433,60 @@ def test_bad_input_is_refused():
 # ---------------------------------------------------------------- property / state machine
 @dataclass
 class Mirror:
-    tokens: list[int]
+    tokens: list[int]  # known to the worker: told by the core or sampled here
     block_ids: list[int]
     num_computed: int
+    num_told: int  # tokens the core's messages carried so far
 
 
 @dataclass
 class FakeWorker:
-    """Rebuilds the persistent batch from the plans alone, as a real worker must."""
+    """Rebuilds the persistent batch from the plans alone, as a real worker must, executing them
+    in order: it samples the tokens itself and keeps them (async scheduling feeds them back in
+    before the core has seen them), and checks every token it must feed is known."""
 
+    rng: random.Random
     batch: dict[str, Mirror] = field(default_factory=dict)
 
-    def apply(self, plan: StepPlan) -> list[bool]:
-        """Apply the delta; return, per scheduled request, whether this step samples a token."""
+    def execute(self, plan: StepPlan, snapshot: dict) -> list[list[int]]:
+        """Apply the delta, check it against the core's state at plan time, sample."""
         for rid in plan.finished_ids:
             del self.batch[rid]
         for nr in plan.new_requests:
             assert nr.req_id not in self.batch
             tokens = nr.prompt_token_ids + nr.output_token_ids
-            self.batch[nr.req_id] = Mirror(tokens, list(nr.block_ids), nr.num_computed_tokens)
+            self.batch[nr.req_id] = Mirror(
+                tokens, list(nr.block_ids), nr.num_computed_tokens, len(tokens)
+            )
         for cd in plan.cached:
             m = self.batch[cd.req_id]
             assert m.num_computed == cd.num_computed_tokens
-            m.tokens += cd.new_token_ids
+            for k, token in enumerate(cd.new_token_ids):  # what the core learned since
+                pos = m.num_told + k
+                if pos < len(m.tokens):
+                    assert m.tokens[pos] == token, "the core's token differs from the sample"
+                else:
+                    m.tokens.append(token)
+            m.num_told += len(cd.new_token_ids)
             m.block_ids += cd.new_block_ids
-        samples = []
+        sampled = []
         for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
             m = self.batch[rid]
+            tokens, block_ids, num_computed = snapshot[rid]
+            assert m.tokens[: len(tokens)] == tokens and m.block_ids == block_ids
+            assert m.num_computed == num_computed
             m.num_computed += n
-            assert n > 0 and m.num_computed <= len(m.tokens)
-            samples.append(m.num_computed == len(m.tokens))
-        return samples
+            assert n > 0 and m.num_computed <= len(m.tokens), "a token to feed is unknown"
+            assert len(m.block_ids) * BLOCK_OF[0] >= m.num_computed
+            if m.num_computed == len(m.tokens):
+                m.tokens.append(self.rng.choice([EOS, 9] + [7] * 12))
+                sampled.append([m.tokens[-1]])
+            else:
+                sampled.append([])
+        return sampled
+
+
+BLOCK_OF = [1]  # the running machine's block size (the worker needs it for its check)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -424,9 +498,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         caching=st.booleans(),
         max_inflight=st.integers(1, 3),
+        async_scheduling=st.booleans(),
         seed=st.integers(0, 2**32),
     )
-    def setup(self, num_blocks, block_size, budget, max_seqs, policy, caching, max_inflight, seed):
+    def setup(
+        self,
+        num_blocks,
+        block_size,
+        budget,
+        max_seqs,
+        policy,
+        caching,
+        max_inflight,
+        async_scheduling,
+        seed,
+    ):
         self.max_model_len = min(num_blocks * block_size, 40)
         self.s = Scheduler(
             SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
@@ -434,11 +520,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=self.max_model_len,
             num_blocks=num_blocks,
             debug=True,
+            async_scheduling=async_scheduling,
         )
-        self.worker = FakeWorker()
-        self.inflight: list[tuple[StepPlan, list[bool]]] = []
-        self.max_inflight = max_inflight
+        BLOCK_OF[0] = block_size
         self.rng = random.Random(seed)
+        self.worker = FakeWorker(self.rng)
+        self.inflight: list[tuple[StepPlan, dict]] = []
+        self.max_inflight = max_inflight
         self.num_added = 0
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
@@ -481,19 +569,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert sum(plan.num_scheduled_tokens) <= self.s.config.max_num_batched_tokens
         assert len(set(plan.scheduled_ids)) == len(plan.scheduled_ids) <= self.s.config.max_num_seqs
-        samples = self.worker.apply(plan)
-        for rid in plan.scheduled_ids:  # the worker's view equals the core's
-            req, m = self.s.requests[rid], self.worker.batch[rid]
-            assert (m.tokens, m.block_ids) == (req.all_token_ids, req.block_ids)
-            assert m.num_computed == req.num_computed_tokens
-        assert set(self.worker.batch) == {r.req_id for r in self.s.running if r.in_batch}
-        self.inflight.append((plan, samples))
+        snapshot = {}  # what the core held when planning, for the worker to check against
+        for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
+            req = self.s.requests[rid]
+            before = req.num_computed_tokens - n
+            snapshot[rid] = (list(req.all_token_ids), req.block_ids, before)
+            if not self.s.async_scheduling:
+                assert req.num_computed_tokens <= req.num_tokens, "fed an unknown token"
+        self.inflight.append((plan, snapshot))
 
     @precondition(lambda self: self.inflight)
     @rule()
     def complete(self):
-        plan, samples = self.inflight.pop(0)
-        tokens = [[self.rng.choice([EOS, 9] + [7] * 12)] if x else [] for x in samples]
+        plan, snapshot = self.inflight.pop(0)
+        tokens = self.worker.execute(plan, snapshot)
         self.record(self.s.update_from_output(plan, StepResult(plan.step_id, tokens)))
 
     def record(self, deltas):

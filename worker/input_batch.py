@@ -4,6 +4,11 @@ A StepPlan is a delta against this state, so a step with thousands of running re
 token and maybe a block id per request rather than whole prompts. Token ids and block tables live in
 preallocated numpy arrays (one row per request) so that preparing a step's inputs is a handful of
 vectorized gathers, with no Python loop over tokens.
+
+Tokens come from two sides. The sampling ranks append what they sample at once (`append_sampled`):
+under async scheduling the next plan feeds that token in before the core has seen it. The core's
+deltas carry the tokens it learned since its last plan (what ranks that do not sample need); they
+are written at the position the core counts from, so on a sampling rank they rewrite the same ids.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ class InputBatch:
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
-        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # known: sampled here or told
+        self.num_told = np.zeros(max_num_seqs, dtype=np.int64)  # tokens the core's deltas gave
         self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
@@ -66,7 +72,7 @@ class InputBatch:
         row = self._free_rows.pop()
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
-        self.num_tokens[row] = len(tokens)
+        self.num_tokens[row] = self.num_told[row] = len(tokens)
         self.num_computed[row] = new.num_computed_tokens
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
@@ -83,15 +89,29 @@ class InputBatch:
         req = self.requests[delta.req_id]
         row = req.row
         if delta.new_token_ids:
-            n = int(self.num_tokens[row])
-            self.token_ids[row, n : n + len(delta.new_token_ids)] = delta.new_token_ids
-            self.num_tokens[row] = n + len(delta.new_token_ids)
-            req.output_token_ids.extend(delta.new_token_ids)
+            start, known = int(self.num_told[row]), int(self.num_tokens[row])
+            end = start + len(delta.new_token_ids)
+            self.token_ids[row, start:end] = delta.new_token_ids
+            self.num_told[row] = end
+            if end > known:  # tokens this rank did not sample itself
+                req.output_token_ids.extend(delta.new_token_ids[known - start :])
+                self.num_tokens[row] = end
         if delta.new_block_ids:
             b = int(self.num_blocks[row])
             self.block_table[row, b : b + len(delta.new_block_ids)] = delta.new_block_ids
             self.num_blocks[row] = b + len(delta.new_block_ids)
         self.num_computed[row] = delta.num_computed_tokens
+
+    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """Record this step's sampled tokens (one per request), right after sampling."""
+        max_len = self.token_ids.shape[1]
+        for req_id, token_id in zip(req_ids, token_ids, strict=True):
+            req = self.requests[req_id]
+            n = int(self.num_tokens[req.row])
+            if n < max_len:  # at max_model_len the core finishes it: this token is its last
+                self.token_ids[req.row, n] = token_id
+                self.num_tokens[req.row] = n + 1
+            req.output_token_ids.append(token_id)
 
     def prepare(self, req_ids: list[str], num_scheduled: list[int]) -> StepInputs:
         rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))

@@ -195,10 +195,14 @@ class ModelRunner:
             return StepResult(plan.step_id, sampled) if info.is_driver else None
         logits_idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
+        # Every rank of the last stage samples (same gathered logits, same generator state, so
+        # the same tokens) and keeps the tokens: under async scheduling the next plan feeds them.
+        sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
+        rows = [self._sampling_row(req_id) for req_id in sample_ids]
+        out = self.sampler.sample(logits, rows, with_logprobs=info.is_driver)
+        self.batch.append_sampled(sample_ids, out.token_ids)
         if not info.is_driver:
             return None
-        rows = [self._sampling_row(plan.scheduled_ids[i]) for i in inputs.sample_rows]
-        out = self.sampler.sample(logits, rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = [None] * len(sampled) if want_logprobs else None
         for j, i in enumerate(inputs.sample_rows):

@@ -62,7 +62,9 @@ class Sampler:
         if device is not None:
             self._generator(torch.device(device))
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool = True
+    ) -> SamplerOutput:
         """`logits [N, V]` float32, one row per `rows` entry -> one token (and logprobs) each."""
         assert logits.shape[0] == len(rows), "one logits row per sampling row"
         raw = logits
@@ -71,6 +73,8 @@ class Sampler:
         else:
             token_ids = logits.argmax(dim=-1)  # [N]
         ids = token_ids.tolist()
+        if not with_logprobs:
+            return SamplerOutput(ids, [None] * len(ids))
         return SamplerOutput(ids, compute_logprobs(raw, token_ids, rows))
 
     def _sample_processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
