@@ -51,7 +51,9 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
     return lo - 1
 
 
-@triton.jit
+# Batch sizes change every step: left unspecialized (Triton would otherwise compile a variant per
+# "== 1" / "multiple of 16" case, each a second-long stall in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -136,7 +138,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _reduce_kernel(
     part_out_ptr, part_ml_ptr, out_ptr, num_tokens, num_q_heads, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,

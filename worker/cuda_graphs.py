@@ -42,14 +42,24 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         b = self.sizes[0]
-        self.input_ids = torch.zeros(b, **i64)
-        self.positions = torch.zeros(b, **i64)
-        self.slot_mapping = torch.full((b,), -1, **i64)
-        self.query_start_loc = torch.arange(b + 1, **i32)
-        self.seq_lens = torch.ones(b, **i32)
-        self.block_tables = torch.zeros((b, max_blocks), **i32)
+        self.max_blocks = max_blocks
+        # Inputs travel in two host->device copies per step, from pinned staging buffers: int64
+        # [input_ids | positions | slot_mapping] and int32 [seq_lens | block_tables]. The static
+        # tensors the graphs read are views of the device side. Two host sets alternate, so a
+        # step's writes never touch a buffer whose copy may still be queued (the worker starts a
+        # step before it has waited for the one before).
+        self.dev64 = torch.zeros((3, b), dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(b + b * max_blocks, dtype=torch.int32, device=device)
+        self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
+        self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
+        self._flip = 0
+        self.input_ids, self.positions, self.slot_mapping = self.dev64
+        self.slot_mapping.fill_(-1)
+        self.seq_lens = self.dev32[:b]
+        self.seq_lens.fill_(1)
+        self.block_tables = self.dev32[b:].view(b, max_blocks)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -86,19 +96,28 @@ class DecodeGraphs:
         fits = [s for s in self.sizes if s >= num_seqs]
         return min(fits) if fits else None
 
-    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
-        """Copy a decode batch into the static buffers, replay; hidden states [n, H]."""
-        n = len(inputs.input_ids)
-        self.input_ids[:n].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.from_numpy(inputs.slot_mapping), non_blocking=True)
-        self.seq_lens[:n].copy_(torch.from_numpy(inputs.seq_lens), non_blocking=True)
-        width = inputs.block_tables.shape[1]
-        tables = torch.from_numpy(np.ascontiguousarray(inputs.block_tables))
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
-        if n < size:  # padding rows: no cache write, attend to one token of block 0
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size, 0].fill_(0)
+    def run(
+        self,
+        inputs: StepInputs,
+        size: int,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Copy a decode batch into the static buffers, replay; hidden states [n, H]. `fill`:
+        (token indices, ids) of input tokens that are only on the device."""
+        n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
+        self._flip ^= 1
+        h64, h32 = self.host64[self._flip], self.host32[self._flip]
+        a64, a32 = h64.numpy(), h32.numpy()
+        a64[0, :n], a64[1, :n], a64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
+        a32[:n], a32[n:size] = inputs.seq_lens, 1
+        tables = a32[b : b + size * self.max_blocks].reshape(size, self.max_blocks)
+        tables[:n, :width] = inputs.block_tables
+        tables[n:size, 0] = 0
+        self.dev64.copy_(h64, non_blocking=True)
+        end = b + size * self.max_blocks
+        self.dev32[:end].copy_(h32[:end], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -42,6 +42,10 @@ class StepInputs:
     block_tables: np.ndarray  # [B, max_blocks] int32
     logits_indices: np.ndarray  # [S] int64, the last token of each request that samples
     sample_rows: list[int]  # [S] indices into the plan's scheduled requests
+    # Input tokens the host does not know yet (sampled by the step still in flight): their
+    # indices in input_ids, and whose they are; the runner copies them in on the device.
+    unknown: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    unknown_ids: list[str] = field(default_factory=list)
 
 
 class InputBatch:
@@ -102,11 +106,13 @@ class InputBatch:
             self.num_blocks[row] = b + len(delta.new_block_ids)
         self.num_computed[row] = delta.num_computed_tokens
 
-    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """Record this step's sampled tokens (one per request), right after sampling."""
+    def append_sampled(self, members: list[RequestRow], token_ids: list[int]) -> None:
+        """Record a step's sampled tokens (one per row that sampled). A row that has left the
+        batch since (a later plan was applied first) is skipped: its token is of no use."""
         max_len = self.token_ids.shape[1]
-        for req_id, token_id in zip(req_ids, token_ids, strict=True):
-            req = self.requests[req_id]
+        for req, token_id in zip(members, token_ids, strict=True):
+            if self.requests.get(req.req_id) is not req:
+                continue
             n = int(self.num_tokens[req.row])
             if n < max_len:  # at max_model_len the core finishes it: this token is its last
                 self.token_ids[req.row, n] = token_id
@@ -124,6 +130,7 @@ class InputBatch:
         positions = np.arange(total) - np.repeat(query_start_loc[:-1] - start, n)  # [T]
         token_rows = rows[token_req]
         input_ids = self.token_ids[token_rows, positions]
+        unknown = np.nonzero(positions >= self.num_tokens[token_rows])[0]
         block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = start + n
@@ -140,4 +147,6 @@ class InputBatch:
             block_tables=self.block_table[rows, :max_blocks],
             logits_indices=query_start_loc[1:][sample_rows] - 1,
             sample_rows=sample_rows.tolist(),
+            unknown=unknown,
+            unknown_ids=[req_ids[i] for i in token_req[unknown]],
         )

@@ -1,24 +1,30 @@
 """The model runner: weights, the paged KV cache, the persistent batch and one forward per plan.
 
-`execute(plan)` applies the plan's delta to the persistent batch, prepares inputs on the host with
-numpy, copies them to the device in one go, runs the model, and samples the rows whose known tokens
-are all computed (finished prompts and decodes). KV capacity comes from `profile_num_blocks()`.
+A step has three parts, so that the worker can queue step N+1 on the device before it reads step
+N's sampled ids back: `start(plan, prev)` applies the plan's delta to the persistent batch,
+prepares inputs on the host with numpy, copies them to the device and queues the forward;
+`sample(step)` queues sampling of the rows whose known tokens are all computed (finished prompts
+and decodes) and the copy of the ids to the host; `finish(step)` waits for those ids only and
+builds the StepResult. `execute(plan)` is the three in a row. KV capacity comes from
+`profile_num_blocks()`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.ipc.messages import StepPlan, StepResult
+from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backend import attention_backend_name
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cuda_graphs import DecodeGraphs
-from pagedserve.worker.input_batch import InputBatch, StepInputs
+from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.models import build_model
-from pagedserve.worker.sampler import Sampler, SamplingRow
+from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -32,6 +38,29 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@dataclass
+class StartedStep:
+    """A plan whose forward is queued: logits [S, V] on the last stage when it samples."""
+
+    plan: StepPlan
+    inputs: StepInputs | None
+    logits: torch.Tensor | None
+
+
+@dataclass
+class PendingStep:
+    """A step whose sampling is queued; its ids reach `host_ids` once `ready` has passed."""
+
+    plan: StepPlan
+    inputs: StepInputs | None
+    members: list[RequestRow]  # the batch rows that sample, in order
+    index: dict[str, int]  # req_id -> its position in token_ids
+    token_ids: torch.Tensor | None  # [S] on the device
+    host_ids: torch.Tensor | None  # [S] on the host (pinned with CUDA)
+    ready: torch.cuda.Event | None
+    logprobs: list[TokenLogprobs | None] | None
 
 
 class ModelRunner:
@@ -49,6 +78,7 @@ class ModelRunner:
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
+        self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
 
@@ -149,6 +179,7 @@ class ModelRunner:
         inputs: StepInputs,
         kv_caches: list[torch.Tensor],
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
 
@@ -167,16 +198,28 @@ class ModelRunner:
             block_size=self.block_size,
         )
         input_ids, positions = to_dev(inputs.input_ids), to_dev(inputs.positions)
+        if fill is not None:
+            input_ids[fill[0]] = fill[1]
         return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one plan; the result on the last stage (None on earlier stages)."""
+        """Run one plan start to finish; the result on the driver (None elsewhere)."""
+        return self.finish(self.sample(self.start(plan, None)))
+
+    @torch.inference_mode()
+    def start(self, plan: StepPlan, prev: PendingStep | None) -> StartedStep:
+        """Apply the plan and queue its forward (and logits) on the device without waiting.
+
+        `prev` is the step before, started but not finished: its sampled tokens are still on the
+        device. Under async scheduling this plan feeds some of them in (a decode of a token the
+        host does not know yet); they are copied on the device, so the host never waits for them.
+        """
         self.batch.apply(plan)
-        sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
         if not plan.scheduled_ids:
-            return StepResult(plan.step_id, sampled) if self.info.is_driver else None
+            return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        fill = self._device_fill(inputs, prev)
         info = self.info
         intermediate = None
         if not info.is_first_stage:
@@ -185,30 +228,76 @@ class ModelRunner:
             )
         bucket = self._graph_bucket(inputs)
         if bucket is not None:
-            hidden = self.graphs.run(inputs, bucket)  # [T, H]
+            hidden = self.graphs.run(inputs, bucket, fill)  # [T, H]
         else:
-            hidden = self._forward(inputs, self.kv_caches, intermediate)  # [T, H]
+            hidden = self._forward(inputs, self.kv_caches, intermediate, fill)  # [T, H]
         if not info.is_last_stage:
             send_intermediate(*hidden, info.next_rank)
-            return None
+            return StartedStep(plan, inputs, None)
         if not inputs.sample_rows:
-            return StepResult(plan.step_id, sampled) if info.is_driver else None
+            return StartedStep(plan, inputs, None)
         logits_idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
-        # Every rank of the last stage samples (same gathered logits, same generator state, so
-        # the same tokens) and keeps the tokens: under async scheduling the next plan feeds them.
+        return StartedStep(plan, inputs, logits)
+
+    def _device_fill(
+        self, inputs: StepInputs, prev: PendingStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices, token ids) on the device for the input tokens the host lacks."""
+        if not len(inputs.unknown):
+            return None
+        assert prev is not None, "an input token is unknown but no step is in flight"
+        src = [prev.index[req_id] for req_id in inputs.unknown_ids]
+        idx = torch.from_numpy(np.stack([inputs.unknown, np.asarray(src, dtype=np.int64)]))
+        idx = idx.to(self.device, non_blocking=True)
+        return idx[0], prev.token_ids[idx[1]]
+
+    @torch.inference_mode()
+    def sample(self, step: StartedStep) -> PendingStep:
+        """Queue sampling and the copy of the sampled ids to the host (the host does not wait).
+
+        Every rank of the last stage samples (same gathered logits, same generator state, so the
+        same tokens) and keeps the tokens in its batch. Call after the step before has finished:
+        penalties and seeded sampling read each request's outputs, which then include its token.
+        """
+        if step.logits is None:
+            return PendingStep(step.plan, step.inputs, [], {}, None, None, None, None)
+        plan, inputs = step.plan, step.inputs
         sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
         rows = [self._sampling_row(req_id) for req_id in sample_ids]
-        out = self.sampler.sample(logits, rows, with_logprobs=info.is_driver)
-        self.batch.append_sampled(sample_ids, out.token_ids)
-        if not info.is_driver:
+        token_ids = self.sampler.sample_ids(step.logits, rows)  # [S] on the device
+        logprobs = None
+        if self.info.is_driver and any(r.params.logprobs is not None for r in rows):
+            logprobs = compute_logprobs(step.logits, token_ids, rows)  # waits for the device
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=self._pin)
+        host.copy_(token_ids, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        members = [self.batch.requests[r] for r in sample_ids]
+        index = {r: j for j, r in enumerate(sample_ids)}
+        return PendingStep(plan, inputs, members, index, token_ids, host, ready, logprobs)
+
+    def is_done(self, step: PendingStep) -> bool:
+        """Whether the step's sampled ids are on the host (finish() will not wait)."""
+        return step.ready is None or step.ready.query()
+
+    def finish(self, step: PendingStep) -> StepResult | None:
+        """Wait for this step's sampled ids (not for later work), keep them, build the result."""
+        plan = step.plan
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.host_ids.tolist() if step.host_ids is not None else []
+        self.batch.append_sampled(step.members, token_ids)
+        if not self.info.is_driver:
             return None
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-        logprobs = [None] * len(sampled) if want_logprobs else None
-        for j, i in enumerate(inputs.sample_rows):
-            sampled[i] = [out.token_ids[j]]
+        sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
+        logprobs = [None] * len(sampled) if step.logprobs is not None else None
+        for j, i in enumerate(step.inputs.sample_rows if step.inputs is not None else []):
+            sampled[i] = [token_ids[j]]
             if logprobs is not None:
-                logprobs[i] = out.logprobs[j]
+                logprobs[i] = step.logprobs[j]
         return StepResult(plan.step_id, sampled, logprobs)
 
     def _graph_bucket(self, inputs: StepInputs) -> int | None:

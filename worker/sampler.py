@@ -62,20 +62,17 @@ class Sampler:
         if device is not None:
             self._generator(torch.device(device))
 
-    def sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool = True
-    ) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """`logits [N, V]` float32, one row per `rows` entry -> one token (and logprobs) each."""
+        token_ids = self.sample_ids(logits, rows)
+        return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, token_ids, rows))
+
+    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The sampled ids [N] on the logits' device; greedy-only batches never touch the host."""
         assert logits.shape[0] == len(rows), "one logits row per sampling row"
-        raw = logits
         if any(r.needs_processing for r in rows):
-            token_ids = self._sample_processed(logits.clone(), rows)  # [N]
-        else:
-            token_ids = logits.argmax(dim=-1)  # [N]
-        ids = token_ids.tolist()
-        if not with_logprobs:
-            return SamplerOutput(ids, [None] * len(ids))
-        return SamplerOutput(ids, compute_logprobs(raw, token_ids, rows))
+            return self._sample_processed(logits.clone(), rows)  # [N]
+        return logits.argmax(dim=-1)  # [N]
 
     def _sample_processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         apply_logit_bias(logits, rows)

@@ -32,6 +32,7 @@ from pagedserve.ipc.process import die_with_parent
 from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender
 
 logger = logging.getLogger("pagedserve.worker")
+POLL_S = 50e-6  # while a step runs on the GPU: how often to look for the next plan
 
 
 def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
@@ -64,14 +65,26 @@ def run_loop(
     runner = ModelRunner(config, device, info)
     num_blocks = runner.profile_num_blocks()
     results.send(WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start))
+    # One step may stay unfinished while the next is queued on the device: if the next plan is
+    # already here (async scheduling sends it early), it starts before this one's sampled ids are
+    # read back, so the device runs step N+1 while the host reports step N. With pipeline stages
+    # the core already keeps every stage busy, and a stage must not sit on a result while it
+    # waits for its neighbour, so there each step finishes before the next starts.
+    lookahead = info.pp_size == 1
+    pending = None
     while True:
-        msg = plans.get(timeout=1.0)
+        msg = _next_message(plans, runner, pending)
+        if isinstance(msg, StepPlan) and lookahead:
+            started = runner.start(msg, pending)
+            _finish(runner, pending, results)
+            pending = runner.sample(started)
+            continue
+        _finish(runner, pending, results)
+        pending = None
         if msg is None:
             continue
         if isinstance(msg, StepPlan):
-            result = runner.execute(msg)
-            if result is not None:
-                results.send(result)
+            _finish(runner, runner.sample(runner.start(msg, None)), results)
         elif isinstance(msg, InitCache):
             start = time.perf_counter()
             runner.init_cache(msg.num_blocks)
@@ -80,6 +93,25 @@ def run_loop(
             )
         elif isinstance(msg, ShutdownWorkers):
             return
+
+
+def _next_message(plans: StepReceiver, runner, pending):
+    """The next message; while a step is on the device, poll for the next plan only until that
+    step is done (then None: report it, the core may be waiting for it to plan more)."""
+    if pending is None:
+        return plans.get(timeout=1.0)
+    while True:
+        msg = plans.get(timeout=0.0)
+        if msg is not None or runner.is_done(pending):
+            return msg
+        time.sleep(POLL_S)
+
+
+def _finish(runner, pending, results: StepSender) -> None:
+    if pending is not None:
+        result = runner.finish(pending)
+        if result is not None:
+            results.send(result)
 
 
 def main(argv: list[str] | None = None) -> int:
