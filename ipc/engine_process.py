@@ -133,6 +133,7 @@ class ZmqTransport:
 
     def init_cache(self) -> int:
         profiled = self.wait_workers("profiled")
+        _say_timings(profiled)
         num_blocks = min(r.num_blocks for r in profiled)
         block_size = self.config.cache.block_size
         max_len = self.config.max_model_len
@@ -146,7 +147,7 @@ class ZmqTransport:
         if not self.plans.wait_subscribers(world, timeout=60):
             raise EngineDeadError("workers did not subscribe to the plan broadcast")
         self.plans.send(InitCache(num_blocks))
-        self.wait_workers("cache_ready")
+        _say_timings(self.wait_workers("cache_ready"))
         self.ready = EngineReady(num_blocks, block_size, max_len)
         return num_blocks
 
@@ -167,6 +168,17 @@ class ZmqTransport:
         self.plans.close()
         self.results.close()
         self.clients_in.close()
+
+
+def _say_timings(ready: list[WorkerReady]) -> None:
+    """One start-up line per phase: the slowest rank's seconds for each step."""
+    steps: dict[str, float] = {}
+    for r in ready:
+        for name, seconds in r.timings.items():
+            steps[name] = max(steps.get(name, 0.0), seconds)
+    if steps:
+        text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in steps.items())
+        print(f"pagedserve: {text}", file=sys.stderr, flush=True)
 
 
 def start_workers(

@@ -230,6 +230,7 @@ class WorkerReady(msgspec.Struct, tag=True, **_HOT):
     num_blocks: int
     phase: str  # "profiled" | "cache_ready"
     seconds: float = 0.0
+    timings: dict[str, float] = {}  # seconds per start-up step of this phase, in order
 
 
 class StepResult(msgspec.Struct, tag=True, **_HOT):

@@ -11,6 +11,7 @@ builds the StepResult. `execute(plan)` is the three in a row. KV capacity comes 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,12 +148,15 @@ class ModelRunner:
                 self.model.compute_logits(hidden[-1:])
         del caches
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, num_blocks: int) -> dict[str, float]:
+        """Allocate the KV cache and capture the decode graphs; seconds spent on each."""
+        t0 = time.perf_counter()
         shape = (num_blocks, *self._kv_block_shape())
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.model.num_layers)
         ]
+        timings = {"KV cache": time.perf_counter() - t0}
         if self._use_cuda_graphs():
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
@@ -163,6 +167,8 @@ class ModelRunner:
                 device=self.device,
             )
             self.graphs.capture()
+            timings["CUDA graphs"] = time.perf_counter() - t0 - timings["KV cache"]
+        return timings
 
     def _use_cuda_graphs(self) -> bool:
         """Decode graphs need a capturable attention kernel (no host loops) and one stage."""

@@ -53,18 +53,25 @@ def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: 
 def run_loop(
     config: EngineConfig, rank: int, dist_port: int, plans: StepReceiver, results: StepSender
 ) -> None:
+    start = time.perf_counter()
+    clock = PhaseClock()
     # torch is imported here so that a bad install is reported to the core as a WorkerError.
     from pagedserve.parallel.groups import init_distributed, rank_info
     from pagedserve.worker.model_runner import ModelRunner, resolve_device
 
-    start = time.perf_counter()
+    clock.mark("torch import")
     parallel = config.parallel
     info = rank_info(parallel, rank)
     device = resolve_device(parallel.device, rank % parallel.ranks_per_node)
     init_distributed(info, parallel.master_addr, dist_port, device)
+    clock.mark("device and process groups")
     runner = ModelRunner(config, device, info)
+    clock.mark("weights")
     num_blocks = runner.profile_num_blocks()
-    results.send(WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start))
+    clock.mark("memory profile")
+    results.send(
+        WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start, clock.timings)
+    )
     # One step may stay unfinished while the next is queued on the device: if the next plan is
     # already here (async scheduling sends it early), it starts before this one's sampled ids are
     # read back, so the device runs step N+1 while the host reports step N. With pipeline stages
@@ -87,12 +94,27 @@ def run_loop(
             _finish(runner, runner.sample(runner.start(msg, None)), results)
         elif isinstance(msg, InitCache):
             start = time.perf_counter()
-            runner.init_cache(msg.num_blocks)
+            timings = runner.init_cache(msg.num_blocks)
             results.send(
-                WorkerReady(rank, msg.num_blocks, "cache_ready", time.perf_counter() - start)
+                WorkerReady(
+                    rank, msg.num_blocks, "cache_ready", time.perf_counter() - start, timings
+                )
             )
         elif isinstance(msg, ShutdownWorkers):
             return
+
+
+class PhaseClock:
+    """Seconds per start-up step, in order: `mark(name)` closes the step that just ended."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = now - self._last
+        self._last = now
 
 
 def _next_message(plans: StepReceiver, runner, pending):

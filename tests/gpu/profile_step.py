@@ -67,7 +67,7 @@ def profile_batch(runner: ModelRunner, batch: int, ctx: int) -> dict[str, float]
     runner.finish(pending)
     pipelined_ms = 1000 * (time.perf_counter() - t0) / n
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner.execute(decode_plan(99, batch, ctx + 70))
+        runner.execute(decode_plan(99, batch, ctx + 36 + n))
         torch.cuda.synchronize()
     print(f"--- batch {batch}: top CUDA kernels of one step")
     print(
