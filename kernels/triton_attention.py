@@ -19,6 +19,10 @@ Split-K (flash-decoding): a decode batch of few sequences gives fewer programs t
 row's KV tiles are also split over `num_splits` programs, each writing an unnormalized partial
 output with its running max and sum; `_reduce_kernel` rescales and sums them. Splits divide each
 row's own length, so a graph captured at the longest context stays valid for shorter ones.
+
+Compiled variants: the split count and the batch sizes are runtime values, and tiles are 16 rows
+(decodes) or 128, so the start-up runs (memory profile, graph capture) compile every variant that
+serving meets: a Triton compile in the middle of serving is a second-long stall.
 """
 
 from __future__ import annotations
@@ -53,16 +57,16 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 
 # Batch sizes change every step: left unspecialized (Triton would otherwise compile a variant per
 # "== 1" / "multiple of 16" case, each a second-long stall in the middle of serving).
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, num_q_heads, qk_scale, window,
+    num_seqs, num_tokens, num_q_heads, qk_scale, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,7 +98,7 @@ def _paged_attention_kernel(
     else:
         first_tile = 0
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_kv_tiles - first_tile, NUM_SPLITS)
+    per_split = tl.cdiv(num_kv_tiles - first_tile, num_splits)
     tile_lo = first_tile + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
 
@@ -126,7 +130,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -138,16 +142,15 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _reduce_kernel(
     part_out_ptr, part_ml_ptr, out_ptr, num_tokens, num_q_heads, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    num_splits, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     row = (s * num_tokens + tok) * num_q_heads + head  # [S]
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
@@ -220,9 +223,8 @@ def triton_paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    if block_m is None:
-        want = triton.next_power_of_2(max(meta.max_query_len, 1) * group_pad)
-        block_m = min(128, max(16, want))
+    if block_m is None:  # two tile heights only, so start-up compiles every variant serving meets
+        block_m = 16 if max(meta.max_query_len, 1) * group_pad <= 16 else 128
     block_m = max(block_m, group_pad)
     if num_splits is None:
         sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
@@ -240,19 +242,19 @@ def triton_paged_attention(
     _paged_attention_kernel[grid](
         query, kv_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, num_q_heads, scale * LOG2E, sliding_window or 0,
+        num_seqs, num_tokens, num_q_heads, scale * LOG2E, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None,
         num_warps=8 if block_m >= 128 else 4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_q_heads)](
             part_out, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_splits, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
             BLOCK_D=block_d, HEAD_DIM=head_dim, num_warps=4,
         )  # fmt: skip
     return out
