@@ -48,6 +48,9 @@ class LaunchOptions:
     log_requests: bool = False
 
 
+LAUNCH_T0_ENV = "PAGEDSERVE_LAUNCH_T0"
+
+
 def say(message: str) -> None:
     print(f"pagedserve: {message}", flush=True)
 
@@ -104,6 +107,7 @@ class Launcher:
 
     def run(self) -> int:
         t0 = time.monotonic()
+        os.environ[LAUNCH_T0_ENV] = str(time.time())  # children say when, since launch
         try:
             sock = bind(self.opts.host, self.opts.port)
         except OSError as e:

@@ -178,6 +178,9 @@ def _say_timings(ready: list[WorkerReady]) -> None:
             steps[name] = max(steps.get(name, 0.0), seconds)
     if steps:
         text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in steps.items())
+        t0 = os.environ.get("PAGEDSERVE_LAUNCH_T0")  # set by `launch`
+        if t0:
+            text += f" (done {time.time() - float(t0):.1f} s after launch)"
         print(f"pagedserve: {text}", file=sys.stderr, flush=True)
 
 
