@@ -187,16 +187,12 @@ class ModelRunner:
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
+        to_dev = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to_dev(inputs.slot_mapping),
             query_start_loc=to_dev(inputs.query_start_loc),
             seq_lens=to_dev(inputs.seq_lens),
-            block_tables=to_dev(np.ascontiguousarray(inputs.block_tables)),
+            block_tables=to_dev(inputs.block_tables),
             query_start_loc_cpu=inputs.query_start_loc,
             seq_lens_cpu=inputs.seq_lens,
             max_query_len=int(np.diff(inputs.query_start_loc).max()),
@@ -242,9 +238,17 @@ class ModelRunner:
             return StartedStep(plan, inputs, None)
         if not inputs.sample_rows:
             return StartedStep(plan, inputs, None)
-        logits_idx = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+        logits_idx = self._to_device(inputs.logits_indices)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
         return StartedStep(plan, inputs, logits)
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host array -> device without waiting for the device: through pinned memory (a copy from
+        pageable memory may wait for the stream, i.e. for the step still running)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _device_fill(
         self, inputs: StepInputs, prev: PendingStep | None
@@ -254,8 +258,7 @@ class ModelRunner:
             return None
         assert prev is not None, "an input token is unknown but no step is in flight"
         src = [prev.index[req_id] for req_id in inputs.unknown_ids]
-        idx = torch.from_numpy(np.stack([inputs.unknown, np.asarray(src, dtype=np.int64)]))
-        idx = idx.to(self.device, non_blocking=True)
+        idx = self._to_device(np.stack([inputs.unknown, np.asarray(src, dtype=np.int64)]))
         return idx[0], prev.token_ids[idx[1]]
 
     @torch.inference_mode()

@@ -83,16 +83,23 @@ class Sampler:
         if not random:
             return greedy_ids
         sub_rows = [rows[i] for i in random]
-        probs = filtered_probs(logits[random], sub_rows)  # [R, V]
+        every = len(random) == len(rows)
+        index = None if every else to_device(random, logits.device)
+        probs = filtered_probs(logits if every else logits[index], sub_rows)  # [R, V]
         noise = self._exponential_noise(probs, sub_rows)  # [R, V]
-        greedy_ids[random] = (probs / noise).argmax(dim=-1)
+        sampled = (probs / noise).argmax(dim=-1)
+        if every:
+            return sampled
+        greedy_ids[index] = sampled
         return greedy_ids
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            return noise.exponential_(generator=self._generator(probs.device))
         if unseeded:
-            noise[unseeded] = torch.empty(
+            noise[to_device(unseeded, probs.device)] = torch.empty(
                 len(unseeded), probs.shape[1], device=probs.device
             ).exponential_(generator=self._generator(probs.device))
         for i, row in enumerate(rows):
@@ -108,6 +115,16 @@ class Sampler:
         return self._generators[device]
 
 
+def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host list (or CPU tensor) on the device without waiting for the device:
+    `torch.tensor(..., device=cuda)` copies from pageable memory and synchronizes the stream,
+    which would stall the worker behind the forward it has just queued."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     r_idx, t_idx, vals = [], [], []
     for i, row in enumerate(rows):
@@ -118,10 +135,10 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 vals.append(float(bias))
     if r_idx:
         index = (
-            torch.tensor(r_idx, device=logits.device),
-            torch.tensor(t_idx, device=logits.device),
+            to_device(r_idx, logits.device),
+            to_device(t_idx, logits.device),
         )
-        logits.index_put_(index, torch.tensor(vals, device=logits.device), accumulate=True)
+        logits.index_put_(index, to_device(vals, logits.device), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -139,7 +156,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 t_idx.append(token)
     if r_idx:
         dev = logits.device
-        logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = _MASK
+        logits[to_device(r_idx, dev), to_device(t_idx, dev)] = _MASK
 
 
 def token_counts(
@@ -151,7 +168,8 @@ def token_counts(
         padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.int64)
         for i, tokens in enumerate(token_lists):
             padded[i, : len(tokens)] = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-        counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, device=device))
+        index = to_device(padded, device)
+        counts.scatter_add_(1, index, torch.ones_like(index))
     return counts[:, :vocab_size]
 
 
@@ -164,9 +182,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     dev = logits.device
     out_counts = token_counts([r.output_token_ids for r in rows], vocab, dev)  # [N, V]
     prompt_seen = token_counts([r.prompt_token_ids for r in rows], vocab, dev) > 0  # [N, V]
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+    rep = to_device([r.params.repetition_penalty for r in rows], dev)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], dev)[:, None]
+    pres = to_device([r.params.presence_penalty for r in rows], dev)[:, None]
     seen = prompt_seen | (out_counts > 0)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits.copy_(torch.where(seen, penalized, logits))
@@ -176,10 +194,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then min_p, top_k and top_p masks; returns the renormalized probs [R, V]."""
     dev = logits.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
+    temp = to_device([r.params.temperature for r in rows], dev)[:, None]
     logits = logits / temp
-    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)[:, None]
-    if (min_p > 0).any():
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = to_device([r.params.min_p for r in rows], dev)[:, None]
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), _MASK)
     return apply_top_k_top_p(logits, rows).softmax(dim=-1)
@@ -194,12 +212,12 @@ def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
     rank = torch.arange(vocab, device=dev)[None, :]  # [1, V]
-    drop = rank >= torch.tensor(k, device=dev).clamp(max=vocab)[:, None]
+    drop = rank >= to_device(k, dev).clamp(max=vocab)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, _MASK)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # [R, V]
     # top_p 1 must keep the whole tail even where float cumsums reach 1 early: threshold inf.
-    top_p = torch.tensor([x if x < 1.0 else float("inf") for x in p], device=dev)[:, None]
+    top_p = to_device([x if x < 1.0 else float("inf") for x in p], dev)[:, None]
     drop = (mass_before >= top_p) & (rank > 0)
     sorted_logits = sorted_logits.masked_fill(drop, _MASK)
     return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
