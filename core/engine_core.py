@@ -14,6 +14,7 @@ result within `step_timeout` (a worker stuck in a step never reports anything by
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -84,8 +85,19 @@ class EngineCore:
         self.running = True
         self._last_stats = 0.0
         self._last_liveness = 0.0
+        # PAGEDSERVE_STEP_TRACE=FILE: one line per step (sent, result, requests, tokens), to see
+        # where a benchmark's time goes; off by default.
+        trace = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        self._trace = open(trace, "w", buffering=1 << 16) if trace else None  # noqa: SIM115
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._trace is not None:
+                self._trace.close()
+
+    def _loop(self) -> None:
         while self.running:
             idle = not self.inflight and not self.scheduler.has_unfinished_requests()
             self._drain_client_messages(block=idle)
@@ -164,7 +176,12 @@ class EngineCore:
             return
         plan = self.inflight.popleft()
         assert plan.step_id == msg.step_id, (plan.step_id, msg.step_id)
-        del self._sent_at[plan.step_id]
+        sent = self._sent_at.pop(plan.step_id)
+        if self._trace is not None:
+            self._trace.write(
+                f"{sent:.6f} {time.monotonic():.6f} {len(plan.scheduled_ids)} "
+                f"{sum(plan.num_scheduled_tokens)}\n"
+            )
         deltas = self.scheduler.update_from_output(plan, msg)
         self._schedule_steps()  # the next plan leaves before outputs are encoded: GPU idles less
         self._emit(deltas)
