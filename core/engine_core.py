@@ -85,8 +85,8 @@ class EngineCore:
         self.running = True
         self._last_stats = 0.0
         self._last_liveness = 0.0
-        # PAGEDSERVE_STEP_TRACE=FILE: one line per step (sent, result, requests, tokens), to see
-        # where a benchmark's time goes; off by default.
+        # PAGEDSERVE_STEP_TRACE=FILE: one line per step (sent, result in, result handled,
+        # requests, tokens), to see where a benchmark's time goes; off by default.
         trace = os.environ.get("PAGEDSERVE_STEP_TRACE")
         self._trace = open(trace, "w", buffering=1 << 16) if trace else None  # noqa: SIM115
 
@@ -177,14 +177,15 @@ class EngineCore:
         plan = self.inflight.popleft()
         assert plan.step_id == msg.step_id, (plan.step_id, msg.step_id)
         sent = self._sent_at.pop(plan.step_id)
-        if self._trace is not None:
-            self._trace.write(
-                f"{sent:.6f} {time.monotonic():.6f} {len(plan.scheduled_ids)} "
-                f"{sum(plan.num_scheduled_tokens)}\n"
-            )
+        received = time.monotonic()
         deltas = self.scheduler.update_from_output(plan, msg)
         self._schedule_steps()  # the next plan leaves before outputs are encoded: GPU idles less
         self._emit(deltas)
+        if self._trace is not None:  # sent, result in, result handled, requests, tokens
+            self._trace.write(
+                f"{sent:.6f} {received:.6f} {time.monotonic():.6f} {len(plan.scheduled_ids)} "
+                f"{sum(plan.num_scheduled_tokens)}\n"
+            )
 
     def _check_step_timeout(self) -> None:
         plan = self.inflight[0]

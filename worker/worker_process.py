@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -79,29 +80,40 @@ def run_loop(
     # waits for its neighbour, so there each step finishes before the next starts.
     lookahead = info.pp_size == 1
     pending = None
-    while True:
-        msg = _next_message(plans, runner, pending)
-        if isinstance(msg, StepPlan) and lookahead:
-            started = runner.start(msg, pending)
+    trace = _open_trace(rank)
+    try:
+        while True:
+            msg = _next_message(plans, runner, pending)
+            if isinstance(msg, StepPlan) and lookahead:
+                t0 = time.monotonic()
+                started = runner.start(msg, pending)
+                t1 = time.monotonic()
+                _finish(runner, pending, results)
+                t2 = time.monotonic()
+                pending = runner.sample(started)
+                if trace is not None:  # start, finish (of the step before), sample: host seconds
+                    t3 = time.monotonic()
+                    trace.write(f"{t0:.6f} {t1 - t0:.6f} {t2 - t1:.6f} {t3 - t2:.6f}\n")
+                continue
             _finish(runner, pending, results)
-            pending = runner.sample(started)
-            continue
-        _finish(runner, pending, results)
-        pending = None
-        if msg is None:
-            continue
-        if isinstance(msg, StepPlan):
-            _finish(runner, runner.sample(runner.start(msg, None)), results)
-        elif isinstance(msg, InitCache):
-            start = time.perf_counter()
-            timings = runner.init_cache(msg.num_blocks)
-            results.send(
-                WorkerReady(
-                    rank, msg.num_blocks, "cache_ready", time.perf_counter() - start, timings
+            pending = None
+            if msg is None:
+                continue
+            if isinstance(msg, StepPlan):
+                _finish(runner, runner.sample(runner.start(msg, None)), results)
+            elif isinstance(msg, InitCache):
+                start = time.perf_counter()
+                timings = runner.init_cache(msg.num_blocks)
+                results.send(
+                    WorkerReady(
+                        rank, msg.num_blocks, "cache_ready", time.perf_counter() - start, timings
+                    )
                 )
-            )
-        elif isinstance(msg, ShutdownWorkers):
-            return
+            elif isinstance(msg, ShutdownWorkers):
+                return
+    finally:
+        if trace is not None:
+            trace.close()
 
 
 class PhaseClock:
@@ -115,6 +127,12 @@ class PhaseClock:
         now = time.perf_counter()
         self.timings[name] = now - self._last
         self._last = now
+
+
+def _open_trace(rank: int):
+    """PAGEDSERVE_STEP_TRACE=FILE (see core/engine_core.py): this rank's host time per step."""
+    path = os.environ.get("PAGEDSERVE_STEP_TRACE")
+    return open(f"{path}.worker{rank}", "w", buffering=1 << 16) if path else None  # noqa: SIM115
 
 
 def _next_message(plans: StepReceiver, runner, pending):

@@ -41,6 +41,9 @@ for step in $STEPS; do
         done; done ;;
     w4) $T $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
           $COMMON 2>&1 | tail -6 ;;
+    w1big) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 --num-prompts 1000 \
+          --max-num-seqs 512 --max-num-batched-tokens 16384 --output-json "$OUT/w1big.json" \
+          2>&1 | tail -4 ;;
     w2) $PS launch $COMMON --port 8012 --host 127.0.0.1 > "$OUT/w2-server.log" 2>&1 &
         srv=$!
         for _ in $(seq 600); do curl -sf localhost:8012/health >/dev/null && break; sleep 0.2; done
