@@ -1,6 +1,7 @@
 """Check and time every Triton kernel at Llama-3-8B sizes on a GPU (bf16, one rank).
 
-Run: `python -m pagedserve.kernels.bench_kernels`. Each row checks the kernel against its torch
+Run: `python -m pagedserve.kernels.bench_kernels` (`--sweep`: the attention kernel's launch
+configurations on prefill and mixed batches instead). Each row checks the kernel against its torch
 reference first, then prints the median time (`triton.testing.do_bench`) and the bandwidth it
 achieves from the bytes it must move, against the H100's ~3000 GB/s: decode-time kernels are
 memory bound, so that ratio is the figure of merit. Triton kernels are timed replaying a CUDA graph
@@ -167,10 +168,45 @@ def bench_elementwise(dev: str) -> None:
         )
 
 
+def sweep_attention(dev: str) -> None:
+    """Time the attention kernel's launch configurations (key tile x warps x stages) on a
+    prefill and a mixed batch: where `_launch_config`'s choices come from."""
+    import itertools
+
+    from triton.testing import do_bench
+
+    from pagedserve.kernels.triton_attention import triton_paged_attention
+
+    cases = [
+        ("prefill 8x1024", [0] * 8, [1024] * 8),
+        ("mixed 256 dec@1100+7x1024", [1100] * 256 + [0] * 7, [1] * 256 + [1024] * 7),
+    ]
+    for name, computed, new in cases:
+        q, kv, meta = random_batch(computed, new, HQ, HKV, D, BLOCK_SIZE, torch.bfloat16, dev)
+        flops = sum(4 * n * (c + n / 2) * HQ * D for c, n in zip(computed, new, strict=True))
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+            launch = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+            ms = do_bench(
+                lambda q=q, kv=kv, meta=meta, launch=launch: triton_paged_attention(
+                    q, kv, meta, D**-0.5, launch=launch
+                ),
+                return_mode="median",
+            )
+            print(
+                f"attention {name:<28} BLOCK_N={block_n:<4} warps={warps} stages={stages}: "
+                f"{1000 * ms:7.0f} us {flops / ms / 1e9:5.0f} TFLOP/s"
+            )
+
+
 def main() -> None:
+    import sys
+
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     torch.manual_seed(0)
+    if "--sweep" in sys.argv[1:]:
+        sweep_attention("cuda")
+        return
     print(torch.cuda.get_device_name(), "bf16, Llama-3-8B shapes; ref_ms is the torch reference")
     print(
         f"{'kernel':<22} {'shape':<34} {'ms':>8} {'ref_ms':>9} {'GB/s':>8} {'peak':>6} "
