@@ -184,9 +184,10 @@ def choose_num_splits(
 def _launch_config(block_m: int) -> dict[str, int]:
     """Key tile and pipelining per tile height, measured on an H100 (Llama-3-8B heads, bf16):
     128-row tiles (prefill, mixed) run fastest with 32-key tiles over 3 stages and 4 warps: an
-    8 x 1024-token prefill takes 302 us a layer against 554 us with 64-key tiles, 8 warps and 2
-    stages; 16-row decode tiles keep 64-key tiles (decode batches reach 96-99% of copy
-    bandwidth). Sweep: `python -m pagedserve.kernels.bench_kernels --sweep`."""
+    8 x 1024-token prefill takes 295 us a layer against 337 us with 64-key tiles, 8 warps and 2
+    stages (a mixed batch of 256 decodes and 7 prompts 844 against 1005 us); 16-row decode
+    tiles keep 64-key tiles (decode batches reach 96-99% of copy bandwidth). The sweep:
+    `python -m pagedserve.kernels.bench_kernels --sweep`."""
     if block_m >= 128:
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
