@@ -107,6 +107,39 @@ def profile_prefill(runner: ModelRunner, num_seqs: int, prompt_len: int) -> None
     )
 
 
+def profile_mixed_host(runner: ModelRunner, decodes: int, prompt_len: int, ctx: int) -> None:
+    """Host time to queue one mixed step (W2's shape: a batch of decodes plus one new prompt,
+    eager), against its GPU time, and where the host time goes (cProfile)."""
+    import cProfile
+    import pstats
+
+    runner.execute(prefill_plan(decodes, ctx, runner.block_size))
+    blocks = list(range(3000, 3000 + -(-prompt_len // runner.block_size)))
+    for i in range(4):
+        new = NewRequest(f"p{i}", list(range(10, 10 + prompt_len)), blocks,
+                         SamplingParams(temperature=0, max_tokens=8), 0)  # fmt: skip
+        cached = [CachedDelta(f"r{j}", [], [], ctx + i) for j in range(decodes)]
+        ids = [f"r{j}" for j in range(decodes)] + [new.req_id]
+        plan = StepPlan(500 + 2 * i, ids, [1] * decodes + [prompt_len], new_requests=[new],
+                        cached=cached)  # fmt: skip
+        torch.cuda.synchronize()
+        prof = cProfile.Profile() if i == 3 else None
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        started = runner.start(plan, None)
+        if prof is not None:
+            prof.disable()
+        host_ms = 1000 * (time.perf_counter() - t0)
+        runner.finish(runner.sample(started))
+        gpu_ms = 1000 * (time.perf_counter() - t0)
+        runner.execute(StepPlan(501 + 2 * i, [], [], finished_ids=[new.req_id]))
+    print(f"--- mixed step ({decodes} decodes + {prompt_len}-token prompt): queueing it takes "
+          f"{host_ms:.1f} ms of host time, start to sampled ids {gpu_ms:.1f} ms")  # fmt: skip
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    runner.execute(StepPlan(599, [], [], finished_ids=[f"r{j}" for j in range(decodes)]))
+
+
 def _replan(plan: StepPlan) -> tuple:
     return plan.scheduled_ids, plan.num_scheduled_tokens, plan.new_requests
 
@@ -123,6 +156,7 @@ def main() -> None:
     runner.init_cache(runner.profile_num_blocks())
     rows = [profile_batch(runner, b, args.ctx) for b in args.batch]
     profile_prefill(runner, 8, 1024)
+    profile_mixed_host(runner, 48, 512, 600)
     print(f"{'batch':>6} {'graph replay ms':>16} {'execute() ms':>13} {'pipelined ms':>13}")
     for r in rows:
         print(f"{r['batch']:>6} {r['graph_replay_ms']:>16.3f} {r['execute_ms']:>13.3f} "
