@@ -309,14 +309,6 @@ class ModelRunner:
                 logprobs[i] = step.logprobs[j]
         return StepResult(plan.step_id, sampled, logprobs)
 
-    def replays_graph(self, plan: StepPlan) -> bool:
-        """Whether the plan runs as a CUDA graph replay (a decode-only batch of a captured size)."""
-        return (
-            self.graphs is not None
-            and all(n == 1 for n in plan.num_scheduled_tokens)
-            and self.graphs.bucket(len(plan.scheduled_ids)) is not None
-        )
-
     def _graph_bucket(self, inputs: StepInputs) -> int | None:
         num_seqs = len(inputs.seq_lens)
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only

@@ -85,11 +85,6 @@ def run_loop(
         while True:
             msg = _next_message(plans, runner, pending)
             if isinstance(msg, StepPlan) and lookahead:
-                if pending is not None and not runner.replays_graph(msg):
-                    # An eager step takes longer to queue (hundreds of launches) than the step
-                    # before takes to finish: report that one first, not after the launches.
-                    _finish(runner, pending, results)
-                    pending = None
                 t0 = time.monotonic()
                 started = runner.start(msg, pending)
                 t1 = time.monotonic()
