@@ -86,9 +86,10 @@ class EngineCore:
         self._last_stats = 0.0
         self._last_liveness = 0.0
         # PAGEDSERVE_STEP_TRACE=FILE: one line per step (sent, result in, result handled,
-        # requests, tokens), to see where a benchmark's time goes; off by default.
+        # requests, tokens), to see where a benchmark's time goes; off by default. Line-buffered:
+        # a process stopped by a signal keeps every line.
         trace = os.environ.get("PAGEDSERVE_STEP_TRACE")
-        self._trace = open(trace, "w", buffering=1 << 16) if trace else None  # noqa: SIM115
+        self._trace = open(trace, "w", buffering=1) if trace else None  # noqa: SIM115
 
     def run(self) -> None:
         try:

@@ -132,7 +132,7 @@ class PhaseClock:
 def _open_trace(rank: int):
     """PAGEDSERVE_STEP_TRACE=FILE (see core/engine_core.py): this rank's host time per step."""
     path = os.environ.get("PAGEDSERVE_STEP_TRACE")
-    return open(f"{path}.worker{rank}", "w", buffering=1 << 16) if path else None  # noqa: SIM115
+    return open(f"{path}.worker{rank}", "w", buffering=1) if path else None  # noqa: SIM115
 
 
 def _next_message(plans: StepReceiver, runner, pending):
