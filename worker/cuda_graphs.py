@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket.
+"""CUDA graphs: one captured forward per bucket, for decode-only steps and for small mixed steps.
 
 A decode step of an 8B model launches ~500 kernels; replaying a graph launches them in one call,
 so batch-1 latency is set by memory bandwidth instead of Python. Every bucket reads its inputs from
@@ -6,6 +6,13 @@ the same static buffers (a batch is padded up to its bucket: padding tokens writ
 the cache-write kernel skips, and attend to one token of block 0) and all buckets share one memory
 pool, captured largest first. Attention metadata in a graph holds only device tensors and host
 upper bounds (max_query_len 1, max_seq_len = max_model_len), so the kernels need no host sync.
+
+`MixedGraphs` does the same for steps that carry prompt chunks, bucketed by token count up to
+`MIXED_MAX_TOKENS`: such a step (a decode batch plus a new prompt, the common step of online
+serving) queues ~200 Triton and ~130 cuBLAS launches eagerly, which takes the host longer (~28 ms
+for 48 decodes and a 512-token prompt on an H100 host) than the GPU takes to run them (~13 ms).
+Its graphs have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that
+owns the padding tokens (they write nowhere and attend among themselves over block 0).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ import torch
 
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.worker.input_batch import StepInputs
+
+MIXED_TOKEN_SIZES = (2048, 1536, 1024, 768, 512, 384, 256, 128, 64)  # captured largest first
+MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -78,7 +88,9 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None) -> None:
+        """Capture every bucket, largest first, into `pool` (shared with other graph sets)."""
+        self.pool = pool
         for size in self.sizes:
             meta = self._meta(size)
             args = (self.input_ids[:size], self.positions[:size], meta)
@@ -121,3 +133,84 @@ class DecodeGraphs:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[size].replay()
         return self.outputs[size][:n]
+
+
+class MixedGraphs(DecodeGraphs):
+    """Graphs for steps with prompt chunks, one per token bucket (see the module docstring)."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        max_seqs: int,
+        max_blocks: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.forward = forward
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = max_blocks
+        self.sizes = [t for t in MIXED_TOKEN_SIZES if t <= max(64, max_model_len)]
+        self.slots = max_seqs + 1  # real rows, empty rows, the padding row last
+        t, s = self.sizes[0], self.slots
+        self.dev64 = torch.zeros((3, t), dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, device=device)
+        self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
+        self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
+        self._flip = 0
+        self.input_ids, self.positions, self.slot_mapping = self.dev64
+        self.slot_mapping.fill_(-1)
+        self.query_start_loc = self.dev32[: s + 1]
+        self.seq_lens = self.dev32[s + 1 : 2 * s + 1]
+        self.block_tables = self.dev32[2 * s + 1 :].view(s, max_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            query_start_loc_cpu=np.zeros(self.slots + 1, dtype=np.int32),
+            seq_lens_cpu=np.full(self.slots, self.max_model_len, dtype=np.int32),
+            max_query_len=size,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+
+    def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
+        if num_seqs >= self.slots:
+            return None
+        fits = [t for t in self.sizes if t >= num_tokens]
+        return min(fits) if fits else None
+
+    def run(
+        self,
+        inputs: StepInputs,
+        size: int,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
+        t, n, s = len(inputs.input_ids), len(inputs.seq_lens), self.slots
+        width = inputs.block_tables.shape[1]
+        self._flip ^= 1
+        h64, h32 = self.host64[self._flip], self.host32[self._flip]
+        a64, a32 = h64.numpy(), h32.numpy()
+        a64[0, :t], a64[1, :t], a64[2, :t] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        a64[0, t:size] = a64[1, t:size] = 0
+        a64[2, t:size] = -1  # padding tokens write nowhere
+        qsl, seq_lens = a32[: s + 1], a32[s + 1 : 2 * s + 1]
+        qsl[: n + 1], qsl[n + 1 : s], qsl[s] = inputs.query_start_loc, t, size
+        seq_lens[:n], seq_lens[n : s - 1], seq_lens[s - 1] = inputs.seq_lens, 0, size - t
+        tables = a32[2 * s + 1 :].reshape(s, self.max_blocks)
+        tables[:n, :width] = inputs.block_tables  # the padding row (never copied) stays zeros
+        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
+        end = 2 * s + 1 + n * self.max_blocks
+        self.dev32[:end].copy_(h32[:end], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
+        self.graphs[size].replay()
+        return self.outputs[size][:t]

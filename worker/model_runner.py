@@ -22,7 +22,7 @@ from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backend import attention_backend_name
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
-from pagedserve.worker.cuda_graphs import DecodeGraphs
+from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs
@@ -82,6 +82,7 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
@@ -149,7 +150,7 @@ class ModelRunner:
         del caches
 
     def init_cache(self, num_blocks: int) -> dict[str, float]:
-        """Allocate the KV cache and capture the decode graphs; seconds spent on each."""
+        """Allocate the KV cache and capture the CUDA graphs; seconds spent on each."""
         t0 = time.perf_counter()
         shape = (num_blocks, *self._kv_block_shape())
         self.kv_caches = [
@@ -158,20 +159,26 @@ class ModelRunner:
         ]
         timings = {"KV cache": time.perf_counter() - t0}
         if self._use_cuda_graphs():
-            self.graphs = DecodeGraphs(
-                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                max_batch=min(self.config.scheduler.max_num_seqs, 512),
+
+            def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
+                return self.model(ids, pos, self.kv_caches, meta)
+
+            shape = dict(
                 max_blocks=self.batch.block_table.shape[1],
                 max_model_len=self.config.max_model_len,
                 block_size=self.block_size,
                 device=self.device,
             )
-            self.graphs.capture()
+            max_seqs = self.config.scheduler.max_num_seqs
+            self.mixed_graphs = MixedGraphs(forward, max_seqs=max_seqs, **shape)
+            self.mixed_graphs.capture()  # the largest activations first: one pool for all
+            self.graphs = DecodeGraphs(forward, max_batch=min(max_seqs, 512), **shape)
+            self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - timings["KV cache"]
         return timings
 
     def _use_cuda_graphs(self) -> bool:
-        """Decode graphs need a capturable attention kernel (no host loops) and one stage."""
+        """Graphs need a capturable attention kernel (no host loops) and one stage."""
         return (
             self.device.type == "cuda"
             and not self.config.model.enforce_eager
@@ -229,8 +236,11 @@ class ModelRunner:
                 len(inputs.input_ids), self.hidden_size, self.dtype, self.device, info.prev_rank
             )
         bucket = self._graph_bucket(inputs)
+        mixed = self._mixed_bucket(inputs) if bucket is None else None
         if bucket is not None:
             hidden = self.graphs.run(inputs, bucket, fill)  # [T, H]
+        elif mixed is not None:
+            hidden = self.mixed_graphs.run(inputs, mixed, fill)  # [T, H]
         else:
             hidden = self._forward(inputs, self.kv_caches, intermediate, fill)  # [T, H]
         if not info.is_last_stage:
@@ -314,6 +324,11 @@ class ModelRunner:
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
             return None
         return self.graphs.bucket(num_seqs)
+
+    def _mixed_bucket(self, inputs: StepInputs) -> int | None:
+        if self.mixed_graphs is None:
+            return None
+        return self.mixed_graphs.bucket(len(inputs.input_ids), len(inputs.seq_lens))
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         req = self.batch.requests[req_id]
