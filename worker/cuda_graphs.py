@@ -8,11 +8,12 @@ pool, captured largest first. Attention metadata in a graph holds only device te
 upper bounds (max_query_len 1, max_seq_len = max_model_len), so the kernels need no host sync.
 
 `MixedGraphs` does the same for steps that carry prompt chunks, bucketed by token count up to
-`MIXED_MAX_TOKENS`: such a step (a decode batch plus a new prompt, the common step of online
-serving) queues ~200 Triton and ~130 cuBLAS launches eagerly, which takes the host longer (~28 ms
-for 48 decodes and a 512-token prompt on an H100 host) than the GPU takes to run them (~13 ms).
-Its graphs have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that
-owns the padding tokens (they write nowhere and attend among themselves over block 0).
+`MIXED_MAX_TOKENS` (bigger steps run eagerly: their GPU time dwarfs their launches). Such a step
+(a decode batch plus a new prompt, the common step of online serving) queues ~200 Triton and ~130
+cuBLAS launches eagerly, which takes the host longer (~28 ms for 48 decodes and a 512-token
+prompt on an H100 host) than the GPU takes to run them (~13 ms); replayed, 1.3 ms. Its graphs
+have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that owns the
+padding tokens (they write nowhere and attend among themselves over block 0).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.worker.input_batch import StepInputs
 
-MIXED_TOKEN_SIZES = (2048, 1536, 1024, 768, 512, 384, 256, 128, 64)  # captured largest first
+# Token buckets of mixed-step graphs, captured largest first: 128 apart up to 1024 (online
+# serving's typical step: a decode batch plus a prompt of a few hundred tokens), coarser above.
+MIXED_TOKEN_SIZES = (3072, 2560, 2048, 1792, 1536, 1280, *range(1024, 0, -128), 64)
 MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
 
 
@@ -142,6 +145,7 @@ class MixedGraphs(DecodeGraphs):
         self,
         forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
         max_seqs: int,
+        max_tokens: int,
         max_blocks: int,
         max_model_len: int,
         block_size: int,
@@ -151,7 +155,10 @@ class MixedGraphs(DecodeGraphs):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
-        self.sizes = [t for t in MIXED_TOKEN_SIZES if t <= max(64, max_model_len)]
+        # Buckets up to the first that holds a whole step (`max_tokens`), if one does.
+        fits = [t for t in MIXED_TOKEN_SIZES if t >= max_tokens]
+        cap = min(fits) if fits else MIXED_MAX_TOKENS
+        self.sizes = [t for t in MIXED_TOKEN_SIZES if t <= cap]
         self.slots = max_seqs + 1  # real rows, empty rows, the padding row last
         t, s = self.sizes[0], self.slots
         self.dev64 = torch.zeros((3, t), dtype=torch.int64, device=device)

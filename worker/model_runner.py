@@ -169,10 +169,13 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
             )
-            max_seqs = self.config.scheduler.max_num_seqs
-            self.mixed_graphs = MixedGraphs(forward, max_seqs=max_seqs, **shape)
+            sched = self.config.scheduler
+            max_tokens = min(sched.max_num_batched_tokens, self.config.max_model_len)
+            self.mixed_graphs = MixedGraphs(
+                forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
+            )
             self.mixed_graphs.capture()  # the largest activations first: one pool for all
-            self.graphs = DecodeGraphs(forward, max_batch=min(max_seqs, 512), **shape)
+            self.graphs = DecodeGraphs(forward, max_batch=min(sched.max_num_seqs, 512), **shape)
             self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - timings["KV cache"]
         return timings
