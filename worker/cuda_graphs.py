@@ -41,54 +41,45 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """What both kinds share: pinned staging, capture into one pool, replay.
+
+    Inputs travel in two host->device copies per step, from pinned staging buffers: int64
+    [input_ids | positions | slot_mapping] and an int32 buffer each kind lays out itself (sequence
+    metadata, then block tables). The static tensors the graphs read are views of the device side.
+    Two host sets alternate, so a step's writes never touch a buffer whose copy may still be
+    queued (the worker starts a step before it has waited for the one before).
+    """
+
     def __init__(
         self,
         forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-        max_batch: int,
+        sizes: list[int],
+        max_tokens: int,
+        int32_len: int,
         max_blocks: int,
         max_model_len: int,
         block_size: int,
         device: torch.device,
     ) -> None:
         self.forward = forward
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.sizes = capture_sizes(max_batch)
-        b = self.sizes[0]
+        self.sizes = sizes  # largest first
         self.max_blocks = max_blocks
-        # Inputs travel in two host->device copies per step, from pinned staging buffers: int64
-        # [input_ids | positions | slot_mapping] and int32 [seq_lens | block_tables]. The static
-        # tensors the graphs read are views of the device side. Two host sets alternate, so a
-        # step's writes never touch a buffer whose copy may still be queued (the worker starts a
-        # step before it has waited for the one before).
-        self.dev64 = torch.zeros((3, b), dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(b + b * max_blocks, dtype=torch.int32, device=device)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.dev64 = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(int32_len, dtype=torch.int32, device=device)
         self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
         self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
         self._flip = 0
         self.input_ids, self.positions, self.slot_mapping = self.dev64
         self.slot_mapping.fill_(-1)
-        self.seq_lens = self.dev32[:b]
-        self.seq_lens.fill_(1)
-        self.block_tables = self.dev32[b:].view(b, max_blocks)
-        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            query_start_loc_cpu=np.arange(size + 1, dtype=np.int32),
-            seq_lens_cpu=np.full(size, self.max_model_len, dtype=np.int32),
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            block_size=self.block_size,
-        )
+        raise NotImplementedError
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -107,6 +98,67 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
+    def _host_buffers(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """The next host set (int64, int32) as numpy, with the token columns written."""
+        self._flip ^= 1
+        a64, a32 = self.host64[self._flip].numpy(), self.host32[self._flip].numpy()
+        n = len(inputs.input_ids)
+        a64[0, :n], a64[1, :n], a64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        return a64, a32
+
+    def _replay(
+        self,
+        size: int,
+        num_tokens: int,
+        int32_end: int,
+        fill: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Copy the staged host set (tokens up to the bucket, int32 up to `int32_end`), fill
+        the tokens only on the device, replay; the real tokens' hidden states."""
+        h64, h32 = self.host64[self._flip], self.host32[self._flip]
+        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
+        self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
+        self.graphs[size].replay()
+        return self.outputs[size][:num_tokens]
+
+
+class DecodeGraphs(_GraphSet):
+    """Decode-only steps, one graph per batch-size bucket; int32 = [seq_lens | block_tables]."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        max_batch: int,
+        max_blocks: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        sizes = capture_sizes(max_batch)
+        b = sizes[0]
+        super().__init__(
+            forward, sizes, b, b + b * max_blocks, max_blocks, max_model_len, block_size, device
+        )
+        self.seq_lens = self.dev32[:b]
+        self.seq_lens.fill_(1)
+        self.block_tables = self.dev32[b:].view(b, max_blocks)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc_cpu=np.arange(size + 1, dtype=np.int32),
+            seq_lens_cpu=np.full(size, self.max_model_len, dtype=np.int32),
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+
     def bucket(self, num_seqs: int) -> int | None:
         fits = [s for s in self.sizes if s >= num_seqs]
         return min(fits) if fits else None
@@ -120,26 +172,18 @@ class DecodeGraphs:
         """Copy a decode batch into the static buffers, replay; hidden states [n, H]. `fill`:
         (token indices, ids) of input tokens that are only on the device."""
         n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
-        self._flip ^= 1
-        h64, h32 = self.host64[self._flip], self.host32[self._flip]
-        a64, a32 = h64.numpy(), h32.numpy()
-        a64[0, :n], a64[1, :n], a64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        a64, a32 = self._host_buffers(inputs)
         a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
         a32[:n], a32[n:size] = inputs.seq_lens, 1
         tables = a32[b : b + size * self.max_blocks].reshape(size, self.max_blocks)
         tables[:n, :width] = inputs.block_tables
         tables[n:size, 0] = 0
-        self.dev64.copy_(h64, non_blocking=True)
-        end = b + size * self.max_blocks
-        self.dev32[:end].copy_(h32[:end], non_blocking=True)
-        if fill is not None:
-            self.input_ids[fill[0]] = fill[1]
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self._replay(size, n, b + size * self.max_blocks, fill)
 
 
-class MixedGraphs(DecodeGraphs):
-    """Graphs for steps with prompt chunks, one per token bucket (see the module docstring)."""
+class MixedGraphs(_GraphSet):
+    """Steps with prompt chunks, one graph per token bucket (see the module docstring); int32 =
+    [query_start_loc (slots + 1) | seq_lens (slots) | block_tables (slots x max_blocks)]."""
 
     def __init__(
         self,
@@ -151,29 +195,18 @@ class MixedGraphs(DecodeGraphs):
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.forward = forward
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.max_blocks = max_blocks
         # Buckets up to the first that holds a whole step (`max_tokens`), if one does.
         fits = [t for t in MIXED_TOKEN_SIZES if t >= max_tokens]
         cap = min(fits) if fits else MIXED_MAX_TOKENS
-        self.sizes = [t for t in MIXED_TOKEN_SIZES if t <= cap]
-        self.slots = max_seqs + 1  # real rows, empty rows, the padding row last
-        t, s = self.sizes[0], self.slots
-        self.dev64 = torch.zeros((3, t), dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, device=device)
-        self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
-        self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
-        self._flip = 0
-        self.input_ids, self.positions, self.slot_mapping = self.dev64
-        self.slot_mapping.fill_(-1)
+        sizes = [t for t in MIXED_TOKEN_SIZES if t <= cap]
+        s = self.slots = max_seqs + 1  # real rows, empty rows, the padding row last
+        int32_len = 2 * s + 1 + s * max_blocks
+        super().__init__(
+            forward, sizes, sizes[0], int32_len, max_blocks, max_model_len, block_size, device
+        )
         self.query_start_loc = self.dev32[: s + 1]
         self.seq_lens = self.dev32[s + 1 : 2 * s + 1]
         self.block_tables = self.dev32[2 * s + 1 :].view(s, max_blocks)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -202,22 +235,13 @@ class MixedGraphs(DecodeGraphs):
     ) -> torch.Tensor:
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
         t, n, s = len(inputs.input_ids), len(inputs.seq_lens), self.slots
-        width = inputs.block_tables.shape[1]
-        self._flip ^= 1
-        h64, h32 = self.host64[self._flip], self.host32[self._flip]
-        a64, a32 = h64.numpy(), h32.numpy()
-        a64[0, :t], a64[1, :t], a64[2, :t] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        a64, a32 = self._host_buffers(inputs)
         a64[0, t:size] = a64[1, t:size] = 0
         a64[2, t:size] = -1  # padding tokens write nowhere
         qsl, seq_lens = a32[: s + 1], a32[s + 1 : 2 * s + 1]
         qsl[: n + 1], qsl[n + 1 : s], qsl[s] = inputs.query_start_loc, t, size
         seq_lens[:n], seq_lens[n : s - 1], seq_lens[s - 1] = inputs.seq_lens, 0, size - t
         tables = a32[2 * s + 1 :].reshape(s, self.max_blocks)
-        tables[:n, :width] = inputs.block_tables  # the padding row (never copied) stays zeros
-        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
-        end = 2 * s + 1 + n * self.max_blocks
-        self.dev32[:end].copy_(h32[:end], non_blocking=True)
-        if fill is not None:
-            self.input_ids[fill[0]] = fill[1]
-        self.graphs[size].replay()
-        return self.outputs[size][:t]
+        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
+        # The padding row's table (never copied, never written) stays zeros: block 0.
+        return self._replay(size, t, 2 * s + 1 + n * self.max_blocks, fill)
