@@ -446,6 +446,7 @@ class FakeWorker:
     before the core has seen them), and checks every token it must feed is known."""
 
     rng: random.Random
+    block_size: int
     batch: dict[str, Mirror] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan, snapshot: dict) -> list[list[int]]:
@@ -477,16 +478,13 @@ class FakeWorker:
             assert m.num_computed == num_computed
             m.num_computed += n
             assert n > 0 and m.num_computed <= len(m.tokens), "a token to feed is unknown"
-            assert len(m.block_ids) * BLOCK_OF[0] >= m.num_computed
+            assert len(m.block_ids) * self.block_size >= m.num_computed
             if m.num_computed == len(m.tokens):
                 m.tokens.append(self.rng.choice([EOS, 9] + [7] * 12))
                 sampled.append([m.tokens[-1]])
             else:
                 sampled.append([])
         return sampled
-
-
-BLOCK_OF = [1]  # the running machine's block size (the worker needs it for its check)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -522,9 +520,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             debug=True,
             async_scheduling=async_scheduling,
         )
-        BLOCK_OF[0] = block_size
         self.rng = random.Random(seed)
-        self.worker = FakeWorker(self.rng)
+        self.worker = FakeWorker(self.rng, block_size)
         self.inflight: list[tuple[StepPlan, dict]] = []
         self.max_inflight = max_inflight
         self.num_added = 0
