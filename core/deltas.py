@@ -24,10 +24,12 @@ def new_request(req: Request) -> NewRequest:
     )
 
 
-def cached_delta(req: Request) -> CachedDelta:
+def cached_delta(req: Request, with_tokens: bool = True) -> CachedDelta:
+    """`with_tokens=False` where every rank that embeds tokens also samples them (one pipeline
+    stage): the workers already hold each sampled token, so it need not travel back."""
     return CachedDelta(
         req_id=req.req_id,
-        new_token_ids=req.all_token_ids[req.num_tokens_sent :],
+        new_token_ids=req.all_token_ids[req.num_tokens_sent :] if with_tokens else [],
         new_block_ids=[b.block_id for b in req.blocks[req.num_blocks_sent :]],
         num_computed_tokens=req.num_computed_tokens,
     )

@@ -77,6 +77,7 @@ class EngineCore:
             config.max_model_len,
             num_blocks,
             async_scheduling=async_scheduling,
+            workers_keep_samples=pp == 1,
         )
         self.max_inflight = 2 if async_scheduling else pp
         self.inflight: deque[StepPlan] = deque()

@@ -9,8 +9,10 @@ request by length; without it (pipeline stages, whose first stage never sees sam
 is skipped until its token is back.
 
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
-(`NewRequest`), then only its new tokens and blocks (`CachedDelta`); requests that left the running
-set (finished, aborted, preempted) are listed once in `finished_ids`.
+(`NewRequest`), then only its new blocks (`CachedDelta`), and its sampled tokens only where the
+ranks that embed tokens do not sample (pipeline stages before the last; with one stage every rank
+keeps its own samples); requests that left the running set (finished, aborted, preempted) are
+listed once in `finished_ids`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Scheduler:
         num_blocks: int,
         debug: bool = False,
         async_scheduling: bool = False,
+        workers_keep_samples: bool = False,
     ) -> None:
         if num_blocks * cache_config.block_size < max_model_len:
             raise ValueError(
@@ -68,6 +71,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.debug = debug  # full (O(blocks)) invariant checks after every call
         self.async_scheduling = async_scheduling
+        # One pipeline stage: the ranks that embed tokens sampled them, so plans carry no tokens.
+        self.workers_keep_samples = workers_keep_samples
         self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
@@ -215,7 +220,7 @@ class Scheduler:
             assert req.num_computed_tokens + num_new <= req.num_tokens + req.num_placeholders
             assert len(req.blocks) >= cdiv(req.num_computed_tokens + num_new, self.block_size)
             if req.in_batch:
-                cached.append(cached_delta(req))
+                cached.append(cached_delta(req, with_tokens=not self.workers_keep_samples))
             else:
                 new_requests.append(new_request(req))
                 req.in_batch = True

@@ -28,6 +28,7 @@ def make(
     max_model_len: int = 64,
     caching: bool = True,
     async_scheduling: bool = False,
+    workers_keep_samples: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
@@ -36,6 +37,7 @@ def make(
         num_blocks=num_blocks,
         debug=True,
         async_scheduling=async_scheduling,
+        workers_keep_samples=workers_keep_samples,
     )
 
 
@@ -419,6 +421,16 @@ def test_cached_delta_carries_only_the_new_token_and_blocks():
     assert plan.new_requests == [] and plan.step_id == 2
 
 
+def test_no_tokens_travel_back_when_the_workers_keep_their_samples():
+    s = make(block_size=4, workers_keep_samples=True)
+    add(s, "a", range(4), ignore_eos=True)
+    step(s)
+    plan, _ = step(s, 8)
+    (cd,) = plan.cached
+    assert (cd.new_token_ids, cd.new_block_ids, cd.num_computed_tokens) == ([], [1], 4)
+    assert s.requests["a"].output_token_ids == [7, 8]
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="max_model_len"):
         make(num_blocks=3, block_size=4, max_model_len=16)
@@ -497,6 +509,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         max_inflight=st.integers(1, 3),
         async_scheduling=st.booleans(),
+        keep_samples=st.booleans(),
         seed=st.integers(0, 2**32),
     )
     def setup(
@@ -509,6 +522,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching,
         max_inflight,
         async_scheduling,
+        keep_samples,
         seed,
     ):
         self.max_model_len = min(num_blocks * block_size, 40)
@@ -519,6 +533,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_blocks=num_blocks,
             debug=True,
             async_scheduling=async_scheduling,
+            workers_keep_samples=keep_samples,
         )
         self.rng = random.Random(seed)
         self.worker = FakeWorker(self.rng, block_size)

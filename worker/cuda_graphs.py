@@ -81,6 +81,28 @@ class _GraphSet:
     def _meta(self, size: int) -> AttentionMetadata:
         raise NotImplementedError
 
+    def _metadata(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, query_start_loc_cpu: np.ndarray
+    ) -> AttentionMetadata:
+        """Metadata over the static buffers: device views and host upper bounds (the host arrays
+        serve the torch reference only; the capturable Triton kernels never read them)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs],
+            block_tables=self.block_tables[:num_seqs],
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=np.full(num_seqs, self.max_model_len, dtype=np.int32),
+            max_query_len=max_query_len,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+
+    def _smallest_fit(self, n: int) -> int | None:
+        """The smallest bucket that holds `n` (None: none does, run eagerly)."""
+        fits = [s for s in self.sizes if s >= n]
+        return min(fits) if fits else None
+
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into `pool` (shared with other graph sets)."""
@@ -147,21 +169,10 @@ class DecodeGraphs(_GraphSet):
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            query_start_loc_cpu=np.arange(size + 1, dtype=np.int32),
-            seq_lens_cpu=np.full(size, self.max_model_len, dtype=np.int32),
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            block_size=self.block_size,
-        )
+        return self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
 
     def bucket(self, num_seqs: int) -> int | None:
-        fits = [s for s in self.sizes if s >= num_seqs]
-        return min(fits) if fits else None
+        return self._smallest_fit(num_seqs)
 
     def run(
         self,
@@ -209,23 +220,11 @@ class MixedGraphs(_GraphSet):
         self.block_tables = self.dev32[2 * s + 1 :].view(s, max_blocks)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            query_start_loc_cpu=np.zeros(self.slots + 1, dtype=np.int32),
-            seq_lens_cpu=np.full(self.slots, self.max_model_len, dtype=np.int32),
-            max_query_len=size,
-            max_seq_len=self.max_model_len,
-            block_size=self.block_size,
-        )
+        unknown = np.zeros(self.slots + 1, dtype=np.int32)  # set per replay, on the device only
+        return self._metadata(size, self.slots, size, unknown)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
-        if num_seqs >= self.slots:
-            return None
-        fits = [t for t in self.sizes if t >= num_tokens]
-        return min(fits) if fits else None
+        return self._smallest_fit(num_tokens) if num_seqs < self.slots else None
 
     def run(
         self,

@@ -25,7 +25,7 @@ from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate,
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.models import build_model
-from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs
+from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -197,7 +197,9 @@ class ModelRunner:
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        to_dev = self._to_device
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return to_device(a, self.device)
+
         meta = AttentionMetadata(
             slot_mapping=to_dev(inputs.slot_mapping),
             query_start_loc=to_dev(inputs.query_start_loc),
@@ -251,17 +253,9 @@ class ModelRunner:
             return StartedStep(plan, inputs, None)
         if not inputs.sample_rows:
             return StartedStep(plan, inputs, None)
-        logits_idx = self._to_device(inputs.logits_indices)
+        logits_idx = to_device(inputs.logits_indices, self.device)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
         return StartedStep(plan, inputs, logits)
-
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """Host array -> device without waiting for the device: through pinned memory (a copy from
-        pageable memory may wait for the stream, i.e. for the step still running)."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
 
     def _device_fill(
         self, inputs: StepInputs, prev: PendingStep | None
@@ -271,7 +265,7 @@ class ModelRunner:
             return None
         assert prev is not None, "an input token is unknown but no step is in flight"
         src = [prev.index[req_id] for req_id in inputs.unknown_ids]
-        idx = self._to_device(np.stack([inputs.unknown, np.asarray(src, dtype=np.int64)]))
+        idx = to_device(np.stack([inputs.unknown, np.asarray(src, dtype=np.int64)]), self.device)
         return idx[0], prev.token_ids[idx[1]]
 
     @torch.inference_mode()

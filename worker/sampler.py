@@ -78,10 +78,9 @@ class Sampler:
         apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows)
         apply_penalties(logits, rows)
-        greedy_ids = logits.argmax(dim=-1)  # [N]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random:
-            return greedy_ids
+            return logits.argmax(dim=-1)  # [N]
         sub_rows = [rows[i] for i in random]
         every = len(random) == len(rows)
         index = None if every else to_device(random, logits.device)
@@ -90,8 +89,9 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         if every:
             return sampled
-        greedy_ids[index] = sampled
-        return greedy_ids
+        token_ids = logits.argmax(dim=-1)  # [N]: the greedy rows'
+        token_ids[index] = sampled
+        return token_ids
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)
@@ -115,11 +115,14 @@ class Sampler:
         return self._generators[device]
 
 
-def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host list (or CPU tensor) on the device without waiting for the device:
-    `torch.tensor(..., device=cuda)` copies from pageable memory and synchronizes the stream,
-    which would stall the worker behind the forward it has just queued."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+def to_device(values: list | np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Small host data (a list, numpy array or CPU tensor) on the device without waiting for
+    the device: a copy from pageable memory (`torch.tensor(..., device=cuda)`) may synchronize the
+    stream, which would stall the worker behind the forward it has just queued."""
+    if isinstance(values, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(values))
+    else:
+        t = values if isinstance(values, torch.Tensor) else torch.tensor(values)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
