@@ -18,9 +18,9 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
+from pagedserve.frontend.openai.protocol import APIError
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
-from pagedserve.frontend.protocol import APIError
 from pagedserve.frontend.tokenizer import load_tokenizer
 from pagedserve.ipc.messages import (
     AbortRequests,

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: `pagedserve launch ...` and `pagedserve bench ...` (frontend/bench.py).
+"""The `pagedserve` command: `pagedserve launch ...` and `pagedserve bench ...` (frontend/bench/).
 
 Every mistake a user can make on the command line ends in one line on stderr and exit code 2:
 argparse's own errors (without the usage dump) and the config's ValueErrors alike.
@@ -198,8 +198,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def _add_bench(sub: Any) -> argparse.ArgumentParser:
-    """`pagedserve bench ...` lives in frontend/bench.py."""
-    from pagedserve.frontend.bench import add_bench_parser, run_bench
+    """`pagedserve bench ...` lives in frontend/bench/."""
+    from pagedserve.frontend.bench.offline import add_bench_parser, run_bench
 
     add_bench_parser(sub)
     bench: argparse.ArgumentParser = sub.choices["bench"]

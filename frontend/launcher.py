@@ -68,7 +68,7 @@ def start_api_server(
     ready_fd: int, opts: LaunchOptions, metrics_dir: str,
 ) -> Child:  # fmt: skip
     cmd = [
-        sys.executable, "-m", "pagedserve.frontend.api_server",
+        sys.executable, "-m", "pagedserve.frontend.openai.api_server",
         "--parent-pid", str(os.getpid()),
         "--config", config_json,
         "--ipc-dir", directory,

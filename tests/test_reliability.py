@@ -27,7 +27,7 @@ import zmq
 from test_cli import child_pids, stream_in_background, wait_exit
 from test_server import Launched, assert_error
 
-from pagedserve.frontend.middleware import ServerMiddleware
+from pagedserve.frontend.openai.middleware import ServerMiddleware
 
 from proctools import descendants, wait_gone
 

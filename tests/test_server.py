@@ -584,7 +584,7 @@ def test_engine_death_gives_503(model_dir: str, tmp_path) -> None:
     core = start_engine_core(config, directory)
     port = free_port()
     cmd = [
-        sys.executable, "-m", "pagedserve.frontend.api_server", "--config", config.to_json(),
+        sys.executable, "-m", "pagedserve.frontend.openai.api_server", "--config", config.to_json(),
         "--ipc-dir", directory, "--core-pid", str(core.pid), "--port", str(port),
         "--log-level", "warning",
     ]  # fmt: skip

@@ -14,9 +14,8 @@ import msgspec
 from fastapi import Request
 from starlette.responses import Response
 
-from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.frontend.protocol import APIError, ChatCompletionRequest, ChatMessage
-from pagedserve.frontend.serving import (
+from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
+from pagedserve.frontend.openai.serving import (
     SSE_DONE,
     ClientDisconnected,
     Cursor,
@@ -29,6 +28,7 @@ from pagedserve.frontend.serving import (
     stream_error,
     usage,
 )
+from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt, render_chat
 
 _encode = msgspec.json.encode

@@ -14,9 +14,8 @@ import msgspec
 from fastapi import Request
 from starlette.responses import Response
 
-from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
-from pagedserve.frontend.protocol import APIError, CompletionRequest
-from pagedserve.frontend.serving import (
+from pagedserve.frontend.openai.protocol import APIError, CompletionRequest
+from pagedserve.frontend.openai.serving import (
     MAX_CHOICES,
     SSE_DONE,
     ClientDisconnected,
@@ -31,6 +30,7 @@ from pagedserve.frontend.serving import (
     stream_error,
     usage,
 )
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt
 from pagedserve.ipc.messages import SamplingParams
 

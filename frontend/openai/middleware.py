@@ -23,7 +23,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.frontend.protocol import error_body
+from pagedserve.frontend.openai.protocol import error_body
 
 logger = logging.getLogger("pagedserve.api")
 OPEN_PATHS = ("/health", "/metrics")

@@ -1,6 +1,6 @@
 """One API server process: FastAPI on uvicorn (uvloop), an AsyncEngine client of the EngineCore.
 
-Started by `pagedserve launch` as `python -m pagedserve.frontend.api_server --fd N ...`: the
+Started by `pagedserve launch` as `python -m pagedserve.frontend.openai.api_server --fd N ...`: the
 launcher binds the listening socket once and every API server accepts on the same fd, so N servers
 share one port. Each server is its own engine client (`--client-index`); the core routes each
 request's outputs back to the server that sent it. Readiness is reported to the launcher as lines
@@ -36,14 +36,14 @@ import pagedserve
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.async_engine import AsyncEngine
 from pagedserve.frontend.engine_client import EngineDeadError
-from pagedserve.frontend.metrics import Metrics
-from pagedserve.frontend.middleware import (
+from pagedserve.frontend.openai.metrics import Metrics
+from pagedserve.frontend.openai.middleware import (
     DEFAULT_MAX_REQUEST_BYTES,
     Drain,
     DrainingServer,
     ServerMiddleware,
 )
-from pagedserve.frontend.protocol import (
+from pagedserve.frontend.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,9 +51,9 @@ from pagedserve.frontend.protocol import (
     TokenizeRequest,
     error_body,
 )
-from pagedserve.frontend.serving import Serving, now_s
-from pagedserve.frontend.serving_chat import ChatServing
-from pagedserve.frontend.serving_completions import CompletionServing
+from pagedserve.frontend.openai.serving import Serving, now_s
+from pagedserve.frontend.openai.serving_chat import ChatServing
+from pagedserve.frontend.openai.serving_completions import CompletionServing
 from pagedserve.frontend.tokenizer import encode_prompt
 from pagedserve.ipc.process import die_with_parent
 

@@ -182,7 +182,7 @@ def add_bench_parser(sub: Any) -> None:
     st.add_argument("--num-iters", type=int, default=2)
     st.add_argument("--timeout", type=float, default=600)
     st.add_argument("launch_args", nargs=argparse.REMAINDER, help="flags passed to launch")
-    from pagedserve.frontend.bench_serve import add_serve_parser
+    from pagedserve.frontend.bench.serve import add_serve_parser
 
     add_serve_parser(kinds)
     for p in (tp, lat, st):
@@ -191,7 +191,7 @@ def add_bench_parser(sub: Any) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_kind == "serve":
-        from pagedserve.frontend.bench_serve import bench_serve
+        from pagedserve.frontend.bench.serve import bench_serve
 
         result = bench_serve(args)
     else:

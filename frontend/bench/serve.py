@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.frontend.bench import random_lengths, random_prompts
+from pagedserve.frontend.bench.offline import random_lengths, random_prompts
 
 
 @dataclass
