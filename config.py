@@ -25,6 +25,22 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def read_generation_config(directory: str) -> dict[str, Any]:
+    """A directory's generation_config.json ({} where it has none)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+# generation_config.json keys that become sampling defaults, as vLLM takes them (max_new_tokens is
+# SamplingParams' max_tokens).
+GENERATION_SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+)  # fmt: skip
+
+
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return hf.get("text_config") or hf
 
@@ -37,8 +53,12 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
     seed: int = 0
     tokenizer: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # the first is the name in responses
     enforce_eager: bool = False  # no CUDA graphs
+    # "auto": sampling defaults from the model's generation_config.json; "vllm": the engine's
+    # own; else a directory whose generation_config.json is read instead (EOS ids included).
+    generation_config: str = "auto"
+    trust_remote_code: bool = False  # the tokenizer may run the checkpoint's own Python code
     # Derived from config.json in __post_init__:
     hf: dict[str, Any] = field(init=False, repr=False, compare=False)
 
@@ -63,10 +83,25 @@ class ModelConfig:
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in self.hf:
                 raise ValueError(f"{self.model}/config.json lacks {key!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(self.generation_config, "generation_config.json")
+        ):
+            raise ValueError(
+                f"--generation-config {self.generation_config!r}: choose auto, vllm or a "
+                "directory holding a generation_config.json"
+            )
+        if isinstance(self.served_model_name, list) and not self.served_model_name:
+            raise ValueError("--served-model-name needs at least one name")
+
+    @property
+    def names(self) -> list[str]:
+        """Every name clients may use for the model; the first is the one responses carry."""
+        names = self.served_model_name or self.model
+        return [names] if isinstance(names, str) else list(names)
 
     @property
     def name(self) -> str:
-        return self.served_model_name or self.model
+        return self.names[0]
 
     @property
     def tokenizer_path(self) -> str:
@@ -100,13 +135,29 @@ class ModelConfig:
         return int(self.hf["vocab_size"])
 
     @property
+    def generation_values(self) -> dict[str, Any]:
+        """The generation_config.json in effect (the model's, or --generation-config DIR's)."""
+        if self.generation_config in ("auto", "vllm"):
+            return read_generation_config(self.model)
+        return read_generation_config(self.generation_config)
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments generation_config sets ({} with "vllm"): what a
+        request that leaves them unset gets, as in vLLM."""
+        if self.generation_config == "vllm":
+            return {}
+        values = self.generation_values
+        out = {k: values[k] for k in GENERATION_SAMPLING_KEYS if values.get(k) is not None}
+        if "max_new_tokens" in out:
+            out["max_tokens"] = out.pop("max_new_tokens")
+        return out
+
+    @property
     def eos_token_ids(self) -> list[int]:
-        """EOS ids from generation_config.json (preferred) or config.json."""
-        eos = None
-        path = os.path.join(self.model, "generation_config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
+        """Every EOS id of generation_config.json (preferred) or config.json (Llama-3 Instruct
+        lists three: a chat turn ends with the last)."""
+        eos = self.generation_values.get("eos_token_id")
         if eos is None:
             eos = self.hf.get("eos_token_id")
         if eos is None:

@@ -20,7 +20,7 @@ def new_request(req: Request) -> NewRequest:
         sampling=req.sampling,
         num_computed_tokens=req.num_computed_tokens,
         output_token_ids=list(req.output_token_ids),
-        eos_token_id=req.eos_token_id,
+        eos_token_ids=req.eos_token_ids,
     )
 
 

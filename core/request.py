@@ -44,7 +44,7 @@ class Request:
         req_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_ids: list[int] | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
         client_index: int = 0,
@@ -55,7 +55,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.sampling = sampling
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = list(eos_token_ids or [])
         self.arrival_time = arrival_time
         self.priority = priority
         self.client_index = client_index
@@ -80,7 +80,7 @@ class Request:
             req_id=msg.req_id,
             prompt_token_ids=msg.prompt_token_ids,
             sampling=msg.sampling,
-            eos_token_id=msg.eos_token_id,
+            eos_token_ids=msg.eos_token_ids,
             arrival_time=msg.arrival_time,
             priority=msg.priority,
             client_index=msg.client_index,
@@ -119,16 +119,16 @@ class Request:
 
 
 def check_stop(req: Request, max_model_len: int) -> RequestStatus | None:
-    """Stop rules after the last output token was appended, in order: a stop token id, EOS
-    (both only once `min_tokens` are out), `max_tokens`, `max_model_len`. Sets `stop_reason`
-    for a stop token id. Stop *strings* are the client's business: it owns the text."""
+    """Stop rules after the last output token was appended, in order: a stop token id, any of
+    the request's EOS ids (both only once `min_tokens` are out), `max_tokens`, `max_model_len`.
+    Sets `stop_reason` for a stop token id. Stop *strings* are the client's business."""
     sp = req.sampling
     last = req.output_token_ids[-1]
     if req.num_output_tokens >= sp.min_tokens:
         if sp.stop_token_ids and last in sp.stop_token_ids:
             req.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
+        if not sp.ignore_eos and last in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
     if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
         return RequestStatus.FINISHED_LENGTH

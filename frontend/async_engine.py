@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
+from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_ids
 from pagedserve.frontend.openai.protocol import APIError
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
@@ -47,14 +48,16 @@ class AsyncEngine:
         self.config = config
         self.client = EngineClient(config, client_index, directory, core_pid)
         try:
-            self.tokenizer = tokenizer or load_tokenizer(config.model.tokenizer_path)
+            self.tokenizer = tokenizer or load_tokenizer(
+                config.model.tokenizer_path, config.model.trust_remote_code
+            )
             self.ready = self.client.wait_ready()
         except BaseException:
             self.client.close()
             raise
-        eos = config.model.eos_token_ids
-        self.eos_token_id = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
-        self.processor = OutputProcessor(self.tokenizer, self.eos_token_id)
+        self.eos_token_ids = stop_eos_ids(config.model, self.tokenizer)
+        self.default_sampling = sampling_defaults(config.model)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.stats = SchedulerStats()
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}

@@ -16,6 +16,7 @@ then shuts them down in order.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.engine_client import start_engine_core
+from pagedserve.frontend.generation_config import describe_defaults
 from pagedserve.ipc.engine_process import ERROR_FILE, start_workers
 from pagedserve.ipc.process import Child, stop_all
 from pagedserve.ipc.sockets import CoreAddresses, ipc_dir
@@ -46,6 +48,34 @@ class LaunchOptions:
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 << 20
     log_requests: bool = False
+    chat_template: str | None = None  # the template's text (--chat-template, loaded)
+    trust_request_chat_template: bool = False
+    uvicorn_log_level: str = "info"
+    allowed_origins: list[str] | None = None  # CORS; None: no CORS headers
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    root_path: str = ""
+
+    def server_argv(self) -> list[str]:
+        """The API server's flags for these options (frontend/openai/api_server.py)."""
+        argv = [
+            "--log-level", self.log_level,
+            "--uvicorn-log-level", self.uvicorn_log_level,
+            "--drain-timeout", str(self.drain_timeout),
+            "--max-request-bytes", str(self.max_request_bytes),
+            "--root-path", self.root_path,
+        ]  # fmt: skip
+        if self.log_requests:
+            argv.append("--log-requests")
+        if self.trust_request_chat_template:
+            argv.append("--trust-request-chat-template")
+        if self.chat_template is not None:
+            argv += ["--chat-template", self.chat_template]
+        if self.allowed_origins is not None:
+            argv += ["--allowed-origins", json.dumps(self.allowed_origins)]
+        if self.ssl_keyfile is not None and self.ssl_certfile is not None:
+            argv += ["--ssl-keyfile", self.ssl_keyfile, "--ssl-certfile", self.ssl_certfile]
+        return argv
 
 
 LAUNCH_T0_ENV = "PAGEDSERVE_LAUNCH_T0"
@@ -76,12 +106,8 @@ def start_api_server(
         "--client-index", str(index),
         "--fd", str(sock.fileno()),
         "--ready-fd", str(ready_fd),
-        "--log-level", opts.log_level,
-        "--drain-timeout", str(opts.drain_timeout),
-        "--max-request-bytes", str(opts.max_request_bytes),
+        *opts.server_argv(),
     ]  # fmt: skip
-    if opts.log_requests:
-        cmd.append("--log-requests")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
     env.pop("PAGEDSERVE_API_KEY", None)
     if opts.api_key:
@@ -143,6 +169,9 @@ class Launcher:
             f"pp {self.config.parallel.pipeline_parallel_size}, "
             f"{self.opts.api_servers} API server(s))"
         )
+        defaults = describe_defaults(mc)
+        if defaults is not None:
+            say(defaults)
         core = start_engine_core(self.config, directory, self.opts.log_level.upper())
         self.children.append(core)
         config_json = self.config.to_json()
@@ -190,9 +219,10 @@ class Launcher:
     def _say_listening(self, t0: float, sock: socket.socket) -> None:
         host, port = sock.getsockname()[:2]
         shown = "[" + host + "]" if ":" in host else host
+        scheme = "http" if self.opts.ssl_certfile is None else "https"
         say(
             f"{self.opts.api_servers} API server(s) ready in {time.monotonic() - t0:.1f} s; "
-            f"listening on http://{shown}:{port}"
+            f"listening on {scheme}://{shown}:{port}{self.opts.root_path}"
         )
 
     def _reason(self, child: Child) -> str:

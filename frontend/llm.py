@@ -11,84 +11,46 @@ here, and blocks until every request of a `generate` call has finished.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from pagedserve.frontend.engine_args import build_engine_config
 from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.generation_config import default_params, describe_defaults, stop_eos_ids
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
 from pagedserve.ipc.messages import AbortRequests, EngineDead, EngineOutputs, SamplingParams
 
 PromptType = str | dict[str, Any]
-
-
-def build_engine_config(model: str, **kw: Any) -> EngineConfig:
-    """An EngineConfig from vLLM-style keyword arguments (shared with the CLI)."""
-    max_batched = kw.get("max_num_batched_tokens") or 8192
-    return EngineConfig(
-        model=ModelConfig(
-            model=model,
-            dtype=kw.get("dtype", "auto"),
-            max_model_len=kw.get("max_model_len"),
-            load_format=kw.get("load_format", "auto"),
-            seed=kw.get("seed", 0),
-            tokenizer=kw.get("tokenizer"),
-            served_model_name=kw.get("served_model_name"),
-            enforce_eager=kw.get("enforce_eager", False),
-        ),
-        cache=CacheConfig(
-            block_size=kw.get("block_size", 16),
-            enable_prefix_caching=kw.get("enable_prefix_caching", True),
-            gpu_memory_utilization=kw.get("gpu_memory_utilization", 0.9),
-            kv_cache_memory=kw.get("kv_cache_memory"),
-            num_blocks_override=kw.get("num_gpu_blocks_override"),
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=kw.get("max_num_seqs") or 256,
-            max_num_batched_tokens=max_batched,
-            policy=kw.get("scheduling_policy", "fcfs"),
-            max_waiting=kw.get("max_waiting"),
-            step_timeout=kw.get("step_timeout") or 600.0,
-            async_scheduling=kw.get("async_scheduling", True),
-        ),
-        parallel=ParallelConfig(
-            tensor_parallel_size=kw.get("tensor_parallel_size", 1),
-            pipeline_parallel_size=kw.get("pipeline_parallel_size", 1),
-            device=kw.get("device", "auto"),
-            nnodes=kw.get("nnodes", 1),
-            node_rank=kw.get("node_rank", 0),
-            master_addr=kw.get("master_addr", "127.0.0.1"),
-            master_port=kw.get("master_port"),
-            pp_layer_partition=kw.get("pp_layer_partition"),
-        ),
-    )
+logger = logging.getLogger("pagedserve")
 
 
 class LLM:
     def __init__(self, model: str, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
-        """`skip_tokenizer_init`: no tokenizer (prompts must be token ids; outputs carry ids,
-        no text), as in vLLM."""
-        self.config = build_engine_config(model, **kwargs)
+        """`model`: a directory or a hub id; `kwargs`: vLLM's engine arguments that pagedserve
+        has (`frontend/engine_args.py`; any other raises TypeError). `skip_tokenizer_init`: no
+        tokenizer (prompts must be token ids; outputs carry ids, no text), as in vLLM."""
         self._client: EngineClient | None = None
+        self.config = build_engine_config(model, **kwargs)
+        mc = self.config.model
+        self._default_params = default_params(mc)  # a bad generation_config fails here, first
+        message = describe_defaults(mc)
+        if message is not None:
+            logger.info(message)
         self._client = EngineClient(self.config)
         try:
             self.tokenizer = (
-                None if skip_tokenizer_init else load_tokenizer(self.config.model.tokenizer_path)
+                None
+                if skip_tokenizer_init
+                else load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
             )
             self._client.wait_ready()
         except BaseException:
             self.close()
             raise
-        eos = self.config.model.eos_token_ids
-        self._eos = eos[0] if eos else getattr(self.tokenizer, "eos_token_id", None)
+        self._eos_ids = stop_eos_ids(mc, self.tokenizer)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API
@@ -104,7 +66,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
+        params = _per_prompt(sampling_params or self._default_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         return self._run(encoded, params, list(priority or [0] * len(prompts)), use_tqdm)
 
@@ -120,7 +82,7 @@ class LLM:
         for conv in conversations:
             text = render_chat(self.tokenizer, conv, add_generation_prompt, chat_template)
             encoded.append((text, encode_prompt(self.tokenizer, text, add_special_tokens=False)))
-        params = _per_prompt(sampling_params or SamplingParams(), len(encoded))
+        params = _per_prompt(sampling_params or self._default_params, len(encoded))
         return self._run(encoded, params, [0] * len(encoded))
 
     def close(self) -> None:
@@ -176,7 +138,7 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         for _, ids in encoded:
             self._check_prompt(ids)
-        processor = OutputProcessor(self.tokenizer, self._eos)
+        processor = OutputProcessor(self.tokenizer, self._eos_ids)
         order = []
         for (text, ids), p, prio in zip(encoded, params, priority, strict=True):
             request_id = str(next(self._ids))

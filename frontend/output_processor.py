@@ -127,9 +127,9 @@ def child_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # each ends a request (unless ignore_eos)
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, tuple[ParentRequest, RequestState]] = {}
 
@@ -159,7 +159,7 @@ class OutputProcessor:
                     cid,
                     prompt_token_ids,
                     child_params,
-                    self.eos_token_id,
+                    self.eos_token_ids,
                     parent.arrival_time,
                     priority,
                     client_index,

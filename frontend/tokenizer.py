@@ -12,16 +12,19 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "mask_token")  # fmt: skip
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """A `FastTokenizer` when the directory's tokenizer is plain tokenizer.json, else
-    transformers' AutoTokenizer (which imports torch: seconds of start-up)."""
+    transformers' AutoTokenizer (which imports torch: seconds of start-up; with
+    `trust_remote_code` it may run the checkpoint's own tokenizer code)."""
     try:
         fast = FastTokenizer.load(path)
         if fast is not None:
             return fast
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as e:  # transformers raises many kinds; say what failed and where
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
 

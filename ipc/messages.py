@@ -113,7 +113,7 @@ class AddRequest(msgspec.Struct, tag=True, **_HOT):
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = []  # each ends the request (unless ignore_eos); none: no EOS
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention)
     client_index: int = 0
@@ -184,7 +184,7 @@ class NewRequest(msgspec.Struct, **_HOT):
     sampling: SamplingParams
     num_computed_tokens: int
     output_token_ids: list[int] = []
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = []
 
 
 class CachedDelta(msgspec.Struct, **_HOT):

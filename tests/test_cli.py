@@ -3,6 +3,7 @@ use, shutdown on SIGTERM, when a child dies and when the launcher is killed (no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -52,16 +53,24 @@ def child_pids(launched: Launched) -> dict[str, int]:
     return out
 
 
-def stream_in_background(url: str, max_tokens: int) -> tuple[list, threading.Thread]:
-    """A streamed completion on its own thread, running when this returns; its SSE payloads
-    (or the transport error that ended it) collect in the returned list."""
-    body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+def stream_in_background(
+    url: str, max_tokens: int, chat: bool = False
+) -> tuple[list, threading.Thread]:
+    """A streamed completion (or chat completion) on its own thread, running when this returns;
+    its SSE payloads (or the transport error that ended it) collect in the returned list. A chat
+    stream's first event (the assistant role) needs no token: it comes even while no worker runs."""
+    body: dict = {"max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+    else:
+        body["prompt"] = "Hello"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     events: list = []
     streaming = threading.Event()
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            with httpx.stream("POST", url + path, json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -140,9 +149,12 @@ def test_default_model(tmp_path) -> None:
 
 
 def test_sigterm_stops_every_process(model_dir: str, tmp_path) -> None:
-    """SIGTERM drains; a stream longer than --drain-timeout is aborted with an error event."""
+    """SIGTERM drains; a stream longer than --drain-timeout is aborted with an error event. The
+    stream outlasts the drain by construction: its worker is stopped (SIGSTOP) before it starts
+    and resumed only once the stream has ended, so no token comes however fast the machine."""
     args = launch_args(model_dir, "--api-servers", "2", "--drain-timeout", "1")
     launched = Launched(args, str(tmp_path / "l.log"))
+    worker = None
     try:
         url = launched.wait_ready()
         out = launched.output()
@@ -152,15 +164,24 @@ def test_sigterm_stops_every_process(model_dir: str, tmp_path) -> None:
         assert set(names) == {"EngineCore", "API server 0", "API server 1", "worker 0"}
         pids = descendants(launched.proc.pid)
         assert len(pids) >= 4  # + at least one worker under the EngineCore
-        events, thread = stream_in_background(url, 480)  # still streaming when SIGTERM arrives
+        worker = names["worker 0"]
+        os.kill(worker, signal.SIGSTOP)
+        events, thread = stream_in_background(url, 480, chat=True)
+        launched.proc.send_signal(signal.SIGTERM)
+        thread.join(30)
     finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGCONT)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the launcher drains and exits
+            launched.proc.wait(timeout=30)
         rc = launched.stop(signal.SIGTERM)
     assert rc == 0, launched.output()
     assert "SIGTERM received; shutting down" in launched.output()
     assert wait_gone(pids, 10) == []
-    thread.join(10)
+    assert not thread.is_alive()
     assert events[-1] == "[DONE]", events[-2:]
     assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert all("error" not in json.loads(e) for e in events[:-2])  # no token, no other error
 
 
 def wait_exit(launched: Launched, timeout: float) -> float:

@@ -18,7 +18,8 @@ V = 32
 
 
 def row(output=(), prompt=(1, 2), eos=None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), eos)
+    eos_ids = () if eos is None else (eos,)
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), eos_ids)
 
 
 def logits_for(n: int, seed: int = 0) -> torch.Tensor:

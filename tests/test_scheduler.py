@@ -48,7 +48,7 @@ def add(s: Scheduler, req_id: str, prompt, priority: int = 0, arrival: float = 0
             req_id=req_id,
             prompt_token_ids=list(prompt),
             sampling=SamplingParams(**sp),
-            eos_token_id=EOS,
+            eos_token_ids=[EOS],
             arrival_time=arrival,
             priority=priority,
         )

@@ -25,7 +25,7 @@ class RequestRow:
     req_id: str
     row: int
     sampling: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: list[int]
     prompt_len: int
     output_token_ids: list[int] = field(default_factory=list)
 
@@ -84,7 +84,7 @@ class InputBatch:
             new.req_id,
             row,
             new.sampling,
-            new.eos_token_id,
+            new.eos_token_ids,
             len(new.prompt_token_ids),
             list(new.output_token_ids),
         )

@@ -333,5 +333,5 @@ class ModelRunner:
             params=req.sampling,
             prompt_token_ids=self.batch.token_ids[req.row, : req.prompt_len],
             output_token_ids=req.output_token_ids,
-            eos_token_id=req.eos_token_id,
+            eos_token_ids=req.eos_token_ids,
         )

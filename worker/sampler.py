@@ -26,7 +26,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    eos_token_id: int | None = None
+    eos_token_ids: Sequence[int] = ()
 
     @property
     def needs_processing(self) -> bool:
@@ -145,15 +145,12 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Below `min_tokens` outputs, EOS and the stop tokens cannot be sampled."""
+    """Below `min_tokens` outputs, no EOS id nor stop token can be sampled."""
     r_idx, t_idx = [], []
     for i, row in enumerate(rows):
         if len(row.output_token_ids) >= row.params.min_tokens:
             continue
-        stops = list(row.params.stop_token_ids or [])
-        if row.eos_token_id is not None:
-            stops.append(row.eos_token_id)
-        for token in stops:
+        for token in [*(row.params.stop_token_ids or ()), *row.eos_token_ids]:
             if 0 <= token < logits.shape[1]:
                 r_idx.append(i)
                 t_idx.append(token)

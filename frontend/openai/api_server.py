@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -111,10 +113,14 @@ def build_app(
     drain: Drain | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_requests: bool = False,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
     server accepts connections (uvicorn's `Server` is expected at `app.state.server`, and is told
-    to exit when a drain started by `drain.request()` ends)."""
+    to exit when a drain started by `drain.request()` ends). `chat_template`: the server's own
+    (else the tokenizer's); `allowed_origins`: CORS (None: no CORS headers)."""
     drain = drain or Drain()
 
     @asynccontextmanager
@@ -139,9 +145,15 @@ def build_app(
         ServerMiddleware, api_key=api_key, server_index=server_index, drain=drain,
         max_request_bytes=max_request_bytes,
     )  # fmt: skip
+    if allowed_origins is not None:  # outermost: preflight requests carry no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
     base = Serving(engine, metrics, log_requests)
-    add_openai_routes(app, engine, metrics, base)
-    add_utility_routes(app, metrics, base, ChatServing(engine, metrics))
+    chat = ChatServing(engine, metrics, log_requests, chat_template, trust_request_chat_template)
+    add_openai_routes(app, engine, base, chat)
+    add_utility_routes(app, metrics, base, chat)
     return app
 
 
@@ -156,24 +168,24 @@ def _exit(app: FastAPI) -> None:
         server.should_exit = True
 
 
-def add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving
-) -> None:
-    completions = CompletionServing(engine, metrics, base.log_requests)
-    chat = ChatServing(engine, metrics, base.log_requests)
+def add_openai_routes(app: FastAPI, engine: AsyncEngine, base: Serving, chat: ChatServing) -> None:
+    completions = CompletionServing(engine, base.metrics, base.log_requests)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {
-            "id": base.model_name,
-            "object": "model",
-            "created": now_s(),
-            "owned_by": "pagedserve",
-            "root": engine.config.model.model,
-            "parent": None,
-            "max_model_len": base.max_model_len,
-        }
-        return _json({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now_s(),
+                "owned_by": "pagedserve",
+                "root": engine.config.model.model,
+                "parent": None,
+                "max_model_len": base.max_model_len,
+            }
+            for name in base.model_names
+        ]
+        return _json({"object": "list", "data": cards})
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
@@ -272,6 +284,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S)
     ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     ap.add_argument("--log-requests", action="store_true")
+    ap.add_argument("--uvicorn-log-level", default="info")
+    ap.add_argument("--chat-template", help="the template itself (the launcher read the file)")
+    ap.add_argument("--trust-request-chat-template", action="store_true")
+    ap.add_argument("--allowed-origins", type=json.loads, help="a JSON list")
+    ap.add_argument("--ssl-keyfile")
+    ap.add_argument("--ssl-certfile")
+    ap.add_argument("--root-path", default="")
     return ap.parse_args(argv)
 
 
@@ -301,14 +320,20 @@ def main(argv: list[str] | None = None) -> int:
         drain=drain,
         max_request_bytes=args.max_request_bytes,
         log_requests=args.log_requests,
+        chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        allowed_origins=args.allowed_origins,
     )
     uv_config = uvicorn.Config(
         app,
         loop="uvloop",
         http="h11",
-        log_level=args.log_level.lower(),
-        access_log=args.log_level.lower() == "debug",
+        log_level=args.uvicorn_log_level.lower(),
+        access_log=args.uvicorn_log_level.lower() in ("debug", "trace"),
         timeout_graceful_shutdown=2,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
     )
     server = DrainingServer(uv_config, drain, args.drain_timeout)
     app.state.server = server

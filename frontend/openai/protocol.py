@@ -1,17 +1,41 @@
 """The OpenAI wire protocol: request bodies as pydantic models, errors in OpenAI's shape.
 
-Requests accept unknown fields (clients send extras; vLLM ignores them too). Only shapes and types
-are checked here; values are checked where they meet the engine (`serving.py`, SamplingParams), so
-each rule lives in one place. Responses are plain dicts built by the serving classes.
+Requests accept unknown fields (clients send extras; vLLM ignores them too), except those that name
+a feature vLLM has and pagedserve does not (`UNSUPPORTED_FIELDS`): those get a 400 naming the field,
+never a silently different answer. Only shapes and types are checked here; values are checked
+where they meet the engine (`serving.py`, SamplingParams), so each rule lives in one place.
+Responses are plain dicts built by the serving classes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20
+
+# Request fields vLLM implements and pagedserve does not (yet), each with the values that ask for
+# nothing (besides null): a request setting one to anything else gets a 400 naming it. A field a
+# request model defines is never refused (completions' `echo` works; chat's is refused). When a
+# feature lands, remove its entries here and add the fields to the request models.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # structured outputs
+    "response_format": ({"type": "text"},),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    # tools and reasoning
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",), "reasoning_effort": (), "documents": (),
+    # sampling and outputs
+    "prompt_logprobs": (), "truncate_prompt_tokens": (), "use_beam_search": (False,),
+    "length_penalty": (1.0,), "bad_words": ([],), "allowed_token_ids": (),
+    "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,), "vllm_xargs": (),
+    # prompts
+    "suffix": (), "prompt_embeds": (), "echo": (False,), "add_special_tokens": (False,),
+    "mm_processor_kwargs": (), "cache_salt": (), "kv_transfer_params": (),
+}  # fmt: skip
 
 
 class APIError(Exception):
@@ -57,6 +81,19 @@ def error_body(
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in UNSUPPORTED_FIELDS.items():
+                value = data.get(name)
+                if value is not None and name not in cls.model_fields and value not in harmless:
+                    raise APIError(
+                        400, f"{name} is not supported by this server.", param=name,
+                        code="unsupported_parameter",
+                    )  # fmt: skip
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -93,7 +130,6 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    suffix: str | None = None
     echo: bool = False
     logprobs: int | None = None
     add_special_tokens: bool = True

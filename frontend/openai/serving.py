@@ -40,13 +40,16 @@ class Serving:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_name = engine.config.model.name
+        self.model_names = engine.config.model.names
+        # generation_config.json's values, for requests that leave them unset (vLLM's rule)
+        self.default_sampling = engine.default_sampling
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.model.vocab_size
         self.metrics = metrics
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
@@ -62,7 +65,8 @@ class Serving:
             raise APIError(503, f"The engine is not running: {message}", code="engine_dead")
 
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
-        """Check a prompt's token ids; return max_tokens (default: up to max_model_len)."""
+        """Check a prompt's token ids; return max_tokens (default: up to max_model_len, or
+        generation_config's max_new_tokens if smaller)."""
         if not ids:
             raise APIError(400, "The prompt is empty.", param="prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
@@ -80,7 +84,7 @@ class Serving:
                     "Please reduce the length of the prompt.",
                     param="prompt",
                 )
-            return limit - len(ids)
+            return min(limit - len(ids), self.default_sampling.get("max_tokens") or limit)
         if len(ids) + max_tokens > limit:
             raise APIError(
                 400,
@@ -115,14 +119,11 @@ class Serving:
     def sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}.", "logprobs")
-        fields = {
-            name: getattr(req, name)
-            for name in (
-                "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty",
-            )
-            if getattr(req, name) is not None
-        }  # fmt: skip
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty")  # fmt: skip
+        fields = {name: getattr(req, name) for name in names}
+        fields = {**self.default_sampling, **{k: v for k, v in fields.items() if v is not None}}
+        fields.pop("max_tokens", None)  # decided by check_prompt
         try:
             return SamplingParams(
                 n=req.n,

@@ -14,6 +14,15 @@ import msgspec
 from fastapi import Request
 from starlette.responses import Response
 
+from pagedserve.frontend.async_engine import AsyncEngine
+from pagedserve.frontend.chat_template import (
+    REQUEST_TEMPLATE_TIMEOUT_S,
+    TRUST_FLAG,
+    TemplateTimeout,
+    request_template,
+    run_bounded,
+)
+from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
 from pagedserve.frontend.openai.serving import (
     SSE_DONE,
@@ -35,6 +44,18 @@ _encode = msgspec.json.encode
 
 
 class ChatServing(Serving):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: Metrics | None = None,
+        log_requests: bool = False,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
+        super().__init__(engine, metrics, log_requests)
+        self.chat_template = chat_template  # --chat-template; None: the tokenizer's own
+        self.trust_request_chat_template = trust_request_chat_template
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -85,16 +106,29 @@ class ChatServing(Serving):
             )  # fmt: skip
         messages = [_message(m) for m in req.messages]
         kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+        kwargs.pop("chat_template", None)
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
-        try:
-            text = render_chat(
+        own = request_template(req)
+        if own is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400, f"This server does not run chat templates sent in requests (start it with "
+                f"{TRUST_FLAG} to allow them).", param="chat_template",
+            )  # fmt: skip
+
+        def render() -> Any:
+            return render_chat(
                 self.tokenizer,
                 messages,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                chat_template=req.chat_template,
+                chat_template=own or self.chat_template,
                 **kwargs,
             )
+
+        try:
+            text = render() if own is None else run_bounded(render, REQUEST_TEMPLATE_TIMEOUT_S)
+        except TemplateTimeout as e:
+            raise APIError(400, f"{e}.", param="chat_template") from e
         except Exception as e:  # jinja2 errors, a missing template, bad kwargs
             raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from e
         if not isinstance(text, str):  # chat_template_kwargs such as {"tokenize": true}

@@ -40,8 +40,6 @@ _encode = msgspec.json.encode
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_request(req)
-        if req.suffix is not None:
-            raise APIError(400, "suffix is not supported.", param="suffix")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs (unsupported).", "echo")
         prompts = self._prompts(req)
