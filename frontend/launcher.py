@@ -222,7 +222,7 @@ class Launcher:
         scheme = "http" if self.opts.ssl_certfile is None else "https"
         say(
             f"{self.opts.api_servers} API server(s) ready in {time.monotonic() - t0:.1f} s; "
-            f"listening on {scheme}://{shown}:{port}{self.opts.root_path}"
+            f"listening on {scheme}://{shown}:{port}"
         )
 
     def _reason(self, child: Child) -> str:

@@ -24,6 +24,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.frontend.engine_client import start_engine_core
 from pagedserve.frontend.llm import build_engine_config
+from pagedserve.frontend.openai.protocol import UNSUPPORTED_FIELDS, CompletionRequest
 from pagedserve.ipc.sockets import ipc_dir
 
 from tiny_models import tiny_model_dir
@@ -44,11 +45,13 @@ LONG = MAX_MODEL_LEN - 16
 class Launched:
     """A `pagedserve launch` subprocess whose output goes to a file."""
 
-    def __init__(self, args: list[str], log_path: str) -> None:
+    def __init__(
+        self, args: list[str], log_path: str, command: str = "launch", env: dict | None = None
+    ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (outlives this call)
-        cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        cmd = [sys.executable, "-m", "pagedserve.frontend.cli", command, *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -58,7 +61,7 @@ class Launched:
         """The base URL, once every API server accepts connections."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = re.search(r"listening on (http://\S+)", self.output())
+            match = re.search(r"listening on (https?://\S+)", self.output())
             if match:
                 return match.group(1)
             if self.proc.poll() is not None:
@@ -449,6 +452,41 @@ def test_bad_requests_are_400(http: httpx.Client, body: dict) -> None:
     for stream in (False, True) if "stream_options" not in body else (False,):
         error = assert_error(http.post(path, json=body | ({"stream": True} if stream else {})), 400)
         assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field", list(UNSUPPORTED_FIELDS))
+def test_unsupported_fields_are_refused_by_name(http: httpx.Client, field: str) -> None:
+    """A feature vLLM has and we lack is a 400 naming it, never silently dropped."""
+    for path, body in (("/v1/chat/completions", CHAT_BODY), ("/v1/completions", COMPLETION)):
+        if field in CompletionRequest.model_fields and path == "/v1/completions":
+            continue  # completions implement it (echo, add_special_tokens)
+        error = assert_error(http.post(path, json=body | {field: 12345}), 400)
+        assert error["param"] == field and field in error["message"], error
+
+
+def test_unsupported_fields_no_op_values_pass(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=1, response_format={"type": "json_object"}
+        )
+    assert "response_format" in info.value.message
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=1, response_format={"type": "text"},
+        tool_choice="none", extra_body={"guided_json": None},
+    )  # fmt: skip
+    assert reply.usage.completion_tokens == 1
+
+
+def test_request_chat_template_needs_trust_flag(http: httpx.Client) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for path, body in (
+        ("/v1/chat/completions", CHAT_BODY | {"chat_template": template}),
+        ("/v1/chat/completions", CHAT_BODY | {"chat_template_kwargs": {"chat_template": template}}),
+        ("/tokenize", {"model": MODEL, "messages": CHAT, "chat_template": template}),
+    ):
+        error = assert_error(http.post(path, json=body), 400)
+        assert "--trust-request-chat-template" in error["message"], error
+        assert error["param"] == "chat_template"
 
 
 def test_error_shapes(http: httpx.Client, client: openai.OpenAI) -> None:

@@ -129,7 +129,7 @@ class ServerMiddleware:
             self.drain.active -= 1
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
-        path = scope["path"]
+        path = route_path(scope)
         if self.drain.draining and path != "/metrics":
             response = _error(
                 503, "The server is shutting down.", "service_unavailable", "server_draining"
@@ -166,6 +166,15 @@ class ServerMiddleware:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+def route_path(scope: Scope) -> str:
+    """The path routes see: with `--root-path /api` uvicorn reports `/api/health` for `/health`
+    (the proxy in front stripped the prefix; the app is told it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root + "/"):
+        return path[len(root) :]
+    return path
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
