@@ -28,6 +28,7 @@ def resolve_model(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    what = f"{flag} {name!r}" + (f" (revision {revision!r})" if revision else "")
     try:
         return snapshot_download(
             name, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS
@@ -35,14 +36,14 @@ def resolve_model(
     except LocalEntryNotFoundError:
         where = download_dir or _default_cache()
         raise ValueError(
-            f"{flag} {name!r}: not in the local cache ({where}) and the hub cannot be reached"
+            f"{what}: not in the local cache ({where}) and the hub cannot be reached"
             f"{' (HF_HUB_OFFLINE is set)' if _offline() else ''}"
         ) from None
     except HFValidationError:
         raise ValueError(f"{flag} {name!r}: no such directory (and not a hub id)") from None
     except Exception as e:  # repository or revision not found, gated, HTTP errors
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{flag} {name!r}: {first_line}") from None
+        raise ValueError(f"{what}: {first_line}") from None
 
 
 def _offline() -> bool:
