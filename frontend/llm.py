@@ -38,7 +38,7 @@ class LLM:
         self._default_params = default_params(mc)  # a bad generation_config fails here, first
         message = describe_defaults(mc)
         if message is not None:
-            logger.info(message)
+            logger.warning(message)
         self._client = EngineClient(self.config)
         try:
             self.tokenizer = (
