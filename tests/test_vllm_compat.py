@@ -342,5 +342,6 @@ def test_download_dir_resolves_hub_ids(hub, monkeypatch) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     cache = os.path.join(hub.home, "hub")
     assert resolve_model(HUB_ID, download_dir=cache) == hub.snapshot
+    assert resolve_model(HUB_ID, revision=SHA, download_dir=cache) == hub.snapshot  # --revision
     with pytest.raises(ValueError, match="not in the local cache"):
         resolve_model("acme/other", download_dir=cache)
