@@ -100,6 +100,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory", type=parse_size, help="KV cache size in bytes (512M, 2G)")
     a("--dtype", default="auto")
     a("--load-format", default="auto")
+    a("--quantization", "-q", help="fp8: quantize a plain checkpoint's weights at load time "
+      "(FP8 checkpoints are detected from their config)")  # fmt: skip
+    a("--kv-cache-dtype", default="auto", help="auto (model dtype) or fp8 (e4m3)")
     a("--seed", type=int, default=0)
     a("--device", default="auto")
     a("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"), help="or PAGEDSERVE_API_KEY")
@@ -164,6 +167,8 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
             kv_cache_memory=args.kv_cache_memory,
             dtype=args.dtype,
             load_format=args.load_format,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             seed=args.seed,
             device=args.device,
             enable_prefix_caching=args.enable_prefix_caching,

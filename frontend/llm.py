@@ -43,6 +43,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             tokenizer=kw.get("tokenizer"),
             served_model_name=kw.get("served_model_name"),
             enforce_eager=kw.get("enforce_eager", False),
+            quantization=kw.get("quantization"),
         ),
         cache=CacheConfig(
             block_size=kw.get("block_size", 16),
@@ -50,6 +51,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             gpu_memory_utilization=kw.get("gpu_memory_utilization", 0.9),
             kv_cache_memory=kw.get("kv_cache_memory"),
             num_blocks_override=kw.get("num_gpu_blocks_override"),
+            kv_cache_dtype=kw.get("kv_cache_dtype") or "auto",
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=kw.get("max_num_seqs") or 256,
