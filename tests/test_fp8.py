@@ -262,3 +262,15 @@ def test_config_json_round_trip_keeps_quantization(checkpoints):
     assert EngineConfig.from_json(cfg.to_json()).model.quant == cfg.model.quant
     with open(os.path.join(checkpoints["tensor"], "config.json")) as f:
         assert json.load(f)["quantization_config"]["ignore"] == ["lm_head"]
+
+
+def test_accuracy_command_on_the_embedded_model():
+    """The README's accuracy figure comes from this command; on one short window FP8 still
+    agrees on most tokens and costs more KL than bf16 does."""
+    from pagedserve.frontend.bench.fp8_accuracy import run
+    from pagedserve.frontend.cli import default_model_dir
+
+    results = run(default_model_dir(), context=64, num_windows=1)
+    assert set(results) == {"bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV"}
+    assert results["fp8 weights + KV"]["top1_agreement"] > 0.8
+    assert 0 <= results["bf16"]["mean_kl"] < results["fp8 weights + KV"]["mean_kl"] < 0.1
