@@ -274,3 +274,15 @@ def test_accuracy_command_on_the_embedded_model():
     assert set(results) == {"bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV"}
     assert results["fp8 weights + KV"]["top1_agreement"] > 0.8
     assert 0 <= results["bf16"]["mean_kl"] < results["fp8 weights + KV"]["mean_kl"] < 0.1
+
+
+def test_metrics_count_cache_blocks_and_tokens(monkeypatch):
+    from pagedserve.frontend.openai.metrics import Metrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = Metrics("m")
+    metrics.set_cache(1000, 16, "fp8_e4m3")
+    text = metrics.render()[0].decode()
+    assert 'pagedserve:kv_cache_num_blocks{model_name="m"} 1000.0' in text
+    assert 'pagedserve:kv_cache_capacity_tokens{model_name="m"} 16000.0' in text
+    assert 'cache_dtype="fp8_e4m3"' in text
