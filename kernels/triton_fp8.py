@@ -2,7 +2,7 @@
 
 Quantization: program (row, column chunk) reads `GROUPS x GROUP` elements of one row, takes each
 group's absolute max, and writes the fp8 values and one float32 scale per group (per token: one
-group as wide as the row, walked in chunks twice: max, then quantize).
+group as wide as the row, held in registers up to 16384 columns, else walked twice in chunks).
 
 Block GEMM (the design DeepSeek-V3 and vLLM use for 128 x 128 block weights): `C[M, N] = sum_g
 (A_g @ B_g^T) * a_scale[:, g] * b_scale[:, g]` where g runs over K in steps of the block width
@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+ONE_PASS_COLS = 16384  # rows up to this width are quantized from registers in one read
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fp8_block_configs.json")
 
 
@@ -46,20 +47,28 @@ def _quant_groups_kernel(
 
 @triton.jit
 def _quant_token_kernel(
-    x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, BLOCK: tl.constexpr
+    x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, num_cols, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < num_cols, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
-    for start in range(0, num_cols, BLOCK):
-        ok = start + cols < num_cols
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+    if ONE_PASS:  # the whole row in registers: one read (decode latency is what matters here)
+        ok = cols < num_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
         q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, num_cols, BLOCK):
+            ok = start + cols < num_cols
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
+        for start in range(0, num_cols, BLOCK):
+            ok = start + cols < num_cols
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
@@ -74,9 +83,10 @@ def triton_quantize_rows(
     if group is None:
         scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
-            block = min(triton.next_power_of_2(k), 4096)
+            block = min(triton.next_power_of_2(k), ONE_PASS_COLS)
+            warps = max(1, min(16, block // 1024))  # <= 32 fp32 values per thread
             _quant_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
-                                      num_warps=8 if block >= 2048 else 4)  # fmt: skip
+                                      ONE_PASS=k <= block, num_warps=warps)  # fmt: skip
         return q, scale
     if group & (group - 1):
         raise ValueError(f"activation group {group} must be a power of two")

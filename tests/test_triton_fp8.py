@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 tiny = pytest.mark.skipif(not RUNNABLE, reason="triton already imported without the interpreter")
 
 if HAS_TRITON:
-    from pagedserve.kernels import fp8
+    from pagedserve.kernels import fp8, triton_fp8
     from pagedserve.kernels.attention import paged_attention_ref, write_kv_cache_ref
     from pagedserve.kernels.bench_kernels import random_batch, relative_error
     from pagedserve.kernels.triton_attention import triton_paged_attention
@@ -52,8 +52,12 @@ def same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @tiny
 @pytest.mark.parametrize("group", [None, 128, 32])
-def test_quantize_rows(group):
+def test_quantize_rows(group, monkeypatch):
     x = torch.randn(9, 300, device=DEV) * torch.logspace(-3, 2, 9, device=DEV)[:, None]
+    if group is None:  # the chunked two-pass path too (rows wider than ONE_PASS_COLS)
+        monkeypatch.setattr(triton_fp8, "ONE_PASS_COLS", 128)
+        torch.testing.assert_close(triton_quantize_rows(x)[1], fp8.quantize_rows(x)[1])
+        monkeypatch.undo()
     q, scale = triton_quantize_rows(x, group)
     q_ref, scale_ref = fp8.quantize_rows(x, group)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
