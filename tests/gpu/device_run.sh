@@ -35,7 +35,9 @@ for step in $STEPS; do
   case $step in *-fp8) X=$FP8; step=${step%-fp8} ;; esac
   case $step in
     profile) $T python3 tests/gpu/profile_step.py $M ${X:+--fp8} 2>&1 | tee "$OUT/$name.txt" | tail -60 ;;
-    fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40 ;;
+    fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40
+        $T python3 -m pagedserve.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;
+    fp8-sweep) $T python3 -m pagedserve.kernels.bench_fp8 --sweep > "$OUT/fp8_block_configs.json" ;;
     table) python3 - "$OUT" <<'PY'
 import json, os, sys
 def get(name, key):
