@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # a constexpr: kernels may read it
+FP8_MAX = tl.constexpr(448.0)  # a constexpr: kernels may read it
 ONE_PASS_COLS = 16384  # rows up to this width are quantized from registers in one read
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fp8_block_configs.json")
 
