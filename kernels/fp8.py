@@ -7,7 +7,7 @@ q/k/v or gate/up parts and TP shards need no alignment of their row counts to th
 Activations are quantized per token (`[M, 1]`), or per token and G-column group (`[M, K/G]`)
 for block weights. `w = w_fp8 * scale`: scales are dequantization factors.
 
-`fp8_linear` is the one entry: on CUDA, `torch._scaled_mm` (cuBLASLt, row-wise scales) for
+`fp8_linear` is the one entry: on CUDA, `torch._scaled_mm` (row-wise scales) for
 per-channel weights and our Triton block GEMM for block weights; elsewhere the reference
 (dequantize, then matmul in float32) that the fast paths are tested against.
 """
@@ -105,7 +105,7 @@ def scaled_mm_rowwise(
     weight_scale: torch.Tensor,  # [N, 1] float32
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [M, N]
-    """cuBLASLt FP8 GEMM with one scale per row of each operand (bf16 output, cast if needed)."""
+    """`torch._scaled_mm` FP8 GEMM with one scale per row of each operand (bf16 output, cast if needed)."""
     out = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16
     )

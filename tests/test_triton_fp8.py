@@ -1,5 +1,5 @@
 """FP8 Triton kernels against their torch references: activation quantization, the w8a8
-block-FP8 GEMM, the FP8 cache write and attention over an FP8 cache; on a GPU also cuBLASLt's
+block-FP8 GEMM, the FP8 cache write and attention over an FP8 cache; on a GPU also torch's
 row-wise FP8 GEMM (`torch._scaled_mm`) and Llama-3-8B sizes.
 
 Without a GPU the kernels run under the Triton interpreter, as in test_triton_kernels.py. The
