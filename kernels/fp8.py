@@ -105,7 +105,7 @@ def scaled_mm_rowwise(
     weight_scale: torch.Tensor,  # [N, 1] float32
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [M, N]
-    """`torch._scaled_mm` FP8 GEMM with one scale per row of each operand (bf16 output, cast if needed)."""
+    """`torch._scaled_mm` with one scale per row of each operand (bf16 out, cast if needed)."""
     out = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16
     )

@@ -36,8 +36,6 @@ def make_param(
 class LinearBase(nn.Module):
     """`weight [out_per_rank, in_per_rank]` (+ FP8 scales) and `matmul(x, bias)`."""
 
-    shard_ids: tuple[Any, ...] = (None,)
-
     def _init_weight(self, rows: int, cols: int, quant: Fp8Scheme | None) -> None:
         self.quant = quant
         fp8 = quant is not None and quant.serialized

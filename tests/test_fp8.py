@@ -286,3 +286,19 @@ def test_metrics_count_cache_blocks_and_tokens(monkeypatch):
     assert 'pagedserve:kv_cache_num_blocks{model_name="m"} 1000.0' in text
     assert 'pagedserve:kv_cache_capacity_tokens{model_name="m"} 16000.0' in text
     assert 'cache_dtype="fp8_e4m3"' in text
+
+
+def test_flags_reach_the_engine_config(plain):
+    import argparse
+
+    from pagedserve.frontend.bench.offline import add_bench_parser, engine_kwargs
+    from pagedserve.frontend.llm import build_engine_config
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="command")
+    add_bench_parser(sub)
+    args = sub.choices["bench"].parse_args(
+        ["latency", "--model", plain, "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    )
+    config = build_engine_config(plain, **engine_kwargs(args))
+    assert config.model.quant is not None and not config.model.quant.serialized
+    assert config.cache.kv_fp8
