@@ -7,6 +7,9 @@
 # (w1-fp8, w2-fp8, w3-fp8, profile-fp8) runs that step with `--quantization fp8 --kv-cache-dtype
 # fp8`; `table` prints W1/W2/W3 of bf16 and fp8 side by side from the JSON files:
 #   STEPS="fp8-tests w3 w3-fp8 w1 w1-fp8 w2 w2-fp8 table" bash tests/gpu/device_run.sh
+# From a helper's worktree: the device call sends the session's checkout, not the worktree, so
+# copy the branch (`git archive HEAD | tar -x -C CHECKOUT/.mycarry/pagedserve`, plus .whl and
+# .gpucarry inside it), list `.mycarry/` in .git/info/exclude, carry it, `cd` there first.
 # (`tp`: tp=2 vs tp=1 greedy equality and decode latency; needs two GPUs, e.g. nvidia-h200-x2)
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
