@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -59,8 +61,10 @@ class ModelConfig:
     # own; else a directory whose generation_config.json is read instead (EOS ids included).
     generation_config: str = "auto"
     trust_remote_code: bool = False  # the tokenizer may run the checkpoint's own Python code
+    quantization: str | None = None  # "fp8": quantize a plain checkpoint's weights at load time
     # Derived from config.json in __post_init__:
     hf: dict[str, Any] = field(init=False, repr=False, compare=False)
+    quant: Fp8Scheme | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf", _text_config(read_hf_config(self.model)))
@@ -68,6 +72,7 @@ class ModelConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
         limit = self.hf.get("max_position_embeddings") or 2048
@@ -172,8 +177,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes; required meaning on CPU, an override on GPU
     num_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (e4m3, per-tensor scales)
 
     def __post_init__(self) -> None:
+        kv_cache_is_fp8(self.kv_cache_dtype)  # validates the name
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size {self.block_size}: must be a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -182,6 +189,10 @@ class CacheConfig:
             raise ValueError("--kv-cache-memory must be positive")
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError("num_blocks_override must be at least 1")
+
+    @property
+    def kv_fp8(self) -> bool:
+        return kv_cache_is_fp8(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     a("--max-model-len", type=int)
     a("--dtype", default="auto")
     a("--load-format", default="auto")
+    a("--quantization", "-q", help="fp8: quantize a plain checkpoint's weights at load time "
+      "(FP8 checkpoints are detected from their config)")  # fmt: skip
+    a("--kv-cache-dtype", default="auto", help="auto (model dtype) or fp8 (e4m3)")
     a("--seed", type=int, default=0, help="seed of requests that bring none")
 
 
@@ -167,6 +170,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,

@@ -24,9 +24,10 @@ ENGINE_ARGS: dict[str, Any] = {
     "tokenizer": None, "revision": None, "download_dir": None, "served_model_name": None,
     "trust_remote_code": False, "generation_config": "auto", "dtype": "auto",
     "max_model_len": None, "load_format": "auto", "seed": 0, "enforce_eager": False,
+    "quantization": None,
     # KV cache
     "block_size": 16, "enable_prefix_caching": True, "gpu_memory_utilization": 0.9,
-    "kv_cache_memory": None, "num_gpu_blocks_override": None,
+    "kv_cache_memory": None, "num_gpu_blocks_override": None, "kv_cache_dtype": "auto",
     # scheduler
     "max_num_seqs": None, "max_num_batched_tokens": None, "scheduling_policy": "fcfs",
     "max_waiting": None, "step_timeout": None, "async_scheduling": True,
@@ -68,6 +69,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             enforce_eager=a["enforce_eager"],
             generation_config=a["generation_config"],
             trust_remote_code=a["trust_remote_code"],
+            quantization=a["quantization"],
         ),
         cache=CacheConfig(
             block_size=a["block_size"],
@@ -75,6 +77,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             gpu_memory_utilization=a["gpu_memory_utilization"],
             kv_cache_memory=a["kv_cache_memory"],
             num_blocks_override=a["num_gpu_blocks_override"],
+            kv_cache_dtype=a["kv_cache_dtype"] or "auto",
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=a["max_num_seqs"] or 256,

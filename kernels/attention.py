@@ -8,6 +8,10 @@ lets a prefill chunk see its earlier chunks without the caller passing them in.
 `paged_attention_ref` is the torch reference: it runs anywhere and is the oracle fast paths are
 tested against. A fast backend (Triton, FlashAttention with `block_table`) plugs in through
 `select_backend` without changing `Attention`'s interface.
+
+FP8 cache (`--kv-cache-dtype fp8`): the cache tensor is float8_e4m3fn; a write stores
+`k / k_scale` (clamped to the e4m3 range) and attention reads `k_fp8 * k_scale` (likewise v), with
+one per-tensor scale per layer from the checkpoint (`k_scale` / `v_scale`) or 1.0.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 from pagedserve.kernels.backend import attention_backend_name, use_triton_cache_write
 
 QUERY_CHUNK = 1024  # query rows per score matrix in the reference
+FP8_MAX = 448.0
 
 
 @dataclass
@@ -89,6 +94,8 @@ def write_kv_cache(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store each new token's K/V in its cache slot, in place; slots < 0 (padding) are skipped.
 
@@ -98,9 +105,16 @@ def write_kv_cache(
     if use_triton_cache_write(kv_cache):
         from pagedserve.kernels.triton_cache import triton_write_kv_cache
 
-        triton_write_kv_cache(key, value, kv_cache, slot_mapping)
+        triton_write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+        write_kv_cache_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V as the cache stores it: FP8 divided by its scale and clamped, else a plain cast."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def write_kv_cache_ref(
@@ -108,14 +122,16 @@ def write_kv_cache_ref(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     keep = slot_mapping >= 0
     key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     block_size = kv_cache.shape[2]
     block_ids = slot_mapping // block_size  # [T]
     offsets = slot_mapping % block_size  # [T]
-    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+    kv_cache[block_ids, 0, offsets] = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    kv_cache[block_ids, 1, offsets] = to_cache_dtype(value, kv_cache.dtype, v_scale)
 
 
 def paged_attention_ref(
@@ -124,6 +140,8 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each row's new tokens over its whole cached context.
 
@@ -141,8 +159,8 @@ def paged_attention_ref(
         num_blocks = -(-seq_len // block_size)
         blocks = meta.block_tables[i, :num_blocks].long()  # [nb]
         kv = kv_cache[blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len]  # [2, S, Hkv, D]
-        key = kv[0].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
-        value = kv[1].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        key = (kv[0].float() * k_scale).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        value = (kv[1].float() * v_scale).repeat_interleave(group, dim=1)  # [S, Hq, D]
         # Query chunks bound the float32 scores at [Hq, QUERY_CHUNK, S] for long prefills.
         for q_start in range(start, end, QUERY_CHUNK):
             q_end = min(q_start + QUERY_CHUNK, end)
@@ -200,6 +218,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         backend: AttentionBackend | None = None,
+        kv_fp8: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -210,6 +229,16 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend = backend or paged_attention_ref
+        # FP8 cache scales: parameters so a checkpoint can set them (absent: 1.0), read into
+        # floats once after loading (`after_loading`) so a step never syncs on them.
+        self.kv_scales = (1.0, 1.0)
+        if kv_fp8:
+            self.k_scale = _scale_param()
+            self.v_scale = _scale_param()
+
+    def after_loading(self) -> None:
+        if hasattr(self, "k_scale"):
+            self.kv_scales = (float(self.k_scale), float(self.v_scale))
 
     def forward(
         self,
@@ -223,6 +252,24 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = self.backend(q, kv_cache, meta, self.scale, self.sliding_window)
+        k_scale, v_scale = self.kv_scales
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        out = self.backend(
+            q, kv_cache, meta, self.scale, self.sliding_window, k_scale=k_scale, v_scale=v_scale
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def _scale_param() -> nn.Parameter:
+    """A per-tensor KV-cache scale; optional in the checkpoint (1.0 when absent)."""
+    p = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+    p.weight_loader = _load_scale  # type: ignore[attr-defined]
+    p.optional = True  # type: ignore[attr-defined]
+    return p
+
+
+def _load_scale(param: nn.Parameter, loaded: object, shard_id: object = None) -> None:
+    value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]  # type: ignore[index]
+    if value.numel() != 1:
+        raise ValueError(f"a KV-cache scale must be one number, got shape {tuple(value.shape)}")
+    param.data.fill_(float(value.reshape(())))

@@ -23,8 +23,13 @@ def flash_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     from flash_attn import flash_attn_varlen_func
+
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("the flash attention backend does not read an FP8 KV cache; use triton")
 
     block_size = kv_cache.shape[2]
     if block_size % FLASH_PAGE_MULTIPLE:

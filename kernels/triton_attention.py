@@ -23,6 +23,9 @@ row's own length, so a graph captured at the longest context stays valid for sho
 Compiled variants: the split count and the batch sizes are runtime values, and tiles are 16 rows
 (decodes) or 128, so the start-up runs (memory profile, graph capture) compile every variant that
 serving meets: a Triton compile in the middle of serving is a second-long stall.
+
+FP8 cache: K/V tiles load as e4m3 and convert to the query dtype for the dots; k_scale folds into
+the score scale and v_scale into the output, so dequantization costs no extra multiply per key.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, num_q_heads, qk_scale, window, num_splits,
+    num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -114,8 +117,8 @@ def _paged_attention_kernel(
         kv_off = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_ptrs = kv_cache_ptr + kv_off[:, None] + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)  # [N, D]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain
         mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -130,6 +133,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
+    acc = acc * v_scale
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -206,8 +210,11 @@ def _check(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata)
         )
     if query.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("query and kv_cache need a contiguous last (head_dim) dimension")
-    if query.dtype != kv_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if query.dtype != kv_cache.dtype and kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"query dtype {query.dtype} differs from kv_cache dtype {kv_cache.dtype} (and the "
+            "cache is not FP8)"
+        )
     tensors = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
     if any(t.dtype != torch.int32 for t in tensors) or meta.block_tables.stride(1) != 1:
         raise ValueError("query_start_loc, seq_lens, block_tables must be int32 (rows contiguous)")
@@ -225,6 +232,8 @@ def triton_paged_attention(
     num_splits: int | None = None,  # None: choose from the batch (tests force it)
     block_m: int | None = None,  # None: 16 for decode batches, 128 with prefills
     launch: dict[str, int] | None = None,  # BLOCK_N, num_warps, num_stages (bench sweeps)
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """`paged_attention_ref`'s contract, from device tensors and host ints only."""
     _check(query, kv_cache, meta)
@@ -255,7 +264,8 @@ def triton_paged_attention(
     _paged_attention_kernel[grid](
         query, kv_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, num_q_heads, scale * LOG2E, sliding_window or 0, num_splits,
+        num_seqs, num_tokens, num_q_heads, scale * k_scale * LOG2E, v_scale, sliding_window or 0,
+        num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         meta.block_tables.stride(0),

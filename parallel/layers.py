@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.parallel.quant_linear import LinearBase, make_param
 from pagedserve.parallel.state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
+from pagedserve.quant_config import Fp8Scheme
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -39,10 +41,15 @@ def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
     return loaded[tuple(index)]
 
 
+def read_all(loaded: Any) -> torch.Tensor:
+    """The whole of a tensor or safetensors slice (0-d ones too)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+
+
 def load_full(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
     """Loader for replicated parameters (norms, biases of row-parallel layers)."""
     assert shard_id is None
-    _copy(param.data, loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+    _copy(param.data, read_all(loaded))
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -53,23 +60,24 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def _param(*shape: int, loader: Any, shard_ids: tuple[Any, ...] = (None,)) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = loader  # type: ignore[attr-defined]
-    p.shard_ids = shard_ids  # type: ignore[attr-defined]  # what the loader must see to be complete
-    return p
+_param = make_param
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """`y = x W^T + b` with W's rows (output features) split across ranks."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        quant: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
         self.output_size_per_rank = divide(output_size, tp_size(), "output size")
         self.gather_output = gather_output
-        self.weight = _param(self.output_size_per_rank, input_size, loader=self.weight_loader)
+        self._init_weight(self.output_size_per_rank, input_size, quant)
         self.bias = _param(self.output_size_per_rank, loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -78,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, narrow(loaded, 0, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] or [T, out]
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -86,9 +94,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices (gate and up) in one matmul; `shard_id` is the index of the
     checkpoint matrix being loaded. Each rank holds its slice of every part, parts concatenated."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant: Fp8Scheme | None = None,
+    ) -> None:
         self.part_sizes = [divide(s, tp_size(), "intermediate size") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant=quant)
         for p in self.parameters():
             p.shard_ids = tuple(range(len(output_sizes)))  # type: ignore[attr-defined]
 
@@ -103,7 +117,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     or replicated when there are fewer kv heads than ranks (each rank keeps the one it needs)."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        quant: Fp8Scheme | None = None,
     ) -> None:
         tp = tp_size()
         self.head_dim = head_dim
@@ -118,7 +138,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         out = (self.q_size + 2 * self.kv_size) * tp
-        super().__init__(hidden_size, out, bias)
+        super().__init__(hidden_size, out, bias, quant=quant)
         for p in self.parameters():
             p.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
 
@@ -138,17 +158,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """`y = x W^T + b` with W's columns (input features) split across ranks: each rank computes a
     partial sum from its slice of x; one all-reduce adds them; the bias is added once after."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        quant: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
         self.input_size_per_rank = divide(input_size, tp_size(), "input size")
         self.reduce_results = reduce_results
-        self.weight = _param(output_size, self.input_size_per_rank, loader=self.weight_loader)
+        self._init_weight(output_size, self.input_size_per_rank, quant)
         self.bias = _param(output_size, loader=load_full) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -156,8 +181,24 @@ class RowParallelLinear(nn.Module):
         size = param.shape[1]
         _copy(param.data, narrow(loaded, 1, tp_rank() * size, size))
 
+    def full_rows(self, param: nn.Parameter) -> int:
+        return param.shape[0]
+
+    def shard_scale(self, param: nn.Parameter, scale: torch.Tensor, shard_id: Any) -> None:
+        """Rows are not split here; block scales split by column blocks, which must align."""
+        assert shard_id is None and self.quant is not None
+        if self.quant.block is None:
+            _copy(param.data, scale)
+            return
+        if tp_size() > 1 and self.input_size_per_rank % self.quant.block[1]:
+            raise ValueError(
+                f"FP8 block scales: this rank's {self.input_size_per_rank} input columns are not "
+                f"a multiple of the {self.quant.block[1]}-column block (use a smaller --tp)"
+            )
+        _copy(param.data, narrow(scale, 1, tp_rank() * param.shape[1], param.shape[1]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

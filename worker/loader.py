@@ -62,7 +62,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         f"{n} (shard {s})" if s is not None else n
         for n, p in params.items()
         for s in getattr(p, "shard_ids", (None,))
-        if (n, s) not in loaded
+        if (n, s) not in loaded and not getattr(p, "optional", False)
     ]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks weights for {', '.join(missing)}")
@@ -75,9 +75,25 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or getattr(param, "optional", False):
                 param.fill_(1.0)
+                continue
+            if name.endswith("weight_scale"):  # FP8 weights below are N(0, 1): 0.02 each
+                param.fill_(0.02)
                 continue
             if param.device not in generators:
                 generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            if param.dtype == torch.float8_e4m3fn:
+                drawn = torch.empty(param.shape, device=param.device, dtype=torch.bfloat16)
+                param.copy_(drawn.normal_(0.0, 1.0, generator=generators[param.device]))
+                continue
             param.normal_(0.0, 0.02, generator=generators[param.device])
+
+
+def after_loading(model: nn.Module) -> None:
+    """Each module's post-load step (`after_loading()`): load-time FP8 quantization of linear
+    weights, KV-cache scales read into floats."""
+    for module in model.modules():
+        hook = getattr(module, "after_loading", None)
+        if hook is not None:
+            hook()

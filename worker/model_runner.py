@@ -73,7 +73,9 @@ class ModelRunner:
         self.hidden_size = int(config.model.hf["hidden_size"])
         torch.manual_seed(config.model.seed)
         layers = layer_range(config.model.num_layers, info, config.parallel.pp_layer_partition)
-        self.model = build_model(config.model, self.dtype, device, layers)
+        kv_fp8 = config.cache.kv_fp8
+        self.model = build_model(config.model, self.dtype, device, layers, kv_fp8=kv_fp8)
+        self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else self.dtype  # fp8: half the bytes
         self.block_size = config.cache.block_size
         self.batch = InputBatch(
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size
@@ -90,7 +92,7 @@ class ModelRunner:
         return (2, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
 
     def _block_bytes(self) -> int:
-        per_layer = int(np.prod(self._kv_block_shape())) * self.dtype.itemsize
+        per_layer = int(np.prod(self._kv_block_shape())) * self.kv_dtype.itemsize
         return per_layer * self.model.num_layers
 
     def profile_num_blocks(self) -> int:
@@ -123,7 +125,9 @@ class ModelRunner:
         num_tokens = min(sched.max_num_batched_tokens, self.config.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
         caches = [
-            torch.zeros((num_blocks, *self._kv_block_shape()), dtype=self.dtype, device=self.device)
+            torch.zeros(
+                (num_blocks, *self._kv_block_shape()), dtype=self.kv_dtype, device=self.device
+            )
             for _ in range(self.model.num_layers)
         ]
         positions = np.arange(num_tokens, dtype=np.int64)
@@ -154,7 +158,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         shape = (num_blocks, *self._kv_block_shape())
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.model.num_layers)
         ]
         timings = {"KV cache": time.perf_counter() - t0}

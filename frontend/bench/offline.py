@@ -32,6 +32,8 @@ ENGINE_FLAGS = {
     "--load-format": ("load_format", str, "auto"),
     "--seed": ("seed", int, 0),
     "--device": ("device", str, "auto"),
+    "--quantization": ("quantization", str, None),
+    "--kv-cache-dtype": ("kv_cache_dtype", str, "auto"),
 }
 
 

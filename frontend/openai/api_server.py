@@ -311,9 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _notifier(args.ready_fd, f"engine {index}")()
     drain = Drain()
+    metrics = Metrics(config.model.name)
+    ready = engine.ready
+    cache_dtype = "fp8_e4m3" if config.cache.kv_fp8 else config.model.resolved_dtype
+    metrics.set_cache(ready.num_blocks, ready.block_size, cache_dtype)
     app = build_app(
         engine,
-        Metrics(config.model.name),
+        metrics,
         os.environ.get("PAGEDSERVE_API_KEY") or None,
         index,
         on_ready=_notifier(args.ready_fd, f"server {index}"),

@@ -74,6 +74,14 @@ class Metrics:
             "api_server_requests_tracked", "Requests the API servers hold state for.", mode="sum"
         )
         self.totals = {key: gauge(key, doc, mode="max") for key, doc in _TOTALS.items()}
+        # KV capacity in blocks and tokens: an FP8 cache holds twice the tokens of a bf16 one.
+        self.kv_blocks = gauge("kv_cache_num_blocks", "KV cache blocks the engine holds.")
+        self.kv_tokens = gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.")
+        self._cache_info = Gauge(
+            P + "cache_config_info", "KV cache layout (value 1).",
+            [*labels, "num_gpu_blocks", "block_size", "cache_dtype"], registry=reg,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=reg
         ).labels(model_name)
@@ -92,6 +100,13 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", lat)
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", lat)
+
+    def set_cache(self, num_blocks: int, block_size: int, cache_dtype: str) -> None:
+        """The KV cache's size and element type, once the engine is ready."""
+        self.kv_blocks.set(num_blocks)
+        self.kv_tokens.set(num_blocks * block_size)
+        labels = (self.model_name, str(num_blocks), str(block_size), cache_dtype)
+        self._cache_info.labels(*labels).set(1)
 
     def on_stats(self, stats: SchedulerStats) -> None:
         """An AsyncEngine stats listener (runs on the event loop for every EngineOutputs)."""

@@ -149,9 +149,11 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights and KV cache")
     args = ap.parse_args()
+    fp8 = dict(quantization="fp8", kv_cache_dtype="fp8") if args.fp8 else {}
     config = build_engine_config(args.model, load_format="dummy", dtype="bfloat16",
-                                 gpu_memory_utilization=0.85)  # fmt: skip
+                                 gpu_memory_utilization=0.85, **fp8)  # fmt: skip
     runner = ModelRunner(config, torch.device("cuda", 0), rank_info(config.parallel, 0))
     runner.init_cache(runner.profile_num_blocks())
     rows = [profile_batch(runner, b, args.ctx) for b in args.batch]

@@ -10,8 +10,9 @@ from torch import nn
 
 from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention import select_backend
-from pagedserve.worker.loader import init_dummy_weights, load_weights
-from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.kernels.fp8 import require_fp8_device
+from pagedserve.worker.loader import after_loading, init_dummy_weights, load_weights
+from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -56,18 +57,26 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     layer_range: tuple[int, int] | None = None,
+    kv_fp8: bool = False,
 ) -> nn.Module:
     """Build the model for `config` on `device` in `dtype` and fill its weights.
 
     `layer_range` `[start, end)` is this pipeline stage's decoder layers (default: all). Weights
     come from the safetensors in `config.model`, or are random for `load_format="dummy"`.
+    `config.quant` makes the linear layers FP8; `kv_fp8` gives attention FP8 cache scales.
     """
     cls = model_class(config.hf)
     device = torch.device(device)
+    if config.quant is not None:
+        require_fp8_device(device, "FP8 weights (--quantization fp8 or an FP8 checkpoint)")
+    if kv_fp8:
+        require_fp8_device(device, "--kv-cache-dtype fp8")
+    opts = ModelOptions(quant=config.quant, kv_fp8=kv_fp8)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config.hf, select_backend(device), layer_range)
+        model = cls(config.hf, select_backend(device), layer_range, opts)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.model)
+    after_loading(model)
     return model.eval()

@@ -9,6 +9,7 @@ on the last.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from pagedserve.parallel.layers import (
     VocabParallelEmbedding,
 )
 from pagedserve.parallel.state import tp_size
+from pagedserve.quant_config import Fp8Scheme
 
 # (our param fragment, checkpoint fragment, shard id)
 STACKED_PARAMS = [
@@ -35,8 +37,25 @@ STACKED_PARAMS = [
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 ]
+# checkpoint suffix -> ours: block-FP8 scales, KV-cache scales (compressed-tensors and older)
+RENAMED = [
+    (".weight_scale_inv", ".weight_scale"),
+    (".self_attn.k_scale", ".self_attn.attn.k_scale"),
+    (".self_attn.v_scale", ".self_attn.attn.v_scale"),
+    (".self_attn.k_proj.output_scale", ".self_attn.attn.k_scale"),
+    (".self_attn.v_proj.output_scale", ".self_attn.attn.v_scale"),
+]
+KV_SCALE_NAMES = tuple(theirs for theirs, ours in RENAMED if ".attn." in ours)
 
 HiddenAndResidual = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the layers store their state: FP8 weights (a scheme) and an FP8 KV cache."""
+
+    quant: Fp8Scheme | None = None
+    kv_fp8: bool = False
 
 
 def sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
@@ -53,7 +72,9 @@ def sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
+    ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         num_heads = hf["num_attention_heads"]
@@ -62,9 +83,12 @@ class LlamaAttention(nn.Module):
         model_type = hf.get("model_type")
         bias = bool(hf.get("attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, num_heads, num_kv_heads, bias=bias or model_type == "qwen2"
+            hidden, self.head_dim, num_heads, num_kv_heads, bias=bias or model_type == "qwen2",
+            quant=opts.quant,
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, hidden, bias=bias, quant=opts.quant
         )
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bias)
         eps = hf.get("rms_norm_eps", 1e-6)
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
@@ -79,6 +103,7 @@ class LlamaAttention(nn.Module):
             scale=self.head_dim**-0.5,
             sliding_window=sliding_window(hf, layer_idx),
             backend=backend,
+            kv_fp8=opts.kv_fp8,
         )
 
     def forward(
@@ -97,25 +122,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf: dict[str, Any]) -> None:
+    def __init__(self, hf: dict[str, Any], quant: Fp8Scheme | None) -> None:
         super().__init__()
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         bias = bool(hf.get("mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias=bias, quant=quant
+        )
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
+    ) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(hf, layer_idx, backend)
-        self.mlp = LlamaMLP(hf)
+        self.self_attn = LlamaAttention(hf, layer_idx, backend, opts)
+        self.mlp = LlamaMLP(hf, opts.quant)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
 
@@ -138,7 +167,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, hf: dict[str, Any], start_layer: int, end_layer: int, backend: AttentionBackend
+        self,
+        hf: dict[str, Any],
+        start_layer: int,
+        end_layer: int,
+        backend: AttentionBackend,
+        opts: ModelOptions,
     ) -> None:
         super().__init__()
         num_layers = hf["num_hidden_layers"]
@@ -148,7 +182,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"])
         # Keyed by the global layer index so parameter names match the checkpoint on every stage.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(hf, i, backend) for i in range(start_layer, end_layer)}
+            {str(i): LlamaDecoderLayer(hf, i, backend, opts) for i in range(start_layer, end_layer)}
         )
         if self.is_last:
             self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
@@ -188,13 +222,15 @@ class LlamaForCausalLM(nn.Module):
         hf: dict[str, Any],
         backend: AttentionBackend,
         layer_range: tuple[int, int] | None = None,
+        opts: ModelOptions | None = None,
     ) -> None:
         super().__init__()
+        self.opts = opts = opts or ModelOptions()
         total = hf["num_hidden_layers"]
         self.start_layer, self.end_layer = layer_range or (0, total)
         if not 0 <= self.start_layer < self.end_layer <= total:
             raise ValueError(f"layer range {layer_range} is outside the model's {total} layers")
-        self.model = LlamaModel(hf, self.start_layer, self.end_layer, backend)
+        self.model = LlamaModel(hf, self.start_layer, self.end_layer, backend, opts)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         if self.model.is_last:
             self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
@@ -230,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
         or is a tied/derived weight we do not keep)."""
         if "rotary_emb.inv_freq" in name:
             return False
+        if name.endswith(KV_SCALE_NAMES) and not self.opts.kv_fp8:
+            return False  # the cache stays in the model dtype
         if name.startswith("model.layers."):
             return self.start_layer <= int(name.split(".")[2]) < self.end_layer
         if name.startswith("model.embed_tokens."):
@@ -242,6 +280,10 @@ class LlamaForCausalLM(nn.Module):
         """Map a checkpoint tensor name to (our parameter name, shard id)."""
         if name.startswith("model.embed_tokens.") and not self.model.is_first:
             return name.replace("model.embed_tokens.", "lm_head."), None  # tied, later stage
+        for theirs, ours in RENAMED:  # before the stacking: k_proj.output_scale is a KV scale
+            if name.endswith(theirs):
+                name = name[: -len(theirs)] + ours
+                break
         for ours, theirs, shard_id in STACKED_PARAMS:
             if theirs in name:
                 return name.replace(theirs, ours), shard_id

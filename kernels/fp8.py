@@ -1,0 +1,112 @@
+"""FP8 (e4m3) linear layers: quantization helpers, the torch reference and the GPU dispatch.
+
+Layout (one for every checkpoint format): a weight is float8_e4m3fn `[N, K]` with a float32
+scale `[N, 1]` (per output channel; per-tensor scales are broadcast to rows) or `[N, ceil(K/G)]`
+(block scales expanded to rows: row n, column group g holds its block's scale, so merged
+q/k/v or gate/up parts and TP shards need no alignment of their row counts to the block).
+Activations are quantized per token (`[M, 1]`), or per token and G-column group (`[M, K/G]`)
+for block weights. `w = w_fp8 * scale`: scales are dequantization factors.
+
+`fp8_linear` is the one entry: on CUDA, `torch._scaled_mm` (row-wise scales) for
+per-channel weights and our Triton block GEMM for block weights; elsewhere the reference
+(dequantize, then matmul in float32) that the fast paths are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.backend import use_triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
+
+
+def require_fp8_device(device: torch.device | str, what: str) -> None:
+    """FP8 needs compute capability 8.9+ (Ada, Hopper) on NVIDIA GPUs; the CPU reference runs
+    anywhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"{what} needs a GPU with FP8 support (compute capability 8.9+: Ada, Hopper or "
+            f"newer); {name} is {major}.{minor}"
+        )
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[M, K] -> (fp8 [M, K], float32 scales [M, 1] or [M, ceil(K/group)])`, symmetric."""
+    m, k = x.shape
+    if group is None:
+        amax = x.abs().amax(dim=1, keepdim=True).float()  # [M, 1]
+        scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp_min(_MIN_SCALE)  # [M, G]
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
+    return q.to(FP8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
+    """`fp8 [M, K]` with `[M, 1]` scales (group None) or `[M, ceil(K/group)]` -> float32."""
+    if group is None:
+        return q.float() * scale.float()
+    return q.float() * scale.float().repeat_interleave(group, dim=1)[:, : q.shape[1]]
+
+
+def expand_block_scales(scale: torch.Tensor, block_rows: int, num_rows: int) -> torch.Tensor:
+    """Checkpoint block scales `[ceil(N/bn), ceil(K/bk)]` -> row-expanded `[num_rows, ...]`."""
+    return scale.float().repeat_interleave(block_rows, dim=0)[:num_rows]
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] or [N, K/G] float32
+    bias: torch.Tensor | None,
+    group: int | None,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """The reference: quantize activations as the fast path does, dequantize both, matmul."""
+    xq, x_scale = quantize_rows(x, group)
+    out = dequantize(xq, x_scale, group) @ dequantize(weight, weight_scale, group).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] or [N, K/G] float32
+    bias: torch.Tensor | None = None,
+    group: int | None = None,  # activation / weight column group (block weights)
+) -> torch.Tensor:  # [M, N]
+    if not use_triton(x):
+        return fp8_linear_ref(x, weight, weight_scale, bias, group)
+    from pagedserve.kernels.triton_fp8 import triton_quantize_rows, triton_w8a8_block_matmul
+
+    xq, x_scale = triton_quantize_rows(x, group)
+    if group is not None:
+        out = triton_w8a8_block_matmul(xq, x_scale, weight, weight_scale, group, x.dtype)
+    else:
+        out = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
+    return out + bias if bias is not None else out
+
+
+def scaled_mm_rowwise(
+    xq: torch.Tensor,  # [M, K] fp8
+    x_scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] float32
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    """`torch._scaled_mm` with one scale per row of each operand (bf16 out, cast if needed)."""
+    out = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16
+    )
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
