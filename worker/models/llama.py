@@ -1,4 +1,6 @@
-"""The Llama family in one model: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family in one model: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
+their mixture-of-experts variants Mixtral and Qwen3-MoE (`FusedMoE` in place of the MLP on sparse
+layers), and Phi-3 (checkpoints with q/k/v and gate/up already fused).
 
 Parameter names follow transformers' checkpoints except where two matrices run as one matmul
 (`qkv_proj`, `gate_up_proj`); `STACKED_PARAMS` maps the checkpoint names onto those. A pipeline
@@ -9,6 +11,7 @@ on the last.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from pagedserve.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedserve.parallel.moe import FusedMoE
 from pagedserve.parallel.state import tp_size
 
 # (our param fragment, checkpoint fragment, shard id)
@@ -35,6 +39,10 @@ STACKED_PARAMS = [
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 ]
+# Per-expert checkpoint tensors (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down) -> stacked params.
+EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PROJECTION = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 HiddenAndResidual = tuple[torch.Tensor, torch.Tensor]
 
@@ -46,10 +54,33 @@ def sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
         return None
     if hf.get("layer_types"):
         return window if hf["layer_types"][layer_idx] == "sliding_attention" else None
-    if hf.get("model_type") in ("qwen2", "qwen3"):
+    if hf.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
         use = hf.get("use_sliding_window") and layer_idx >= hf.get("max_window_layers", 0)
         return window if use else None
-    return window if hf.get("model_type") == "mistral" else None
+    return window if hf.get("model_type") in ("mistral", "mixtral", "phi3") else None
+
+
+def make_mlp(hf: dict[str, Any], layer_idx: int) -> nn.Module:
+    """The layer's feed-forward block: experts on MoE models' sparse layers, else a dense MLP.
+    Qwen3-MoE keeps dense layers listed in `mlp_only_layers` or off `decoder_sparse_step`."""
+    model_type = hf.get("model_type")
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if model_type == "mixtral":
+        return FusedMoE(
+            num_experts, hf["num_experts_per_tok"], hf["hidden_size"], hf["intermediate_size"], True
+        )
+    if model_type == "qwen3_moe":
+        step = hf.get("decoder_sparse_step") or 1
+        sparse = layer_idx not in (hf.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
+        if num_experts > 0 and sparse:
+            return FusedMoE(
+                num_experts,
+                hf["num_experts_per_tok"],
+                hf["hidden_size"],
+                hf["moe_intermediate_size"],
+                bool(hf.get("norm_topk_prob", False)),
+            )
+    return LlamaMLP(hf)
 
 
 class LlamaAttention(nn.Module):
@@ -66,7 +97,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bias)
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
@@ -115,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(hf, layer_idx, backend)
-        self.mlp = LlamaMLP(hf)
+        self.mlp = make_mlp(hf, layer_idx)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
 
@@ -242,6 +273,12 @@ class LlamaForCausalLM(nn.Module):
         """Map a checkpoint tensor name to (our parameter name, shard id)."""
         if name.startswith("model.embed_tokens.") and not self.model.is_first:
             return name.replace("model.embed_tokens.", "lm_head."), None  # tied, later stage
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral
+        expert = EXPERT_WEIGHT.search(name)
+        if expert is not None:
+            projection = EXPERT_PROJECTION.get(expert[2], expert[2])
+            stacked = ".w2_weight" if projection == "w2" else ".w13_weight"
+            return name[: expert.start()] + stacked, (int(expert[1]), projection)
         for ours, theirs, shard_id in STACKED_PARAMS:
             if theirs in name:
                 return name.replace(theirs, ours), shard_id
