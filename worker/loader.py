@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.parallel.layers import load_full
+from pagedserve.parallel.layers import FusedShards, load_full
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -57,7 +57,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         loader = getattr(param, "weight_loader", load_full)
         with torch.no_grad():
             loader(param, tensor, shard_id)
-        loaded.add((param_name, shard_id))
+        parts = shard_id.ids if isinstance(shard_id, FusedShards) else (shard_id,)
+        loaded.update((param_name, part) for part in parts)
     missing = [
         f"{n} (shard {s})" if s is not None else n
         for n, p in params.items()

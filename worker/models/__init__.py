@@ -1,4 +1,4 @@
-"""Llama-family models: `build_model` picks the architecture from config.json and loads weights."""
+"""Models: `build_model` picks the architecture from config.json and loads weights."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention import select_backend
 from pagedserve.worker.loader import init_dummy_weights, load_weights
+from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
 ARCHITECTURES = {
@@ -20,6 +21,9 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -28,6 +32,9 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

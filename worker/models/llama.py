@@ -22,6 +22,7 @@ from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionM
 from pagedserve.kernels.norm import RMSNorm
 from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
 from pagedserve.parallel.layers import (
+    FusedShards,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -43,6 +44,8 @@ STACKED_PARAMS = [
 EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PROJECTION = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+# Checkpoints that store the merged matrices already (Phi-3): one tensor, several shards.
+FUSED_PARAMS = {".qkv_proj.": FusedShards(("q", "k", "v")), ".gate_up_proj.": FusedShards((0, 1))}
 
 HiddenAndResidual = tuple[torch.Tensor, torch.Tensor]
 
@@ -168,6 +171,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, this stage's decoder layers, final norm. Variants (Gemma) swap the layer and
+    norm types and the embedding through the class attributes and `embed`."""
+
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(
         self, hf: dict[str, Any], start_layer: int, end_layer: int, backend: AttentionBackend
     ) -> None:
@@ -179,10 +188,13 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"])
         # Keyed by the global layer index so parameter names match the checkpoint on every stage.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(hf, i, backend) for i in range(start_layer, end_layer)}
+            {str(i): self.decoder_layer(hf, i, backend) for i in range(start_layer, end_layer)}
         )
         if self.is_last:
-            self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+            self.norm = self.norm_class(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -193,7 +205,7 @@ class LlamaModel(nn.Module):
         intermediate: HiddenAndResidual | None = None,
     ) -> torch.Tensor | HiddenAndResidual:
         if self.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             assert intermediate is not None, (
                 "a later pipeline stage needs the previous one's output"
@@ -214,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
     which passes them back in as `intermediate`.
     """
 
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(
         self,
         hf: dict[str, Any],
@@ -225,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.start_layer, self.end_layer = layer_range or (0, total)
         if not 0 <= self.start_layer < self.end_layer <= total:
             raise ValueError(f"layer range {layer_range} is outside the model's {total} layers")
-        self.model = LlamaModel(hf, self.start_layer, self.end_layer, backend)
+        self.model = self.model_class(hf, self.start_layer, self.end_layer, backend)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         if self.model.is_last:
             self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
@@ -282,4 +296,7 @@ class LlamaForCausalLM(nn.Module):
         for ours, theirs, shard_id in STACKED_PARAMS:
             if theirs in name:
                 return name.replace(theirs, ours), shard_id
+        for fragment, fused in FUSED_PARAMS.items():
+            if fragment in name:
+                return name, fused
         return name, None
