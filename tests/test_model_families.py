@@ -46,7 +46,8 @@ def test_engine_tp2_prefix_cache_equals_transformers(family):
     path, _, _ = family
     gen = torch.Generator().manual_seed(7)
     shared = torch.randint(3, 500, (16,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 12, 7)]
+    # At most 31 positions: see test_longrope_switch_matches_incremental_transformers.
+    prompts = [shared + torch.randint(3, 500, (n,), generator=gen).tolist() for n in (3, 7, 5)]
     want, _ = hf_greedy(path, prompts, NUM_NEW)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(
@@ -57,3 +58,73 @@ def test_engine_tp2_prefix_cache_equals_transformers(family):
         rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
     assert all(o.num_cached_tokens == 16 for o in rest)
     assert [o.outputs[0].token_ids for o in first + rest] == want
+
+
+def test_longrope_switch_matches_incremental_transformers(tmp_path_factory):
+    """Past its original context (32) Phi-3's longrope switches to the long factors. Decoding one
+    token at a time over the paged cache equals transformers' own incremental forward (which
+    rotates each new token by the factors of the length so far). Its `generate` rotates the step
+    that crosses differently, so the engine test above stays below 32 positions."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    path = make_tiny_model("phi3", str(tmp_path_factory.getbasetemp() / "phi3"))
+    ours = build_model(ModelConfig(model=path), torch.float32, torch.device("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seq = random_seqs([36], seed=6)[0]
+    runner = PagedRunner(ours, [seq])
+    got = [runner.step({0: 28})[0][-1]] + [runner.step({0: 1})[0][0] for _ in range(8)]
+    cache = DynamicCache(config=theirs.config)
+    with torch.no_grad():
+        want = [theirs(torch.tensor([seq[:28]]), past_key_values=cache).logits[0, -1]]
+        for token in seq[28:]:
+            want.append(theirs(torch.tensor([[token]]), past_key_values=cache).logits[0, -1])
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=1e-4, rtol=0)
+    prefilled = PagedRunner(ours, [seq]).step({0: 36})[0][32:]  # long factors from position 32 on
+    torch.testing.assert_close(prefilled, torch.stack(got[5:]), atol=1e-4, rtol=0)
+
+
+def test_sharded_moe_checkpoint_and_clear_errors(tmp_path):
+    """Per-expert tensors across several safetensors files (an index) load into the stacked
+    parameters; a missing expert tensor, a missing shard file and an unknown architecture are
+    refused by name."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model("mixtral", str(tmp_path / "src"))
+    whole = build_model(ModelConfig(model=src), torch.float32, "cpu")
+    theirs = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    theirs.save_pretrained(sharded, max_shard_size="200KB")
+    with open(sharded / "model.safetensors.index.json") as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(files) > 2
+    reloaded = dict(
+        build_model(ModelConfig(model=str(sharded)), torch.float32, "cpu").named_parameters()
+    )
+    for name, param in whole.named_parameters():
+        assert torch.equal(reloaded[name], param), name
+    missing = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    victim = next(f for f in files if missing in load_file(sharded / f))
+    weights = load_file(sharded / victim)
+    del weights[missing]
+    save_file(weights, sharded / victim, metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"lacks model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    ):
+        build_model(ModelConfig(model=str(sharded)), torch.float32, "cpu")
+    os.remove(sharded / victim)
+    with pytest.raises(ValueError, match=f"names missing files: {victim}"):
+        build_model(ModelConfig(model=str(sharded)), torch.float32, "cpu")
+    odd = tmp_path / "odd"
+    shutil.copytree(src, odd)
+    with open(odd / "config.json") as f:
+        config = json.load(f)
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    with open(odd / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"\['DeepseekV3ForCausalLM'\] is not supported"):
+        build_model(ModelConfig(model=str(odd)), torch.float32, "cpu")

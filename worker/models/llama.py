@@ -251,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = self.end_layer - self.start_layer
         self.vocab_size = hf["vocab_size"]
         self.tp_size = tp_size()
+        self.hf_model_type = hf.get("model_type")
 
     def forward(
         self,
@@ -282,6 +283,24 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return self.model.is_last and not self.tie_word_embeddings
         return self.model.is_last  # model.norm.*
+
+    def checkpoint_name(self, param_name: str, shard_id: Any) -> str:
+        """The checkpoint tensor that fills `param_name`'s `shard_id` (for error messages)."""
+        model_type = self.hf_model_type
+        if isinstance(shard_id, tuple):  # an expert: (index, "w1" | "w3" | "w2")
+            expert, projection = shard_id
+            stacked = param_name.rsplit(".", 1)[0]
+            if model_type == "mixtral":
+                stacked = stacked.replace(".mlp", ".block_sparse_moe")
+                return f"{stacked}.experts.{expert}.{projection}.weight"
+            theirs = {v: k for k, v in EXPERT_PROJECTION.items()}[projection]
+            return f"{stacked}.experts.{expert}.{theirs}.weight"
+        if shard_id is None or model_type == "phi3":
+            return param_name
+        for ours, theirs, sid in STACKED_PARAMS:
+            if ours in param_name and sid == shard_id:
+                return param_name.replace(ours, theirs)
+        return param_name
 
     def checkpoint_to_param(self, name: str) -> tuple[str, Any]:
         """Map a checkpoint tensor name to (our parameter name, shard id)."""
