@@ -23,6 +23,7 @@ def flash_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     from flash_attn import flash_attn_varlen_func
 
@@ -45,5 +46,6 @@ def flash_paged_attention(
         softmax_scale=scale,
         causal=True,
         window_size=window,
+        softcap=logit_softcap or 0.0,
         block_table=meta.block_tables,
     )
