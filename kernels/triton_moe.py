@@ -31,7 +31,8 @@ def align_by_expert(
     (the expert of each row block, -1 past the last used block), P = T*K + E*(BM - 1) rounded up."""
     flat = topk_ids.reshape(-1).to(torch.int64)  # [TK]
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount syncs on CUDA)
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     order = torch.argsort(flat, stable=True)  # [TK] pairs in expert order
