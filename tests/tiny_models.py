@@ -14,10 +14,11 @@ from `torch.manual_seed(SEED)` with norms and biases randomized too (so a skippe
 shows up in equivalence tests).
 
 `FAMILY_KINDS` are the further families, each bending what matters about it: Mixtral (4 experts,
-top 2, renormalized); Qwen3-MoE (a dense layer 0 by `mlp_only_layers`, 8 experts without
-`norm_topk_prob`, YaRN rope); Gemma 2 and Gemma 3 (an 8-token window on layer 0, strong soft-caps,
-Gemma 3 with linear-scaled global rope); Phi-3 (fused q/k/v and gate/up, longrope past position 32
-on half of each head). `TINY_KINDS` does not list them: the engine-wide suites run per kind.
+top 2, renormalized, an 8-token window on every layer); Qwen3-MoE (a dense layer 0 by
+`mlp_only_layers`, 8 experts without `norm_topk_prob`, YaRN rope); Gemma 2 and Gemma 3 (an
+8-token window on layer 0, strong soft-caps, Gemma 3 with linear-scaled global rope); Phi-3
+(fused q/k/v and gate/up, longrope past position 32 on half of each head). `TINY_KINDS` does
+not list them: the engine-wide suites run per kind.
 """
 
 from __future__ import annotations
@@ -131,7 +132,10 @@ def _family_configs(common: dict) -> dict[str, tuple[type, object]]:
     moe = dict(num_experts_per_tok=2)
     qwen3_moe = dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=False)
     return {
-        "mixtral": (MixtralForCausalLM, MixtralConfig(**common, **moe, num_local_experts=4)),
+        "mixtral": (
+            MixtralForCausalLM,
+            MixtralConfig(**common, **moe, num_local_experts=4, sliding_window=8),
+        ),
         "qwen3-moe": (
             Qwen3MoeForCausalLM,
             Qwen3MoeConfig(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.config import attention_layer_type, layer_sliding_window
 from pagedserve.kernels.activation import gelu_tanh_and_mul
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import GemmaRMSNorm
@@ -27,17 +28,6 @@ from pagedserve.parallel.layers import (
     RowParallelLinear,
 )
 from pagedserve.worker.models.llama import HiddenAndResidual, LlamaForCausalLM, LlamaModel
-
-
-def layer_type(hf: dict[str, Any], layer_idx: int) -> str:
-    """`sliding_attention` or `full_attention`, from `layer_types` or the older spellings (Gemma 2:
-    even layers local; Gemma 3: every `sliding_window_pattern`-th layer global)."""
-    if hf.get("layer_types"):
-        return hf["layer_types"][layer_idx]
-    if hf.get("model_type") == "gemma2":
-        return "sliding_attention" if layer_idx % 2 == 0 else "full_attention"
-    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
-    return "full_attention" if (layer_idx + 1) % pattern == 0 else "sliding_attention"
 
 
 class GemmaAttention(nn.Module):
@@ -54,7 +44,7 @@ class GemmaAttention(nn.Module):
             eps = hf.get("rms_norm_eps", 1e-6)
             self.q_norm = GemmaRMSNorm(self.head_dim, eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-        kind = layer_type(hf, layer_idx)
+        kind = attention_layer_type(hf, layer_idx)
         rope = rope_config(hf, kind if self.is_gemma3 else None)
         max_position = hf.get("max_position_embeddings") or 8192
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope)
@@ -63,7 +53,7 @@ class GemmaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             self.head_dim,
             scale=float(hf.get("query_pre_attn_scalar") or self.head_dim) ** -0.5,
-            sliding_window=hf.get("sliding_window") if kind == "sliding_attention" else None,
+            sliding_window=layer_sliding_window(hf, layer_idx),
             backend=backend,
             logit_softcap=None if self.is_gemma3 else hf.get("attn_logit_softcapping"),
         )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.config import layer_sliding_window
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import RMSNorm
@@ -48,19 +49,6 @@ QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 FUSED_PARAMS = {".qkv_proj.": FusedShards(("q", "k", "v")), ".gate_up_proj.": FusedShards((0, 1))}
 
 HiddenAndResidual = tuple[torch.Tensor, torch.Tensor]
-
-
-def sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
-    """The layer's attention window, from whichever spelling the config uses (None: full)."""
-    window = hf.get("sliding_window")
-    if window is None:
-        return None
-    if hf.get("layer_types"):
-        return window if hf["layer_types"][layer_idx] == "sliding_attention" else None
-    if hf.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
-        use = hf.get("use_sliding_window") and layer_idx >= hf.get("max_window_layers", 0)
-        return window if use else None
-    return window if hf.get("model_type") in ("mistral", "mixtral", "phi3") else None
 
 
 def make_mlp(hf: dict[str, Any], layer_idx: int) -> nn.Module:
@@ -111,7 +99,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             self.head_dim,
             scale=self.head_dim**-0.5,
-            sliding_window=sliding_window(hf, layer_idx),
+            sliding_window=layer_sliding_window(hf, layer_idx),
             backend=backend,
         )
 
