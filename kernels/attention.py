@@ -219,7 +219,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = backend or paged_attention_ref
         # Passed only when set, so backends without soft-capping keep their signature.
-        self.extra = {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
+        self.backend_kwargs = (
+            {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
+        )
 
     def forward(
         self,
@@ -234,5 +236,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = self.backend(q, kv_cache, meta, self.scale, self.sliding_window, **self.extra)
+        out = self.backend(
+            q, kv_cache, meta, self.scale, self.sliding_window, **self.backend_kwargs
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
