@@ -47,6 +47,34 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return hf.get("text_config") or hf
 
 
+def attention_layer_type(hf: dict[str, Any], layer_idx: int) -> str:
+    """`sliding_attention` or `full_attention`: from `layer_types`, else the older spellings
+    (Gemma 2: even layers local; Gemma 3: every `sliding_window_pattern`-th layer global; Qwen2/3:
+    `use_sliding_window` from `max_window_layers` on; Mistral, Mixtral, Phi-3: every layer once
+    `sliding_window` is set)."""
+    if hf.get("layer_types"):
+        return hf["layer_types"][layer_idx]
+    model_type = hf.get("model_type")
+    if model_type == "gemma2":
+        local = layer_idx % 2 == 0
+    elif model_type in ("gemma3", "gemma3_text"):
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        local = (layer_idx + 1) % pattern != 0
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        local = bool(hf.get("use_sliding_window")) and layer_idx >= hf.get("max_window_layers", 0)
+    else:
+        local = model_type in ("mistral", "mixtral", "phi3")
+    return "sliding_attention" if local else "full_attention"
+
+
+def layer_sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
+    """The layer's attention window in tokens (None: it attends to the whole context)."""
+    window = hf.get("sliding_window")
+    if window is None or attention_layer_type(hf, layer_idx) != "sliding_attention":
+        return None
+    return int(window)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -157,6 +185,13 @@ class ModelConfig:
         if "max_new_tokens" in out:
             out["max_tokens"] = out.pop("max_new_tokens")
         return out
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window shared by every layer, so the core may free KV blocks that fall wholly
+        behind it; None when any layer attends to the whole context (Gemma's global layers)."""
+        windows = {layer_sliding_window(self.hf, i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -30,6 +30,11 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
 
 
+# Holds the place, in a request's block list, of a block freed because it lies wholly behind the
+# sliding window: positions keep their indices, and the pool never sees this object.
+SKIPPED_BLOCK = KVBlock(-1)
+
+
 class FreeBlockQueue:
     """Free blocks as a doubly linked list with sentinels.
 

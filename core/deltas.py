@@ -13,6 +13,7 @@ from pagedserve.ipc.messages import CachedDelta, NewRequest, RequestDelta, Token
 
 
 def new_request(req: Request) -> NewRequest:
+    assert req.num_skipped_blocks == 0, "a request joins the batch before any block is skipped"
     return NewRequest(
         req_id=req.req_id,
         prompt_token_ids=req.prompt_token_ids,
@@ -26,7 +27,9 @@ def new_request(req: Request) -> NewRequest:
 
 def cached_delta(req: Request, with_tokens: bool = True) -> CachedDelta:
     """`with_tokens=False` where every rank that embeds tokens also samples them (one pipeline
-    stage): the workers already hold each sampled token, so it need not travel back."""
+    stage): the workers already hold each sampled token, so it need not travel back. Blocks
+    skipped behind the sliding window were sent before: the workers keep their (masked) ids."""
+    assert req.num_skipped_blocks <= req.num_blocks_sent
     return CachedDelta(
         req_id=req.req_id,
         new_token_ids=req.all_token_ids[req.num_tokens_sent :] if with_tokens else [],

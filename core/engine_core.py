@@ -78,6 +78,7 @@ class EngineCore:
             num_blocks,
             async_scheduling=async_scheduling,
             workers_keep_samples=pp == 1,
+            sliding_window=config.model.kv_sliding_window,
         )
         self.max_inflight = 2 if async_scheduling else pp
         self.inflight: deque[StepPlan] = deque()

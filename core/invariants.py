@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from pagedserve.core.block_pool import SKIPPED_BLOCK
 from pagedserve.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -18,6 +19,8 @@ def check_invariants(sched: Scheduler) -> None:
       twice by one request never), and a block is free exactly when its ref_cnt is 0;
     - free + used == total;
     - every running request holds blocks for its computed tokens; waiting ones hold none;
+    - skipped blocks are exactly a request's first `num_skipped_blocks`, all wholly behind the
+      sliding window of its next token;
     - the hash map and the blocks' hashes agree, both ways;
     - `running` and the waiting queue partition the unfinished requests.
     """
@@ -25,7 +28,13 @@ def check_invariants(sched: Scheduler) -> None:
     owners: Counter[int] = Counter()
     for req in sched.running:
         assert req.status == RequestStatus.RUNNING, req
-        ids = req.block_ids
+        skipped = req.blocks[: req.num_skipped_blocks]
+        ids = [b.block_id for b in req.blocks[req.num_skipped_blocks :]]
+        assert all(b is SKIPPED_BLOCK for b in skipped) and -1 not in ids, req
+        if skipped:
+            window = sched.kv.sliding_window
+            assert window is not None, req
+            assert len(skipped) * sched.block_size <= req.num_computed_tokens - window + 1, req
         assert len(set(ids)) == len(ids), f"{req} holds a block twice"
         owners.update(ids)
         assert len(req.blocks) * sched.block_size >= req.num_computed_tokens, req

@@ -6,8 +6,17 @@ blake2b, not Python's `hash()`: stable across processes and runs, and collisions
 
 Invariant: `req.blocks[:req.num_hashed_blocks]` are exactly the request's blocks that are full of
 known tokens once every planned token is computed, and each is registered (or a duplicate of a
-registered block). A block whose last token is a placeholder (sampled by a plan still in flight)
-is registered by a later allocation, once the core knows that token.
+registered block, or skipped). A block whose last token is a placeholder (sampled by a plan still
+in flight) is registered by a later allocation, once the core knows that token.
+
+Sliding window (every layer attends only to the last `sliding_window` positions): the next token
+to compute, at position `num_computed_tokens`, reads keys from `num_computed_tokens - window + 1`
+on, and later tokens from further on. Blocks wholly before that are freed at the request's next
+allocation and replaced by `SKIPPED_BLOCK`, so a long sequence holds about `window / block_size`
+blocks. A freed block keeps its hash: it stays in the prefix cache (evictable) for requests that
+share the prefix. The workers' block tables keep the freed block's id; attention masks those
+positions, so whatever a new owner writes there is never weighed. The block is reused only by a
+later plan than the ones that read it, and plans execute in order.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from pagedserve.core.block_pool import BlockPool, KVBlock
+from pagedserve.core.block_pool import SKIPPED_BLOCK, BlockPool, KVBlock
 from pagedserve.core.request import Request
 
 ROOT_HASH = b""  # parent of a sequence's first block
@@ -30,9 +39,17 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        assert sliding_window is None or sliding_window >= 1
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_queries = 0  # cumulative, in tokens
         self.prefix_cache_hits = 0  # cumulative, in tokens
@@ -108,6 +125,7 @@ class KVCacheManager:
         cache before attending, and plans execute in order.
         """
         hits = new_computed_blocks or []
+        self.free_outside_window(req)  # whatever follows: those blocks are needed no more
         if not self.can_allocate(req, num_new_tokens, hits):
             return None
         assert not hits or not req.blocks, "prefix hits only on a request's first allocation"
@@ -126,14 +144,29 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(req, num_full)
         for i in range(req.num_hashed_blocks, num_full):
-            self.pool.cache_block(req.blocks[i], hashes[i])
+            if req.blocks[i] is not SKIPPED_BLOCK:  # freed before its last token was known
+                self.pool.cache_block(req.blocks[i], hashes[i])
         req.num_hashed_blocks = num_full
+
+    def free_outside_window(self, req: Request) -> None:
+        """Free the blocks wholly behind the window of the next token to compute (see above)."""
+        if self.sliding_window is None:
+            return
+        first_needed = req.num_computed_tokens - self.sliding_window + 1  # a key position
+        num_behind = min(max(first_needed, 0) // self.block_size, len(req.blocks))
+        if num_behind <= req.num_skipped_blocks:
+            return
+        behind = req.blocks[req.num_skipped_blocks : num_behind]
+        req.blocks[req.num_skipped_blocks : num_behind] = [SKIPPED_BLOCK] * len(behind)
+        req.num_skipped_blocks = num_behind
+        self.pool.free_blocks(reversed(behind))  # latest first: the prefix is evicted last
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
-        self.pool.free_blocks(reversed(req.blocks))
+        self.pool.free_blocks(b for b in reversed(req.blocks) if b is not SKIPPED_BLOCK)
         req.blocks = []
         req.num_hashed_blocks = 0
+        req.num_skipped_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

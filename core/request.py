@@ -7,7 +7,9 @@ Invariants:
   async scheduling the next plan already feeds such a token back in (the workers know it, the
   core does not yet), so a decoding request has
   `num_computed_tokens == num_tokens + num_placeholders - 1`;
-- `blocks` hold at least `ceil(num_computed_tokens / block_size)` blocks while it runs;
+- `blocks` hold at least `ceil(num_computed_tokens / block_size)` blocks while it runs; with a
+  sliding window the first `num_skipped_blocks` are `SKIPPED_BLOCK` (freed: wholly behind the
+  window of every token still to compute);
 - `num_tokens_sent` / `num_blocks_sent` are what the workers' persistent batch holds, so a plan
   carries only the difference (meaningful while `in_batch`).
 """
@@ -65,6 +67,7 @@ class Request:
         self.num_placeholders = 0  # tokens sampled by plans in flight, not yet appended
         self.blocks: list[KVBlock] = []
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
+        self.num_skipped_blocks = 0  # leading blocks freed behind the sliding window
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.num_cached_tokens = 0  # prefix-cache hit at the first schedule
         self.num_preemptions = 0

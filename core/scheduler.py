@@ -59,6 +59,7 @@ class Scheduler:
         debug: bool = False,
         async_scheduling: bool = False,
         workers_keep_samples: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         if num_blocks * cache_config.block_size < max_model_len:
             raise ValueError(
@@ -73,7 +74,9 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         # One pipeline stage: the ranks that embed tokens sampled them, so plans carry no tokens.
         self.workers_keep_samples = workers_keep_samples
-        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_window
+        )
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running

@@ -25,6 +25,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`x [..., 2I] -> gelu_tanh(x[..., :I]) * x[..., I:]`: Gemma's GeGLU (`gelu_pytorch_tanh`)."""
+    gate, up = x.chunk(2, dim=-1)  # [..., I] each
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
         return silu_and_mul(x)

@@ -140,13 +140,15 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each row's new tokens over its whole cached context.
 
     Query token j of row i sits at absolute position `seq_len_i - q_len_i + j` and attends keys at
-    positions <= its own (and, with a sliding window, > position - window). Softmax in float32.
+    positions <= its own (and, with a sliding window, > position - window). Softmax in float32;
+    `logit_softcap` c bounds the scaled scores to `c * tanh(s / c)` first (Gemma 2).
     """
     out = torch.empty_like(query)
     block_size = kv_cache.shape[2]
@@ -166,7 +168,9 @@ def paged_attention_ref(
             q_end = min(q_start + QUERY_CHUNK, end)
             first_pos = seq_len - (end - q_start)
             q = query[q_start:q_end].float()  # [L, Hq, D]
-            out[q_start:q_end] = _attend(q, key, value, first_pos, scale, sliding_window)
+            out[q_start:q_end] = _attend(
+                q, key, value, first_pos, scale, sliding_window, logit_softcap
+            )
     return out
 
 
@@ -177,8 +181,11 @@ def _attend(
     first_pos: int,
     scale: float,
     sliding_window: int | None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [L, Hq, D]
     scores = torch.einsum("qhd,khd->hqk", q, key) * scale  # [Hq, L, S]
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
     q_pos = torch.arange(first_pos, first_pos + q.shape[0], device=q.device)[:, None]  # [L, 1]
     k_pos = torch.arange(key.shape[0], device=q.device)[None, :]  # [1, S]
     mask = k_pos <= q_pos
@@ -219,6 +226,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         backend: AttentionBackend | None = None,
         kv_fp8: bool = False,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -229,6 +237,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend = backend or paged_attention_ref
+        # Passed only when set, so backends without soft-capping keep their signature.
+        self.backend_kwargs = (
+            {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
+        )
         # FP8 cache scales: parameters so a checkpoint can set them (absent: 1.0), read into
         # floats once after loading (`after_loading`) so a step never syncs on them.
         self.kv_scales = (1.0, 1.0)
@@ -255,7 +267,14 @@ class Attention(nn.Module):
         k_scale, v_scale = self.kv_scales
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         out = self.backend(
-            q, kv_cache, meta, self.scale, self.sliding_window, k_scale=k_scale, v_scale=v_scale
+            q,
+            kv_cache,
+            meta,
+            self.scale,
+            self.sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **self.backend_kwargs,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -23,6 +23,7 @@ def flash_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
@@ -50,5 +51,6 @@ def flash_paged_attention(
         softmax_scale=scale,
         causal=True,
         window_size=window,
+        softcap=logit_softcap or 0.0,
         block_table=meta.block_tables,
     )

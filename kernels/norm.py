@@ -40,3 +40,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, `(1 + w) * x / rms(x)`, and
+    the multiply runs in float32 before the cast (transformers' Gemma order). On CUDA the Llama
+    kernel runs with `1 + w`, which rounds the normalized value to the model dtype first."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):
+            from pagedserve.kernels.triton_norm import triton_rms_norm
+
+            return triton_rms_norm(x, 1.0 + self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return gemma_rms_norm(x, self.weight, self.eps), x
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)

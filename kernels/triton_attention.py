@@ -64,12 +64,13 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, window, num_splits,
+    num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, softcap, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,7 +120,9 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain (or s / cap, capped)
+        if USE_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain: softcap = cap * log2(e)
+            s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap
         mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
@@ -228,6 +231,7 @@ def triton_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     *,
     num_splits: int | None = None,  # None: choose from the batch (tests force it)
     block_m: int | None = None,  # None: 16 for decode batches, 128 with prefills
@@ -257,6 +261,9 @@ def triton_paged_attention(
     block_d = triton.next_power_of_2(head_dim)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     part_out = part_ml = out  # unused placeholders without splits
+    qk_scale, softcap = scale * k_scale * LOG2E, 0.0
+    if logit_softcap is not None:
+        qk_scale, softcap = scale * k_scale / logit_softcap, logit_softcap * LOG2E
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
         part_out = torch.empty(num_splits, num_tokens, num_q_heads, block_d, **f32)
@@ -264,14 +271,15 @@ def triton_paged_attention(
     _paged_attention_kernel[grid](
         query, kv_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, num_q_heads, scale * k_scale * LOG2E, v_scale, sliding_window or 0,
+        num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, softcap, sliding_window or 0,
         num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        USE_WINDOW=sliding_window is not None, **(launch or _launch_config(block_m)),
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None,
+        **(launch or _launch_config(block_m)),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_q_heads)](

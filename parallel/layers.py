@@ -9,6 +9,7 @@ with slices no rank ever reads a full weight into memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,42 @@ def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
 def read_all(loaded: Any) -> torch.Tensor:
     """The whole of a tensor or safetensors slice (0-d ones too)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+
+
+@dataclass(frozen=True)
+class FusedShards:
+    """A shard id for a checkpoint tensor that is several parts concatenated along dim 0 (Phi-3's
+    `qkv_proj`, `gate_up_proj`): each part loads as if it were its own tensor with its own id."""
+
+    ids: tuple[Any, ...]
+
+
+class RowRange:
+    """Rows `[start, start + length)` of a tensor or lazy slice, itself read lazily."""
+
+    def __init__(self, loaded: Any, start: int, length: int) -> None:
+        self.loaded, self.start, self.length = loaded, start, length
+
+    def get_shape(self) -> list[int]:
+        return [self.length, *shape_of(self.loaded)[1:]]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        rows = index[0]
+        lo = self.start + (rows.start or 0)
+        hi = self.start + (self.length if rows.stop is None else rows.stop)
+        return narrow(self.loaded, 0, lo, hi - lo)[(slice(None), *index[1:])]
+
+
+def load_fused(
+    loader: Any, param: nn.Parameter, loaded: Any, fused: FusedShards, sizes: list[int]
+) -> None:
+    """Hand each part of a fused checkpoint tensor (full, unsharded `sizes` rows) to `loader`."""
+    if sum(sizes) != shape_of(loaded)[0]:
+        raise ValueError(f"fused weight of {shape_of(loaded)[0]} rows is not {sizes} rows")
+    start = 0
+    for shard_id, size in zip(fused.ids, sizes, strict=True):
+        loader(param, RowRange(loaded, start, size), shard_id)
+        start += size
 
 
 def load_full(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -101,12 +138,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         quant: Fp8Scheme | None = None,
     ) -> None:
+        self.output_sizes = output_sizes
         self.part_sizes = [divide(s, tp_size(), "intermediate size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, quant=quant)
         for p in self.parameters():
             p.shard_ids = tuple(range(len(output_sizes)))  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if isinstance(shard_id, FusedShards):
+            load_fused(self.weight_loader, param, loaded, shard_id, self.output_sizes)
+            return
         size = self.part_sizes[shard_id]
         offset = sum(self.part_sizes[:shard_id])
         _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, tp_rank() * size, size))
@@ -127,6 +168,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp = tp_size()
         self.head_dim = head_dim
+        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.num_heads = divide(num_heads, tp, "number of attention heads")
         if num_kv_heads >= tp:
             self.num_kv_heads = divide(num_kv_heads, tp, "number of key/value heads")
@@ -143,6 +185,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             p.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if isinstance(shard_id, FusedShards):
+            load_fused(self.weight_loader, param, loaded, shard_id, self.full_sizes)
+            return
         if shard_id == "q":
             dst = param.data.narrow(0, 0, self.q_size)
             start = tp_rank() * self.q_size

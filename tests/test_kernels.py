@@ -13,7 +13,13 @@ from safetensors.torch import save_file
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import Attention, build_attention_metadata
 from pagedserve.kernels.norm import RMSNorm
-from pagedserve.kernels.rotary import RotaryEmbedding, inv_frequencies, rope_config
+from pagedserve.kernels.rotary import (
+    RotaryEmbedding,
+    attention_factor,
+    cos_sin_cache,
+    inv_frequencies,
+    rope_config,
+)
 from pagedserve.parallel import layers
 
 
@@ -86,8 +92,14 @@ def test_rope_config_reads_both_spellings():
     assert rope_config(new).rope_type == rope_config(old).rope_type == "llama3"
     assert rope_config(new).theta == rope_config(old).theta == 5e5
     assert rope_config({}).rope_type == "default" and rope_config({}).theta == 10000.0
-    with pytest.raises(ValueError, match="yarn"):
-        rope_config({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="su"):
+        rope_config({"rope_scaling": {"rope_type": "su", "factor": 4.0}})
+    gemma3 = {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"factor": 8.0}}
+    assert rope_config(gemma3, "sliding_attention").theta == 1e4
+    assert rope_config(gemma3, "full_attention").scaling["factor"] == 8.0
+
+
+ORIG32, ORIG64 = ({"original_max_position_embeddings": n} for n in (32, 64))
 
 
 @pytest.mark.parametrize(
@@ -102,16 +114,36 @@ def test_rope_config_reads_both_spellings():
             "original_max_position_embeddings": 8192,
         },
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, **ORIG64},
+        {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, **ORIG32,
+         "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False},
+        {"rope_type": "longrope", "rope_theta": 1e4, **ORIG32,
+         "short_factor": [1.0 + i / 64 for i in range(64)],
+         "long_factor": [2.0 + i / 8 for i in range(64)]},
     ],
-)
+)  # fmt: skip
 def test_inv_freq_matches_transformers(rope):
+    """Frequencies and the cos/sin scale of each type equal transformers' rope init functions;
+    longrope switches to its long factors where transformers does (sequence longer than the
+    original context)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=2048, num_attention_heads=16, rope_parameters=dict(rope))
-    expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
-    ours = inv_frequencies(128, rope_config(config.to_dict()))
-    torch.testing.assert_close(ours, expected)
+    config = LlamaConfig(
+        hidden_size=2048, num_attention_heads=16, max_position_embeddings=128,
+        rope_parameters=dict(rope),
+    )  # fmt: skip
+    init = ROPE_INIT_FUNCTIONS[rope["rope_type"]]
+    expected, scale = init(config, "cpu")
+    cfg = rope_config(config.to_dict())
+    torch.testing.assert_close(inv_frequencies(128, cfg), expected)
+    assert attention_factor(cfg) == pytest.approx(scale)
+    cache = cos_sin_cache(128, 128, cfg)  # [P, 128]
+    for pos in (5, 31, 32, 100):
+        inv, _ = init(config, "cpu", seq_len=pos + 1)
+        want = torch.cat([(pos * inv).cos(), (pos * inv).sin()]) * scale
+        torch.testing.assert_close(cache[pos], want)
 
 
 def test_rotary_matches_rotate_half_and_partial_passthrough():

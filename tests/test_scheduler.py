@@ -29,6 +29,7 @@ def make(
     caching: bool = True,
     async_scheduling: bool = False,
     workers_keep_samples: bool = False,
+    window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
@@ -38,6 +39,7 @@ def make(
         debug=True,
         async_scheduling=async_scheduling,
         workers_keep_samples=workers_keep_samples,
+        sliding_window=window,
     )
 
 
@@ -208,6 +210,29 @@ def test_siblings_share_full_prompt_blocks_in_the_same_step():
     while s.has_unfinished_requests():
         step(s)
     assert s.kv.pool.num_free == 64
+
+
+def test_sliding_window_frees_blocks_behind_it_and_keeps_them_cached():
+    """Window 6, blocks of 4: a decode at position p needs keys from p - 5 on, so the request
+    holds at most 3 blocks; the freed ones stay in the prefix cache for a later request."""
+    s = make(window=6, budget=8, max_model_len=64)
+    add(s, "a", range(10, 40), max_tokens=20)
+    held = []
+    while s.has_unfinished_requests():
+        step(s)
+        req = s.requests.get("a")
+        if req is not None:
+            live = req.blocks[req.num_skipped_blocks :]
+            assert req.num_skipped_blocks * 4 <= req.num_computed_tokens - 6 + 1
+            held.append(len(live))
+    assert len(held) == 4 + 18 and max(held[4:]) == 3, held  # decodes: 6 positions, <= 3 blocks
+    assert s.kv.num_free_blocks == 64
+    add(s, "b", [*range(10, 38), 99])  # its first 7 blocks were all freed by "a"
+    plan, _ = step(s)
+    assert plan.new_requests[0].num_computed_tokens == 28 and sched(plan) == {"b": 1}
+    assert s.requests["b"].num_skipped_blocks == 0, "hits are sent before they are skipped"
+    step(s)
+    assert s.requests["b"].num_skipped_blocks == 6  # (29 - 6 + 1) // 4
 
 
 def test_no_caching_means_no_hits():
@@ -459,6 +484,7 @@ class FakeWorker:
 
     rng: random.Random
     block_size: int
+    window: int | None = None
     batch: dict[str, Mirror] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan, snapshot: dict) -> list[list[int]]:
@@ -486,7 +512,11 @@ class FakeWorker:
         for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
             m = self.batch[rid]
             tokens, block_ids, num_computed = snapshot[rid]
-            assert m.tokens[: len(tokens)] == tokens and m.block_ids == block_ids
+            assert m.tokens[: len(tokens)] == tokens and len(m.block_ids) == len(block_ids)
+            assert all(c in (m_id, -1) for m_id, c in zip(m.block_ids, block_ids, strict=True))
+            first_needed = 0 if self.window is None else max(num_computed - self.window + 1, 0)
+            needed = block_ids[first_needed // self.block_size :]  # keys this step attends to
+            assert -1 not in needed, "a block inside the window was freed"
             assert m.num_computed == num_computed
             m.num_computed += n
             assert n > 0 and m.num_computed <= len(m.tokens), "a token to feed is unknown"
@@ -510,6 +540,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_inflight=st.integers(1, 3),
         async_scheduling=st.booleans(),
         keep_samples=st.booleans(),
+        window=st.none() | st.integers(1, 12),
         seed=st.integers(0, 2**32),
     )
     def setup(
@@ -523,6 +554,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_inflight,
         async_scheduling,
         keep_samples,
+        window,
         seed,
     ):
         self.max_model_len = min(num_blocks * block_size, 40)
@@ -534,9 +566,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             debug=True,
             async_scheduling=async_scheduling,
             workers_keep_samples=keep_samples,
+            sliding_window=window,
         )
         self.rng = random.Random(seed)
-        self.worker = FakeWorker(self.rng, block_size)
+        self.worker = FakeWorker(self.rng, block_size, window)
         self.inflight: list[tuple[StepPlan, dict]] = []
         self.max_inflight = max_inflight
         self.num_added = 0

@@ -12,6 +12,13 @@ API (stable; the engine tests use it too):
 Every kind: hidden 64, 2 layers, 4 heads, 2 kv heads (GQA), max_position_embeddings 512, weights
 from `torch.manual_seed(SEED)` with norms and biases randomized too (so a skipped norm or bias
 shows up in equivalence tests).
+
+`FAMILY_KINDS` are the further families, each bending what matters about it: Mixtral (4 experts,
+top 2, renormalized, an 8-token window on every layer); Qwen3-MoE (a dense layer 0 by
+`mlp_only_layers`, 8 experts without `norm_topk_prob`, YaRN rope); Gemma 2 and Gemma 3 (an
+8-token window on layer 0, strong soft-caps, Gemma 3 with linear-scaled global rope); Phi-3
+(fused q/k/v and gate/up, longrope past position 32 on half of each head). `TINY_KINDS` does
+not list them: the engine-wide suites run per kind.
 """
 
 from __future__ import annotations
@@ -22,19 +29,30 @@ import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 TINY_KINDS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
+FAMILY_KINDS = ["mixtral", "qwen3-moe", "gemma2", "gemma3", "phi3"]
 VOCAB_SIZE = 512
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 SEED = 1234
@@ -92,6 +110,52 @@ def _configs() -> dict[str, tuple[type, object]]:
         "mistral": (MistralForCausalLM, MistralConfig(**common, sliding_window=None)),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32)),
+        **_family_configs(common),
+    }
+
+
+def _family_configs(common: dict) -> dict[str, tuple[type, object]]:
+    yarn = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=128)
+    longrope = dict(
+        rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.5,
+        original_max_position_embeddings=32, short_factor=[1.0, 1.1, 1.3, 1.6],
+        long_factor=[1.0, 2.0, 4.0, 8.0],
+    )  # fmt: skip
+    gemma = dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    gemma3_rope = {
+        "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+    }
+    moe = dict(num_experts_per_tok=2)
+    qwen3_moe = dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=False)
+    return {
+        "mixtral": (
+            MixtralForCausalLM,
+            MixtralConfig(**common, **moe, num_local_experts=4, sliding_window=8),
+        ),
+        "qwen3-moe": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **common, **moe, **qwen3_moe, head_dim=16, mlp_only_layers=[0], rope_parameters=yarn
+            ),
+        ),  # fmt: skip
+        "gemma2": (
+            Gemma2ForCausalLM,
+            Gemma2Config(
+                **common, **gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0
+            ),
+        ),
+        "gemma3": (
+            Gemma3ForCausalLM,
+            Gemma3TextConfig(**common, **gemma, rope_parameters=gemma3_rope),
+        ),
+        "phi3": (
+            Phi3ForCausalLM,
+            Phi3Config(**common, rope_parameters=longrope, original_max_position_embeddings=32),
+        ),
     }
 
 
@@ -127,8 +191,10 @@ def _randomize_norms_and_biases(model: torch.nn.Module) -> None:
 
 def make_tiny_model(kind: str, path: str, dtype: torch.dtype = torch.float32) -> str:
     """Write a tiny `kind` model with its tokenizer to `path` (built once per kind, path, dtype)."""
-    if kind not in TINY_KINDS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {TINY_KINDS}")
+    if kind not in TINY_KINDS + FAMILY_KINDS:
+        raise ValueError(
+            f"unknown tiny model kind {kind!r}; choose from {TINY_KINDS + FAMILY_KINDS}"
+        )
     stamp = {"kind": kind, "dtype": str(dtype)}
     marker = os.path.join(path, _MARKER)
     if os.path.isfile(marker):

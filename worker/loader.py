@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.parallel.layers import load_full
+from pagedserve.parallel.layers import FusedShards, load_full
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -27,6 +27,9 @@ def safetensors_files(model_dir: str) -> list[str]:
     if os.path.isfile(index):
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
+        absent = [n for n in names if not os.path.isfile(os.path.join(model_dir, n))]
+        if absent:
+            raise ValueError(f"{model_dir}: {INDEX_FILE} names missing files: {', '.join(absent)}")
         return [os.path.join(model_dir, n) for n in names]
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
@@ -57,15 +60,24 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         loader = getattr(param, "weight_loader", load_full)
         with torch.no_grad():
             loader(param, tensor, shard_id)
-        loaded.add((param_name, shard_id))
+        parts = shard_id.ids if isinstance(shard_id, FusedShards) else (shard_id,)
+        loaded.update((param_name, part) for part in parts)
     missing = [
-        f"{n} (shard {s})" if s is not None else n
+        _describe(model, n, s)
         for n, p in params.items()
         for s in getattr(p, "shard_ids", (None,))
         if (n, s) not in loaded and not getattr(p, "optional", False)
     ]
     if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks weights for {', '.join(missing)}")
+        raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(missing)}")
+
+
+def _describe(model: nn.Module, param_name: str, shard_id: Any) -> str:
+    """The checkpoint tensor a parameter (shard) expects, and our parameter it fills."""
+    ours = param_name if shard_id is None else f"{param_name} (shard {shard_id})"
+    name_of = getattr(model, "checkpoint_name", None)
+    theirs = name_of(param_name, shard_id) if name_of is not None else None
+    return ours if theirs is None or theirs == param_name else f"{theirs} (for {ours})"
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

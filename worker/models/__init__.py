@@ -1,4 +1,4 @@
-"""Llama-family models: `build_model` picks the architecture from config.json and loads weights."""
+"""Models: `build_model` picks the architecture from config.json and loads weights."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention import select_backend
 from pagedserve.kernels.fp8 import require_fp8_device
 from pagedserve.worker.loader import after_loading, init_dummy_weights, load_weights
+from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 
 ARCHITECTURES = {
@@ -19,12 +20,22 @@ ARCHITECTURES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -1,4 +1,6 @@
-"""The Llama family in one model: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family in one model: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm),
+their mixture-of-experts variants Mixtral and Qwen3-MoE (`FusedMoE` in place of the MLP on sparse
+layers), and Phi-3 (checkpoints with q/k/v and gate/up already fused).
 
 Parameter names follow transformers' checkpoints except where two matrices run as one matmul
 (`qkv_proj`, `gate_up_proj`); `STACKED_PARAMS` maps the checkpoint names onto those. A pipeline
@@ -9,23 +11,27 @@ on the last.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagedserve.config import layer_sliding_window
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import RMSNorm
 from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
 from pagedserve.parallel.layers import (
+    FusedShards,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedserve.parallel.moe import FusedMoE
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
 
@@ -46,6 +52,12 @@ RENAMED = [
     (".self_attn.v_proj.output_scale", ".self_attn.attn.v_scale"),
 ]
 KV_SCALE_NAMES = tuple(theirs for theirs, ours in RENAMED if ".attn." in ours)
+# Per-expert checkpoint tensors (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down) -> stacked params.
+EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PROJECTION = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+# Checkpoints that store the merged matrices already (Phi-3): one tensor, several shards.
+FUSED_PARAMS = {".qkv_proj.": FusedShards(("q", "k", "v")), ".gate_up_proj.": FusedShards((0, 1))}
 
 HiddenAndResidual = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,17 +70,29 @@ class ModelOptions:
     kv_fp8: bool = False
 
 
-def sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
-    """The layer's attention window, from whichever spelling the config uses (None: full)."""
-    window = hf.get("sliding_window")
-    if window is None:
-        return None
-    if hf.get("layer_types"):
-        return window if hf["layer_types"][layer_idx] == "sliding_attention" else None
-    if hf.get("model_type") in ("qwen2", "qwen3"):
-        use = hf.get("use_sliding_window") and layer_idx >= hf.get("max_window_layers", 0)
-        return window if use else None
-    return window if hf.get("model_type") == "mistral" else None
+def make_mlp(hf: dict[str, Any], layer_idx: int, quant: Fp8Scheme | None = None) -> nn.Module:
+    """The layer's feed-forward block: experts on MoE models' sparse layers, else a dense MLP.
+    Qwen3-MoE keeps dense layers listed in `mlp_only_layers` or off `decoder_sparse_step`."""
+    model_type = hf.get("model_type")
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if quant is not None and model_type in ("mixtral", "qwen3_moe"):
+        raise ValueError("FP8 weights are not supported for MoE models yet (experts stay bf16)")
+    if model_type == "mixtral":
+        return FusedMoE(
+            num_experts, hf["num_experts_per_tok"], hf["hidden_size"], hf["intermediate_size"], True
+        )
+    if model_type == "qwen3_moe":
+        step = hf.get("decoder_sparse_step") or 1
+        sparse = layer_idx not in (hf.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
+        if num_experts > 0 and sparse:
+            return FusedMoE(
+                num_experts,
+                hf["num_experts_per_tok"],
+                hf["hidden_size"],
+                hf["moe_intermediate_size"],
+                bool(hf.get("norm_topk_prob", False)),
+            )
+    return LlamaMLP(hf, quant)
 
 
 class LlamaAttention(nn.Module):
@@ -90,7 +114,7 @@ class LlamaAttention(nn.Module):
             num_heads * self.head_dim, hidden, bias=bias, quant=opts.quant
         )
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
@@ -101,7 +125,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             self.head_dim,
             scale=self.head_dim**-0.5,
-            sliding_window=sliding_window(hf, layer_idx),
+            sliding_window=layer_sliding_window(hf, layer_idx),
             backend=backend,
             kv_fp8=opts.kv_fp8,
         )
@@ -144,7 +168,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(hf, layer_idx, backend, opts)
-        self.mlp = LlamaMLP(hf, opts.quant)
+        self.mlp = make_mlp(hf, layer_idx, opts.quant)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
 
@@ -166,6 +190,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, this stage's decoder layers, final norm. Variants (Gemma) swap the layer and
+    norm types and the embedding through the class attributes and `embed`."""
+
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         hf: dict[str, Any],
@@ -182,10 +212,16 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"])
         # Keyed by the global layer index so parameter names match the checkpoint on every stage.
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(hf, i, backend, opts) for i in range(start_layer, end_layer)}
+            {
+                str(i): self.decoder_layer(hf, i, backend, opts)
+                for i in range(start_layer, end_layer)
+            }
         )
         if self.is_last:
-            self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+            self.norm = self.norm_class(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -196,7 +232,7 @@ class LlamaModel(nn.Module):
         intermediate: HiddenAndResidual | None = None,
     ) -> torch.Tensor | HiddenAndResidual:
         if self.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             assert intermediate is not None, (
                 "a later pipeline stage needs the previous one's output"
@@ -217,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
     which passes them back in as `intermediate`.
     """
 
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(
         self,
         hf: dict[str, Any],
@@ -230,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         self.start_layer, self.end_layer = layer_range or (0, total)
         if not 0 <= self.start_layer < self.end_layer <= total:
             raise ValueError(f"layer range {layer_range} is outside the model's {total} layers")
-        self.model = LlamaModel(hf, self.start_layer, self.end_layer, backend, opts)
+        self.model = self.model_class(hf, self.start_layer, self.end_layer, backend, opts)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         if self.model.is_last:
             self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
@@ -242,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = self.end_layer - self.start_layer
         self.vocab_size = hf["vocab_size"]
         self.tp_size = tp_size()
+        self.hf_model_type = hf.get("model_type")
 
     def forward(
         self,
@@ -276,6 +315,24 @@ class LlamaForCausalLM(nn.Module):
             return self.model.is_last and not self.tie_word_embeddings
         return self.model.is_last  # model.norm.*
 
+    def checkpoint_name(self, param_name: str, shard_id: Any) -> str:
+        """The checkpoint tensor that fills `param_name`'s `shard_id` (for error messages)."""
+        model_type = self.hf_model_type
+        if isinstance(shard_id, tuple):  # an expert: (index, "w1" | "w3" | "w2")
+            expert, projection = shard_id
+            stacked = param_name.rsplit(".", 1)[0]
+            if model_type == "mixtral":
+                stacked = stacked.replace(".mlp", ".block_sparse_moe")
+                return f"{stacked}.experts.{expert}.{projection}.weight"
+            theirs = {v: k for k, v in EXPERT_PROJECTION.items()}[projection]
+            return f"{stacked}.experts.{expert}.{theirs}.weight"
+        if shard_id is None or model_type == "phi3":
+            return param_name
+        for ours, theirs, sid in STACKED_PARAMS:
+            if ours in param_name and sid == shard_id:
+                return param_name.replace(ours, theirs)
+        return param_name
+
     def checkpoint_to_param(self, name: str) -> tuple[str, Any]:
         """Map a checkpoint tensor name to (our parameter name, shard id)."""
         if name.startswith("model.embed_tokens.") and not self.model.is_first:
@@ -284,7 +341,16 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith(theirs):
                 name = name[: -len(theirs)] + ours
                 break
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral
+        expert = EXPERT_WEIGHT.search(name)
+        if expert is not None:
+            projection = EXPERT_PROJECTION.get(expert[2], expert[2])
+            stacked = ".w2_weight" if projection == "w2" else ".w13_weight"
+            return name[: expert.start()] + stacked, (int(expert[1]), projection)
         for ours, theirs, shard_id in STACKED_PARAMS:
             if theirs in name:
                 return name.replace(theirs, ours), shard_id
+        for fragment, fused in FUSED_PARAMS.items():
+            if fragment in name:
+                return name, fused
         return name, None

@@ -1,0 +1,138 @@
+"""Fused mixture-of-experts in Triton: tokens sorted by expert, one grouped GEMM per projection.
+
+The design of vLLM's and SGLang's `fused_moe`, written for this repo:
+1. `align_by_expert` sorts the `T * K` (token, slot) pairs by expert and pads each expert's run to
+   a multiple of `BLOCK_M`, so every `BLOCK_M` rows of the sorted order belong to one expert. It
+   uses only device ops sized by their upper bound (no host sync, CUDA-graph safe).
+2. `_grouped_gemm_kernel`: program (row block, column block) loads its expert id, gathers its
+   rows of A (token `pair // K` of x for the first GEMM, pair rows of the intermediate for the
+   second) and multiplies by that expert's weight `W[e] [N, K]`, writing rows of `[T * K, N]`.
+   The second GEMM multiplies each row by its routing weight.
+3. gate/up -> SiLU-and-mul (the existing kernel) -> down, then the K slots of a token are summed.
+A decode batch of T tokens touches at most T * K experts; empty experts cost nothing but their
+padding check, and padded rows (index `T * K`) are masked out of loads and stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.triton_activation import triton_silu_and_mul
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor,  # [T, K] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sorted_pairs [P]` (pair index `t * K + k`, padding `T * K`) and `block_experts [P / BM]`
+    (the expert of each row block, -1 past the last used block), P = T*K + E*(BM - 1) rounded up."""
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [TK]
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount syncs on CUDA)
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    order = torch.argsort(flat, stable=True)  # [TK] pairs in expert order
+    sorted_experts = flat[order]
+    first_sorted = torch.cumsum(counts, 0) - counts  # [E] first index of each expert in order
+    rank = torch.arange(num_pairs, device=flat.device) - first_sorted[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank  # [TK]
+    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int64, device=flat.device)
+    sorted_pairs[dest] = order
+    block_start = torch.arange(0, capacity, block_m, device=flat.device)  # [P / BM]
+    block_experts = torch.searchsorted(padded_end, block_start, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
+    return sorted_pairs, block_experts
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr,
+    num_pairs, N, K,
+    stride_am, stride_we, stride_wn, stride_cm,
+    TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    block_m = tl.program_id(0)
+    block_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + block_m).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + block_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M]
+    row_ok = pairs < num_pairs
+    a_rows = pairs // TOP_K if A_PER_TOKEN else pairs  # [M]
+    cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]  # [M, BK]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None]  # [BK, N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks + k0 < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _grouped_gemm(
+    a: torch.Tensor,  # [T, K_in] (per token) or [T * top_k, K_in] (per pair)
+    w: torch.Tensor,  # [E, N, K_in]
+    sorted_pairs: torch.Tensor,
+    block_experts: torch.Tensor,
+    top_k: int,
+    num_pairs: int,
+    block_m: int,
+    per_token: bool,  # A's rows are tokens (pair // top_k), else pairs
+    weights: torch.Tensor | None = None,  # [T * top_k] float32
+) -> torch.Tensor:  # [T * top_k, N]
+    n, k = w.shape[1], w.shape[2]
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, out, sorted_pairs, block_experts, weights if weights is not None else out,
+        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, A_PER_TOKEN=per_token,
+        MUL_WEIGHT=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def triton_fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K]
+    block_m: int | None = None,
+) -> torch.Tensor:  # [T, H]
+    """`fused_moe_ref`'s contract on contiguous weights (checked), from device tensors only."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape != (num_tokens, hidden) or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, topk_ids {tuple(topk_ids.shape)}")  # fmt: skip
+    if not (x.stride(1) == w13.stride(2) == w2.stride(2) == 1):
+        raise ValueError("moe inputs need unit stride in their last dimension")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    block_m = block_m or (16 if num_tokens * top_k <= 64 * num_experts else 64)
+    sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    args = (sorted_pairs, block_experts, top_k, num_pairs, block_m)
+    gate_up = _grouped_gemm(x, w13, *args, per_token=True)  # [TK, 2I]
+    hidden_states = triton_silu_and_mul(gate_up)  # [TK, I]
+    weights = topk_weights.reshape(-1).float()
+    down = _grouped_gemm(hidden_states, w2, *args, per_token=False, weights=weights)  # [TK, H]
+    return down.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
