@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -20,7 +22,9 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf1
 def read_hf_config(model_dir: str) -> dict[str, Any]:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"--model {model_dir!r}: no config.json there (expected an HF model dir)")
+        raise ValueError(
+            f"--model {model_dir!r}: no config.json there (expected an HF model dir or a GGUF file)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -34,22 +38,33 @@ class ModelConfig:
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
-    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
+    load_format: str = "auto"  # "auto" (safetensors or GGUF, as found) | "dummy" (random weights)
     seed: int = 0
     tokenizer: str | None = None
     served_model_name: str | None = None
     enforce_eager: bool = False  # no CUDA graphs
-    # Derived from config.json in __post_init__:
+    # Derived in __post_init__: the GGUF file `model` names (None: an HF directory), the directory
+    # holding config.json and the tokenizer (`model`, or the GGUF file's converted metadata), and
+    # its config.json.
+    gguf_file: str | None = field(init=False, repr=False, compare=False)
+    hf_dir: str = field(init=False, repr=False, compare=False)
     hf: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hf", _text_config(read_hf_config(self.model)))
+        gguf_file = find_gguf_file(self.model)
+        object.__setattr__(self, "gguf_file", gguf_file)
+        object.__setattr__(self, "hf_dir", gguf_metadata_dir(gguf_file) if gguf_file else self.model)
+        object.__setattr__(self, "hf", _text_config(read_hf_config(self.hf_dir)))
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
-        if self.load_format not in ("auto", "safetensors", "dummy"):
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
+        if self.load_format == "gguf" and gguf_file is None:
+            raise ValueError(f"--load-format gguf: --model {self.model!r} is no GGUF file")
+        if self.load_format == "safetensors" and gguf_file is not None:
+            raise ValueError(f"--load-format safetensors: --model {self.model!r} is a GGUF file")
         limit = self.hf.get("max_position_embeddings") or 2048
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", int(limit))
@@ -62,7 +77,7 @@ class ModelConfig:
             )
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in self.hf:
-                raise ValueError(f"{self.model}/config.json lacks {key!r}")
+                raise ValueError(f"{self.hf_dir}/config.json lacks {key!r}")
 
     @property
     def name(self) -> str:
@@ -70,7 +85,7 @@ class ModelConfig:
 
     @property
     def tokenizer_path(self) -> str:
-        return self.tokenizer or self.model
+        return self.tokenizer or self.hf_dir
 
     @property
     def resolved_dtype(self) -> str:
@@ -103,7 +118,7 @@ class ModelConfig:
     def eos_token_ids(self) -> list[int]:
         """EOS ids from generation_config.json (preferred) or config.json."""
         eos = None
-        path = os.path.join(self.model, "generation_config.json")
+        path = os.path.join(self.hf_dir, "generation_config.json")
         if os.path.isfile(path):
             with open(path) as f:
                 eos = json.load(f).get("eos_token_id")

@@ -10,7 +10,7 @@ from torch import nn
 
 from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention import select_backend
-from pagedserve.worker.loader import init_dummy_weights, load_weights
+from pagedserve.worker.loader import init_dummy_weights, iter_checkpoint, iter_gguf, load_weights
 from pagedserve.worker.models.llama import LlamaForCausalLM
 
 ARCHITECTURES = {
@@ -60,7 +60,8 @@ def build_model(
     """Build the model for `config` on `device` in `dtype` and fill its weights.
 
     `layer_range` `[start, end)` is this pipeline stage's decoder layers (default: all). Weights
-    come from the safetensors in `config.model`, or are random for `load_format="dummy"`.
+    come from the safetensors or GGUF file `config.model` names, or are random for
+    `load_format="dummy"`.
     """
     cls = model_class(config.hf)
     device = torch.device(device)
@@ -68,6 +69,8 @@ def build_model(
         model = cls(config.hf, select_backend(device), layer_range)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
+    elif config.gguf_file is not None:
+        load_weights(model, iter_gguf(config.gguf_file, config.hf_dir), config.gguf_file)
     else:
-        load_weights(model, config.model)
+        load_weights(model, iter_checkpoint(config.model), config.model)
     return model.eval()
