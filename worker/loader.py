@@ -63,8 +63,8 @@ def iter_gguf(gguf_file: str, hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
-    processor = processor(config=config.to_dict())
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(hf_model, processor)
     for tensor in reader.tensors:
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
