@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,6 +48,12 @@ PROMPTS = [
     "Tell me a short joke.",
     'Answer in JSON with keys "city" and "country": where is the Eiffel Tower?',
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def serve(cmd: list[str], url: str, log_path: str, timeout: float = 900.0) -> subprocess.Popen:
@@ -109,19 +116,23 @@ def main() -> int:
     parser.add_argument("--logs", default=".")
     args = parser.parse_args()
     hf_dir = smollm2_hf_dir()
+    port = free_port()  # not the peer script's 8100, which another run may hold
     vllm_cmd = ["bash", args.peer, "serve", hf_dir, "--dtype", "float32",
-                "--served-model-name", MODEL]  # fmt: skip
-    proc = serve(vllm_cmd, "http://127.0.0.1:8100", os.path.join(args.logs, "vllm.log"))
+                "--served-model-name", MODEL, "--port", str(port)]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    proc = serve(vllm_cmd, url, os.path.join(args.logs, "vllm.log"))
     try:
-        theirs = greedy_replies("http://127.0.0.1:8100")
+        theirs = greedy_replies(url)
     finally:
         stop(proc)
+    port = free_port()
     ours_cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--model", MODEL,
-                "--host", "127.0.0.1", "--port", "8000", "--device", "cpu", "--dtype", "float32",
-                "--max-model-len", "1024", "--kv-cache-memory", "256M"]  # fmt: skip
-    proc = serve(ours_cmd, "http://127.0.0.1:8000", os.path.join(args.logs, "pagedserve.log"))
+                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype",
+                "float32", "--max-model-len", "1024", "--kv-cache-memory", "256M"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    proc = serve(ours_cmd, url, os.path.join(args.logs, "pagedserve.log"))
     try:
-        ours = greedy_replies("http://127.0.0.1:8000")
+        ours = greedy_replies(url)
     finally:
         stop(proc)
     equal = 0

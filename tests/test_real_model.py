@@ -113,8 +113,8 @@ def test_logprobs_on_real_tokens(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=FRANCE, max_tokens=64, temperature=0, logprobs=True, top_logprobs=3
     )
-    entries = r.choices[0].logprobs.content
-    assert "".join(e.token for e in entries) == PARIS
+    entries = r.choices[0].logprobs.content  # the reply's tokens, then the EOS that ended it
+    assert "".join(e.token for e in entries) == PARIS + IM_END
     assert any(e.token == " Paris" for e in entries)  # real multi-byte BPE tokens, space and all
     for e in entries:
         assert e.bytes == list(e.token.encode()) and e.logprob <= 0
@@ -122,7 +122,7 @@ def test_logprobs_on_real_tokens(client: openai.OpenAI) -> None:
             (t.logprob for t in e.top_logprobs), reverse=True
         )
         assert e.top_logprobs[0].token == e.token  # greedy takes the top token
-    assert entries[-1].logprob > -1  # the model is sure of its answer
+    assert entries[-1].token == IM_END and entries[-1].logprob > -1  # sure it is done
 
 
 def test_prefix_cache_across_turns(client: openai.OpenAI) -> None:
