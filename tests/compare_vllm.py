@@ -109,6 +109,20 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return f"lengths {len(a['steps'])} vs {len(b['steps'])} (finish {a['finish']}/{b['finish']})"
 
 
+def logprob_agreement(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> str:
+    """Largest gap between the engines' logprob of the same chosen token, over steps where the
+    replies still agree, and the smallest top-1/top-2 margin there (how close to a flip)."""
+    gap, margin = 0.0, float("inf")
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a["steps"], b["steps"], strict=False):
+            if x["token"] != y["token"]:
+                break
+            gap = max(gap, abs(x["top"][0][1] - y["top"][0][1]))
+            if len(x["top"]) > 1:
+                margin = min(margin, x["top"][0][1] - x["top"][1][1])
+    return f"max |logprob gap| {gap:.2e}, smallest top-1/top-2 margin {margin:.4f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", default="../shared/peers/vllm-cpu.sh", help="vLLM peer script")
@@ -142,7 +156,8 @@ def main() -> int:
         print(f"{'SAME' if same else 'DIFF'}  {prompt!r}: {a['text']!r}")
         if not same:
             print(f"      vLLM: {b['text']!r}\n      {first_difference(a, b)}")
-    print(f"\n{equal}/{len(PROMPTS)} greedy replies equal (float32, max_tokens {MAX_TOKENS})")
+    print(f"\n{equal}/{len(PROMPTS)} greedy replies equal (float32, max_tokens {MAX_TOKENS}); "
+          f"{logprob_agreement(ours, theirs)}")  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"prompts": PROMPTS, "pagedserve": ours, "vllm": theirs}, f, indent=1)
     return 0
