@@ -42,6 +42,9 @@ def smollm2_hf_dir() -> str:
         os.rename(staging, target)
     except OSError:  # another session built it first
         shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return target
 
 
