@@ -39,12 +39,13 @@ def smollm2_hf_dir() -> str:
     staging = tempfile.mkdtemp(prefix=".smollm2-", dir=os.path.dirname(target))
     try:
         _save_transformers_load(gguf_file, staging)
-        os.rename(staging, target)
-    except OSError:  # another session built it first
-        shutil.rmtree(staging, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    try:
+        os.rename(staging, target)
+    except OSError:  # another session built it first
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
