@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -22,7 +23,9 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf1
 def read_hf_config(model_dir: str) -> dict[str, Any]:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"--model {model_dir!r}: no config.json there (expected an HF model dir)")
+        raise ValueError(
+            f"--model {model_dir!r}: no config.json there (expected an HF model dir or a GGUF file)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -80,7 +83,7 @@ class ModelConfig:
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
-    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
+    load_format: str = "auto"  # "auto" (safetensors or GGUF, as found) | "dummy" (random weights)
     seed: int = 0
     tokenizer: str | None = None
     served_model_name: str | list[str] | None = None  # the first is the name in responses
@@ -91,18 +94,31 @@ class ModelConfig:
     trust_remote_code: bool = False  # the tokenizer may run the checkpoint's own Python code
     quantization: str | None = None  # "fp8": quantize a plain checkpoint's weights at load time
     # Derived from config.json in __post_init__:
+    # Derived in __post_init__: the GGUF file `model` names (None: an HF directory), the directory
+    # holding config.json and the tokenizer (`model`, or the GGUF file's converted metadata), and
+    # its config.json.
+    gguf_file: str | None = field(init=False, repr=False, compare=False)
+    hf_dir: str = field(init=False, repr=False, compare=False)
     hf: dict[str, Any] = field(init=False, repr=False, compare=False)
     quant: Fp8Scheme | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hf", _text_config(read_hf_config(self.model)))
+        gguf_file = find_gguf_file(self.model)
+        object.__setattr__(self, "gguf_file", gguf_file)
+        hf_dir = gguf_metadata_dir(gguf_file) if gguf_file else self.model
+        object.__setattr__(self, "hf_dir", hf_dir)
+        object.__setattr__(self, "hf", _text_config(read_hf_config(self.hf_dir)))
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
-        if self.load_format not in ("auto", "safetensors", "dummy"):
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
+        if self.load_format == "gguf" and gguf_file is None:
+            raise ValueError(f"--load-format gguf: --model {self.model!r} is no GGUF file")
+        if self.load_format == "safetensors" and gguf_file is not None:
+            raise ValueError(f"--load-format safetensors: --model {self.model!r} is a GGUF file")
         limit = self.hf.get("max_position_embeddings") or 2048
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", int(limit))
@@ -115,7 +131,7 @@ class ModelConfig:
             )
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in self.hf:
-                raise ValueError(f"{self.model}/config.json lacks {key!r}")
+                raise ValueError(f"{self.hf_dir}/config.json lacks {key!r}")
         if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
             os.path.join(self.generation_config, "generation_config.json")
         ):
@@ -138,7 +154,7 @@ class ModelConfig:
 
     @property
     def tokenizer_path(self) -> str:
-        return self.tokenizer or self.model
+        return self.tokenizer or self.hf_dir
 
     @property
     def resolved_dtype(self) -> str:
@@ -171,7 +187,7 @@ class ModelConfig:
     def generation_values(self) -> dict[str, Any]:
         """The generation_config.json in effect (the model's, or --generation-config DIR's)."""
         if self.generation_config in ("auto", "vllm"):
-            return read_generation_config(self.model)
+            return read_generation_config(self.hf_dir)
         return read_generation_config(self.generation_config)
 
     @property

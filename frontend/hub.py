@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from pagedserve.gguf_checkpoint import PACKAGED_MODELS
+
 # The files a checkpoint directory needs here (config, weights, tokenizer, chat template).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
@@ -18,7 +20,10 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.t
 def resolve_model(
     name: str, revision: str | None = None, download_dir: str | None = None, flag: str = "--model"
 ) -> str:
-    """The local directory of `name` (a directory, or a hub id fetched into the cache)."""
+    """The local directory of `name` (a directory, or a hub id fetched into the cache); a GGUF
+    file or a packaged model (`smollm2`) is returned as it is, for `ModelConfig` to open."""
+    if name in PACKAGED_MODELS or (os.path.isfile(name) and name.endswith(".gguf")):
+        return name
     if os.path.isdir(name):
         if revision is not None:
             raise ValueError(f"--revision {revision!r} applies to hub ids; {name!r} is a directory")

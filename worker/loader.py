@@ -1,7 +1,10 @@
-"""Weight loading: safetensors checkpoints (sharded or not) into our parameters, or dummy weights.
+"""Weight loading: safetensors checkpoints (sharded or not) or GGUF files into our parameters, or
+dummy weights.
 
-Each tensor is opened as a lazy safetensors slice and handed to its parameter's `weight_loader`,
+Each safetensors tensor is opened as a lazy slice and handed to its parameter's `weight_loader`,
 which reads only this rank's shard; a rank never materializes a full tensor parallel weight.
+GGUF tensors are dequantized whole (quantization blocks run along rows, llama.cpp permutes q and
+k rows), one at a time, to float32 and then to the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,18 +48,47 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copy the checkpoint into `model`, which provides `checkpoint_name_wanted(name)` and
-    `checkpoint_to_param(name) -> (param name, shard id)`. Raises on missing or unknown weights."""
+def iter_gguf(gguf_file: str, hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF checkpoint name, float32 tensor) for every tensor of a GGUF file, dequantized by
+    the `gguf` package; names and llama.cpp's q/k row permutation undone as transformers does
+    (its GGUF tensor processors, and its name map built from the HF model class on the meta
+    device). `hf_dir` holds the file's converted config.json (`gguf_checkpoint.py`)."""
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    reader = GGUFReader(gguf_file)
+    config = AutoConfig.from_pretrained(hf_dir)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(hf_model, processor)
+    for tensor in reader.tensors:
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
+                                   name=tensor.name)  # fmt: skip
+        if result.name in names:  # else derived (rope_freqs): a weight left out is caught below
+            yield names[result.name], torch.from_numpy(result.weights.copy())
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], source: str) -> None:
+    """Copy (name, tensor or lazy slice) pairs of the checkpoint `source` into `model`, which
+    provides `checkpoint_name_wanted(name)` and `checkpoint_to_param(name) -> (param name,
+    shard id)`. Raises on missing or unknown weights."""
     params = dict(model.named_parameters())
     loaded: set[tuple[str, Any]] = set()
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in weights:
         if not model.checkpoint_name_wanted(name):
             continue
         param_name, shard_id = model.checkpoint_to_param(name)
         param = params.get(param_name)
         if param is None:
-            raise ValueError(f"{model_dir}: checkpoint weight {name!r} has no place in the model")
+            raise ValueError(f"{source}: checkpoint weight {name!r} has no place in the model")
         loader = getattr(param, "weight_loader", load_full)
         with torch.no_grad():
             loader(param, tensor, shard_id)
@@ -69,7 +101,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if (n, s) not in loaded and not getattr(p, "optional", False)
     ]
     if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(missing)}")
+        raise ValueError(f"{source}: checkpoint lacks {', '.join(missing)}")
 
 
 def _describe(model: nn.Module, param_name: str, shard_id: Any) -> str:

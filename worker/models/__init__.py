@@ -11,7 +11,13 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention import select_backend
 from pagedserve.kernels.fp8 import require_fp8_device
-from pagedserve.worker.loader import after_loading, init_dummy_weights, load_weights
+from pagedserve.worker.loader import (
+    after_loading,
+    init_dummy_weights,
+    iter_checkpoint,
+    iter_gguf,
+    load_weights,
+)
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 
@@ -73,7 +79,8 @@ def build_model(
     """Build the model for `config` on `device` in `dtype` and fill its weights.
 
     `layer_range` `[start, end)` is this pipeline stage's decoder layers (default: all). Weights
-    come from the safetensors in `config.model`, or are random for `load_format="dummy"`.
+    come from the safetensors or GGUF file `config.model` names, or are random for
+    `load_format="dummy"`.
     `config.quant` makes the linear layers FP8; `kv_fp8` gives attention FP8 cache scales.
     """
     cls = model_class(config.hf)
@@ -87,7 +94,9 @@ def build_model(
         model = cls(config.hf, select_backend(device), layer_range, opts)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
+    elif config.gguf_file is not None:
+        load_weights(model, iter_gguf(config.gguf_file, config.hf_dir), config.gguf_file)
     else:
-        load_weights(model, config.model)
+        load_weights(model, iter_checkpoint(config.model), config.model)
     after_loading(model)
     return model.eval()
