@@ -111,6 +111,18 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     a("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     a("--log-requests", action="store_true", help="log each request's prompt (off: no prompt text)")
     a(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": parse tool calls from replies (needs --tool-call-parser)',
+    )
+    a(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        help="the model's tool-call format (hermes: Qwen2.5/Qwen3)",
+    )
+    a("--reasoning-parser", choices=["qwen3", "deepseek_r1"],
+      help="move <think>...</think> into reasoning_content")  # fmt: skip
+    a(
         "--max-waiting",
         type=_non_negative_int,
         help="refuse requests (503 + Retry-After) while this many wait (default: no bound)",
@@ -175,16 +187,26 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
         )
     except (ValueError, TypeError, OSError) as e:
         fail(str(e))
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        fail("--enable-auto-tool-choice needs --tool-call-parser")
     opts = LaunchOptions(
         args.host, args.port, args.api_servers, args.api_key, args.log_level,
         drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
-        log_requests=args.log_requests,
+        log_requests=args.log_requests, api_server_args=_chat_args(args),
     )  # fmt: skip
     if config.parallel.node_rank > 0:
         from pagedserve.frontend.launcher import run_worker_node
 
         return run_worker_node(config)
     return Launcher(config, opts).run()
+
+
+def _chat_args(args: argparse.Namespace) -> tuple[str, ...]:
+    out: list[str] = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, name):
+            out += ["--" + name.replace("_", "-"), getattr(args, name)]
+    return tuple(out)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

@@ -46,6 +46,7 @@ class LaunchOptions:
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 << 20
     log_requests: bool = False
+    api_server_args: tuple[str, ...] = ()  # chat flags passed through (tool and reasoning parsers)
 
 
 LAUNCH_T0_ENV = "PAGEDSERVE_LAUNCH_T0"
@@ -82,6 +83,7 @@ def start_api_server(
     ]  # fmt: skip
     if opts.log_requests:
         cmd.append("--log-requests")
+    cmd.extend(opts.api_server_args)
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
     env.pop("PAGEDSERVE_API_KEY", None)
     if opts.api_key:

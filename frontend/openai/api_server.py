@@ -52,7 +52,7 @@ from pagedserve.frontend.openai.protocol import (
     error_body,
 )
 from pagedserve.frontend.openai.serving import Serving, now_s
-from pagedserve.frontend.openai.serving_chat import ChatServing
+from pagedserve.frontend.openai.serving_chat import ChatOptions, ChatServing
 from pagedserve.frontend.openai.serving_completions import CompletionServing
 from pagedserve.frontend.tokenizer import encode_prompt
 from pagedserve.ipc.process import die_with_parent
@@ -111,6 +111,7 @@ def build_app(
     drain: Drain | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_requests: bool = False,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
     server accepts connections (uvicorn's `Server` is expected at `app.state.server`, and is told
@@ -140,8 +141,9 @@ def build_app(
         max_request_bytes=max_request_bytes,
     )  # fmt: skip
     base = Serving(engine, metrics, log_requests)
-    add_openai_routes(app, engine, metrics, base)
-    add_utility_routes(app, metrics, base, ChatServing(engine, metrics))
+    chat = ChatServing(engine, metrics, log_requests, options=chat_options)
+    add_openai_routes(app, engine, metrics, base, chat)
+    add_utility_routes(app, metrics, base, chat)
     return app
 
 
@@ -157,10 +159,9 @@ def _exit(app: FastAPI) -> None:
 
 
 def add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving
+    app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving, chat: ChatServing
 ) -> None:
     completions = CompletionServing(engine, metrics, base.log_requests)
-    chat = ChatServing(engine, metrics, base.log_requests)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -272,6 +273,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S)
     ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     ap.add_argument("--log-requests", action="store_true")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true")
+    ap.add_argument("--tool-call-parser")
+    ap.add_argument("--reasoning-parser")
     return ap.parse_args(argv)
 
 
@@ -301,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         drain=drain,
         max_request_bytes=args.max_request_bytes,
         log_requests=args.log_requests,
+        chat_options=ChatOptions(
+            args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+        ),
     )
     uv_config = uvicorn.Config(
         app,
