@@ -93,7 +93,7 @@ class GrammarCompiler:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self._compiler: Any = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pool: ThreadPoolExecutor | None = None  # started by the first grammar
         self._futures: dict[str, Future] = {}
         self._compiled: OrderedDict[str, Any] = OrderedDict()
 
@@ -102,6 +102,8 @@ class GrammarCompiler:
         return bool(self._futures)
 
     def submit(self, key: str, spec: StructuredOutputs) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         if key not in self._futures:
             self._futures[key] = self._pool.submit(self._compile, key, spec)
 
@@ -115,7 +117,8 @@ class GrammarCompiler:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def get(self, spec: StructuredOutputs) -> Any:
         """The compiled grammar; compiles here only if it was evicted (the core waited for it)."""
