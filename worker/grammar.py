@@ -55,10 +55,24 @@ def build_grammar(spec: StructuredOutputs) -> Any:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_quote(c) for c in spec.choice))
         if spec.grammar is not None:
             return xgr.Grammar.from_ebnf(spec.grammar)
-        return xgr.Grammar.from_structural_tag(spec.structural_tag)
+        return _structural_tag(xgr, spec.structural_tag)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
         message = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0]
         raise ValueError(f"invalid {_kind(spec)}: {message}") from None
+
+
+def _structural_tag(xgr: Any, text: str | None) -> Any:
+    """xgrammar's format, or vLLM's older {"structures": [{begin, schema, end}], "triggers"}."""
+    tag = msgspec.json.decode(text or "null")
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [
+            xgr.StructuralTagItem(
+                begin=s["begin"], schema=msgspec.json.encode(s["schema"]).decode(), end=s["end"]
+            )
+            for s in tag["structures"]
+        ]
+        return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
+    return xgr.Grammar.from_structural_tag(text)
 
 
 _COMPACT = dict(any_whitespace=False, strict_mode=False)

@@ -74,6 +74,8 @@ class ChatServing(Serving):
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
         shape, spec = self._shape(req)
+        if getattr(shape.tool_parser, "keeps_special_tokens", False):
+            req.skip_special_tokens = False
         if spec is None:
             spec = await self.structured_outputs(req)
         elif spec_from_request(req) is not None:

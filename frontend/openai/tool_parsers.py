@@ -81,6 +81,7 @@ class Llama3JsonParser:
 
 class MistralParser:
     markers = ("[TOOL_CALLS]",)
+    keeps_special_tokens = True  # [TOOL_CALLS] is a special token: the text must keep it
 
     def extract(self, text: str) -> tuple[str | None, ToolCalls]:
         start = text.find("[TOOL_CALLS]")
