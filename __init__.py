@@ -8,7 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "AsyncEngine"]
+__all__ = [
+    "LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestOutput",
+    "CompletionOutput", "AsyncEngine",
+]  # fmt: skip
 
 _LAZY = {
     "LLM": "pagedserve.frontend.llm",
@@ -16,10 +19,13 @@ _LAZY = {
     "RequestOutput": "pagedserve.frontend.outputs",
     "CompletionOutput": "pagedserve.frontend.outputs",
     "SamplingParams": "pagedserve.ipc.messages",
+    "StructuredOutputs": "pagedserve.ipc.messages",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "StructuredOutputsParams":  # vLLM's name
+        name = "StructuredOutputs"
     if name in _LAZY:
         import importlib
 

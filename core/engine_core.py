@@ -21,13 +21,16 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.grammar_gate import GrammarGate
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.ipc.messages import (
     AbortRequests,
     AddRequest,
     ClientHello,
     ClientMessage,
+    CompileGrammar,
     EngineOutputs,
+    GrammarCompiled,
     RequestDelta,
     ResetPrefixCache,
     ShutdownEngine,
@@ -39,6 +42,7 @@ from pagedserve.ipc.messages import (
 
 logger = logging.getLogger("pagedserve.engine")
 IDLE_POLL_S = 0.5
+GRAMMAR_POLL_S = 0.002  # nothing in flight, a grammar compiling: how long to wait for its answer
 STATS_INTERVAL_S = 0.5
 LIVENESS_INTERVAL_S = 0.2
 
@@ -54,7 +58,7 @@ class StepTimeoutError(EngineDeadError):
 class Transport(Protocol):
     def next_client_message(self, timeout: float | None) -> ClientMessage | None: ...
     def next_worker_message(self, timeout: float) -> WorkerToCore | None: ...
-    def broadcast(self, plan: StepPlan) -> None: ...
+    def broadcast(self, plan: StepPlan | CompileGrammar) -> None: ...
     def send_outputs(self, client_index: int, outputs: EngineOutputs) -> None: ...
     def add_client(self, hello: ClientHello) -> None: ...
     def client_indices(self) -> list[int]: ...
@@ -81,6 +85,7 @@ class EngineCore:
             sliding_window=config.model.kv_sliding_window,
         )
         self.max_inflight = 2 if async_scheduling else pp
+        self.grammars = GrammarGate(num_sampling_ranks=config.parallel.tensor_parallel_size)
         self.inflight: deque[StepPlan] = deque()
         self.step_timeout = config.scheduler.step_timeout
         self._sent_at: dict[int, float] = {}  # step_id -> when its plan was broadcast
@@ -103,11 +108,13 @@ class EngineCore:
     def _loop(self) -> None:
         while self.running:
             idle = not self.inflight and not self.scheduler.has_unfinished_requests()
-            self._drain_client_messages(block=idle)
+            self._drain_client_messages(block=idle and not self.grammars.pending)
             self._check_workers()
             self._schedule_steps()
             if self.inflight:
                 self._collect_one_result()
+            elif self.grammars.pending:
+                self._handle_worker_message(self.transport.next_worker_message(GRAMMAR_POLL_S))
             elif idle:
                 self._maybe_send_stats(force=False)
 
@@ -135,7 +142,8 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             return [(msg.client_index, self._add_request(msg))]
         if isinstance(msg, AbortRequests):
-            return self.scheduler.abort_requests(msg.req_ids)
+            held = self.grammars.abort(msg.req_ids) if self.grammars.pending else []
+            return [_aborted(r) for r in held] + self.scheduler.abort_requests(msg.req_ids)
         if isinstance(msg, ClientHello):
             self.transport.add_client(msg)
         elif isinstance(msg, ResetPrefixCache):
@@ -148,12 +156,35 @@ class EngineCore:
         """The answer to an AddRequest: admitted (no tokens yet), rejected or aborted."""
         if self.scheduler.is_full():
             return RequestDelta(msg.req_id, [], finish_reason="rejected")
+        schedulable, compile_order = self.grammars.admit(msg)
+        if compile_order is not None:
+            self.transport.broadcast(compile_order)
+        if not schedulable:  # admitted: it waits for its grammar, outside the scheduler
+            return RequestDelta(msg.req_id, [])
+        return self._schedule_request(msg)
+
+    def _schedule_request(self, msg: AddRequest) -> RequestDelta:
         try:
             self.scheduler.add_request(msg)
         except ValueError as e:  # clients validate first; never let one request kill the loop
             logger.warning("refused request %s: %s", msg.req_id, e)
             return RequestDelta(msg.req_id, [], finish_reason="abort")
         return RequestDelta(msg.req_id, [])
+
+    def _grammar_compiled(self, msg: GrammarCompiled) -> None:
+        """Requests whose grammar every sampling rank now holds join the scheduler (or, if it did
+        not compile, end: API servers validate grammars first, so only a raw client sees this)."""
+        released, error = self.grammars.compiled(msg)
+        deltas = []
+        for req in released:
+            if error is not None:
+                logger.warning("request %s: grammar failed to compile: %s", req.req_id, error)
+                deltas.append(_aborted(req))
+            else:
+                delta = self._schedule_request(req)
+                if delta.finish_reason is not None:
+                    deltas.append((req.client_index, delta))
+        self._emit(deltas)
 
     # ------------------------------------------------------------------ steps
     def _schedule_steps(self) -> None:
@@ -172,10 +203,8 @@ class EngineCore:
         if msg is None:
             self._check_step_timeout()
             return
-        if isinstance(msg, WorkerError):
-            self._blame_dead_worker()
-            raise EngineDeadError(f"worker {msg.rank} failed: {msg.message}")
         if not isinstance(msg, StepResult):
+            self._handle_worker_message(msg)
             return
         plan = self.inflight.popleft()
         assert plan.step_id == msg.step_id, (plan.step_id, msg.step_id)
@@ -189,6 +218,14 @@ class EngineCore:
                 f"{sent:.6f} {received:.6f} {time.monotonic():.6f} {len(plan.scheduled_ids)} "
                 f"{sum(plan.num_scheduled_tokens)}\n"
             )
+
+    def _handle_worker_message(self, msg: WorkerToCore | None) -> None:
+        """A worker message other than a step result."""
+        if isinstance(msg, WorkerError):
+            self._blame_dead_worker()
+            raise EngineDeadError(f"worker {msg.rank} failed: {msg.message}")
+        if isinstance(msg, GrammarCompiled):
+            self._grammar_compiled(msg)
 
     def _check_step_timeout(self) -> None:
         plan = self.inflight[0]
@@ -230,3 +267,7 @@ class EngineCore:
         for client_index in self.transport.client_indices():
             if client_index not in skip:
                 self.transport.send_outputs(client_index, EngineOutputs([], stats))
+
+
+def _aborted(req: AddRequest) -> tuple[int, RequestDelta]:
+    return req.client_index, RequestDelta(req.req_id, [], finish_reason="abort")

@@ -142,6 +142,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--ssl-keyfile", help="serve HTTPS with this key (and --ssl-certfile)")
     a("--ssl-certfile")
     a("--root-path", default="", help="the path prefix a proxy serves the API under")
+    a("--enable-auto-tool-choice", action="store_true",
+      help="tool_choice auto: parse tool calls (needs --tool-call-parser)")  # fmt: skip
+    a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+      help="the model's tool-call format (hermes: Qwen2.5/Qwen3)")  # fmt: skip
+    a("--reasoning-parser", choices=["qwen3", "deepseek_r1"],
+      help="move <think>...</think> into reasoning_content")  # fmt: skip
     a(
         "--drain-timeout",
         type=_non_negative_float,

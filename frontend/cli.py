@@ -60,6 +60,8 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     template = None if args.chat_template is None else load_chat_template(args.chat_template)
     return LaunchOptions(
         args.host, args.port, args.api_servers, args.api_key, args.log_level,
@@ -69,7 +71,17 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
         uvicorn_log_level=args.uvicorn_log_level or args.log_level,
         allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+        api_server_args=_chat_args(args),
     )  # fmt: skip
+
+
+def _chat_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The API server flags for tool calls and reasoning (passed through as given)."""
+    out: list[str] = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, name):
+            out += ["--" + name.replace("_", "-"), getattr(args, name)]
+    return tuple(out)
 
 
 def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:

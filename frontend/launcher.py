@@ -55,6 +55,7 @@ class LaunchOptions:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     root_path: str = ""
+    api_server_args: tuple[str, ...] = ()  # chat flags passed through (tool and reasoning parsers)
 
     def server_argv(self) -> list[str]:
         """The API server's flags for these options (frontend/openai/api_server.py)."""
@@ -75,7 +76,7 @@ class LaunchOptions:
             argv += ["--allowed-origins", json.dumps(self.allowed_origins)]
         if self.ssl_keyfile is not None and self.ssl_certfile is not None:
             argv += ["--ssl-keyfile", self.ssl_keyfile, "--ssl-certfile", self.ssl_certfile]
-        return argv
+        return argv + list(self.api_server_args)
 
 
 LAUNCH_T0_ENV = "PAGEDSERVE_LAUNCH_T0"

@@ -138,6 +138,11 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         for _, ids in encoded:
             self._check_prompt(ids)
+        for p in params:
+            if p.structured_outputs is not None:
+                from pagedserve.worker.grammar import build_grammar  # xgrammar: only when used
+
+                build_grammar(p.structured_outputs)  # ValueError naming what does not compile
         processor = OutputProcessor(self.tokenizer, self._eos_ids)
         order = []
         for (text, ids), p, prio in zip(encoded, params, priority, strict=True):

@@ -7,7 +7,9 @@ Only token ids, block ids and small numbers travel here; tensors never do.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from typing import Any
 
 import msgspec
 
@@ -17,6 +19,46 @@ MAX_N = 128  # choices per request: each is an engine request, so this bounds on
 # a 400 instead of an encoding error on an IO thread.
 _I32 = 2**31
 _I64 = 2**63
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """A grammar the output must follow, shaped like vLLM's StructuredOutputsParams: exactly one
+    of `json` (a JSON schema, as text or a dict), `json_object`, `regex`, `choice`, `grammar`
+    (EBNF) or `structural_tag` (xgrammar's structural tag, as JSON text).
+
+    JSON is compact by default (no whitespace outside strings, as OpenAI's structured outputs):
+    a small model given free whitespace tends to loop on newlines. `any_whitespace` allows it.
+    `after_token_id`: the grammar applies only after this token was generated (the end of a
+    reasoning model's thinking, `</think>`); None: from the first token. The sampling worker
+    ranks compile it (xgrammar) and mask each step's logits with it.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    any_whitespace: bool = False
+    after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        _check(
+            len(kinds) == 1,
+            "structured_outputs needs exactly one of " + ", ".join(_GRAMMAR_KINDS)
+            + (f" (got {', '.join(kinds)})" if kinds else ""),
+        )  # fmt: skip
+        _check(self.choice is None or len(self.choice) > 0, "choice must not be empty")
+
+    @property
+    def key(self) -> str:
+        """Which compiled grammar this is (the same for every request with the same grammar)."""
+        spec = msgspec.structs.replace(self, after_token_id=None)
+        return hashlib.sha1(msgspec.msgpack.encode(spec)).hexdigest()
+
+
+_GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -45,6 +87,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -219,7 +262,15 @@ class ShutdownWorkers(msgspec.Struct, tag=True, **_HOT):
     pass
 
 
-CoreToWorker = StepPlan | InitCache | ShutdownWorkers
+class CompileGrammar(msgspec.Struct, tag=True, **_HOT):
+    """Sampling ranks: compile this grammar off the step loop, answer with GrammarCompiled.
+    The core schedules no request of this grammar before every sampling rank has answered."""
+
+    key: str
+    spec: StructuredOutputs
+
+
+CoreToWorker = StepPlan | InitCache | ShutdownWorkers | CompileGrammar
 
 
 # ---------------------------------------------------------------- workers -> core
@@ -247,4 +298,12 @@ class WorkerError(msgspec.Struct, tag=True, **_HOT):
     message: str
 
 
-WorkerToCore = WorkerReady | StepResult | WorkerError
+class GrammarCompiled(msgspec.Struct, tag=True, **_HOT):
+    """One sampling rank holds the compiled grammar `key` (or says why it could not)."""
+
+    rank: int
+    key: str
+    error: str | None = None
+
+
+WorkerToCore = WorkerReady | StepResult | WorkerError | GrammarCompiled

@@ -1,5 +1,7 @@
 """Tensor and pipeline parallelism on CPU with gloo: greedy outputs at tp/pp > 1 equal tp=1 pp=1
-token for token (fp32), including GQA with fewer KV heads than TP ranks (replicated KV heads)."""
+token for token (fp32), including GQA with fewer KV heads than TP ranks (replicated KV heads),
+and grammar-constrained requests in the same batch (every sampling rank applies the same mask;
+pp > 1 also runs without async scheduling)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import os
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, StructuredOutputs
 from pagedserve.config import ParallelConfig
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.parallel.groups import layer_range, rank_info, split_layers
@@ -16,6 +18,8 @@ from pagedserve.parallel.groups import layer_range, rank_info, split_layers
 from tiny_models import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+OBJECT = {"type": "object", "properties": {"k": {"type": "integer"}}}
+GRAMMARS = [StructuredOutputs(regex="[a-m]{2,5}( [n-z]{1,4}){1,3}"), StructuredOutputs(json=OBJECT)]
 
 
 def prompts() -> list[dict]:
@@ -24,23 +28,30 @@ def prompts() -> list[dict]:
             for n in (4, 19, 40, 9, 27)]  # fmt: skip
 
 
-def generate(path: str, tp: int, pp: int, **kw) -> list[list[int]]:
+def generate(path: str, tp: int, pp: int, grammars: bool = False, **kw) -> list[list[int]]:
+    batch, params = prompts(), [PARAMS] * 5
+    if grammars:  # constrained rows among unconstrained ones
+        batch += batch[:2]
+        params += [SamplingParams(temperature=0, max_tokens=10, structured_outputs=g)
+                   for g in GRAMMARS]  # fmt: skip
     with LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp,
              pipeline_parallel_size=pp, **kw) as llm:  # fmt: skip
-        return [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS)]
+        return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = make_tiny_model("llama", str(tmp_path_factory.mktemp("par-llama")))
-    return path, generate(path, 1, 1)
+    want = generate(path, 1, 1, grammars=True)
+    assert want[5] != want[0] and want[6] != want[1], "the grammars changed the output"
+    return path, want
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_equals_single(llama, tp, pp):
     path, want = llama
     # A small budget makes several chunked steps, so pp=2 really keeps two plans in flight.
-    assert generate(path, tp, pp, max_num_batched_tokens=24) == want
+    assert generate(path, tp, pp, grammars=True, max_num_batched_tokens=24) == want
 
 
 def test_kv_heads_fewer_than_tp_are_replicated(tmp_path_factory):

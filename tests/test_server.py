@@ -24,7 +24,11 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.frontend.engine_client import start_engine_core
 from pagedserve.frontend.llm import build_engine_config
-from pagedserve.frontend.openai.protocol import UNSUPPORTED_FIELDS, CompletionRequest
+from pagedserve.frontend.openai.protocol import (
+    UNSUPPORTED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from pagedserve.ipc.sockets import ipc_dir
 
 from tiny_models import tiny_model_dir
@@ -457,9 +461,12 @@ def test_bad_requests_are_400(http: httpx.Client, body: dict) -> None:
 @pytest.mark.parametrize("field", list(UNSUPPORTED_FIELDS))
 def test_unsupported_fields_are_refused_by_name(http: httpx.Client, field: str) -> None:
     """A feature vLLM has and we lack is a 400 naming it, never silently dropped."""
-    for path, body in (("/v1/chat/completions", CHAT_BODY), ("/v1/completions", COMPLETION)):
-        if field in CompletionRequest.model_fields and path == "/v1/completions":
-            continue  # completions implement it (echo, add_special_tokens)
+    for path, body, model in (
+        ("/v1/chat/completions", CHAT_BODY, ChatCompletionRequest),
+        ("/v1/completions", COMPLETION, CompletionRequest),
+    ):
+        if field in model.model_fields:
+            continue  # this endpoint implements it (echo, response_format, tools on chat)
         error = assert_error(http.post(path, json=body | {field: 12345}), 400)
         assert error["param"] == field and field in error["message"], error
 
@@ -467,12 +474,12 @@ def test_unsupported_fields_are_refused_by_name(http: httpx.Client, field: str) 
 def test_unsupported_fields_no_op_values_pass(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=1, response_format={"type": "json_object"}
+            model=MODEL, messages=CHAT, max_tokens=1, extra_body={"use_beam_search": True}
         )
-    assert "response_format" in info.value.message
+    assert "use_beam_search" in info.value.message
     reply = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=1, response_format={"type": "text"},
-        tool_choice="none", extra_body={"guided_json": None},
+        tool_choice="none", extra_body={"guided_json": None, "use_beam_search": False},
     )  # fmt: skip
     assert reply.usage.completion_tokens == 1
 

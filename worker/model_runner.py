@@ -23,6 +23,7 @@ from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.backend import attention_backend_name
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from pagedserve.worker.grammar import GrammarCompiler, GrammarMasks, RowMatcher
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
@@ -85,6 +86,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        # Structured outputs (sampling ranks only): matchers of the constrained rows in the batch.
+        self.grammars = GrammarCompiler(config.model.tokenizer_path, config.model.vocab_size)
+        self.matchers: dict[str, RowMatcher] = {}
+        self._masks: GrammarMasks | None = None
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
@@ -234,6 +239,8 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         self.batch.apply(plan)
+        if self.info.is_last_stage and (self.matchers or plan.new_requests):
+            self._track_matchers(plan)
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
@@ -285,6 +292,8 @@ class ModelRunner:
         plan, inputs = step.plan, step.inputs
         sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
         rows = [self._sampling_row(req_id) for req_id in sample_ids]
+        if self.matchers:
+            self._apply_grammars(step.logits, sample_ids, rows)
         token_ids = self.sampler.sample_ids(step.logits, rows)  # [S] on the device
         logprobs = None
         if self.info.is_driver and any(r.params.logprobs is not None for r in rows):
@@ -330,6 +339,26 @@ class ModelRunner:
         if self.mixed_graphs is None:
             return None
         return self.mixed_graphs.bucket(len(inputs.input_ids), len(inputs.seq_lens))
+
+    def _track_matchers(self, plan: StepPlan) -> None:
+        """A matcher per constrained request in the batch (a resumed one starts over)."""
+        for req_id in plan.finished_ids:
+            self.matchers.pop(req_id, None)
+        for new in plan.new_requests:
+            spec = new.sampling.structured_outputs
+            if spec is not None:
+                compiled = self.grammars.get(spec)
+                self.matchers[new.req_id] = RowMatcher(compiled, spec, new.eos_token_ids)
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, sample_ids: list[str], rows: list[SamplingRow]
+    ) -> None:
+        """Mask the constrained rows' logits [S, V] in place with their grammars' next tokens."""
+        if self._masks is None:
+            max_rows = self.config.scheduler.max_num_seqs
+            self._masks = GrammarMasks(max_rows, logits.shape[1], self.device)
+        matchers = [self.matchers.get(req_id) for req_id in sample_ids]
+        self._masks.apply(logits, matchers, [r.output_token_ids for r in rows])
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         req = self.batch.requests[req_id]

@@ -21,7 +21,9 @@ import zmq
 
 from pagedserve.config import EngineConfig
 from pagedserve.ipc.messages import (
+    CompileGrammar,
     CoreToWorker,
+    GrammarCompiled,
     InitCache,
     ShutdownWorkers,
     StepPlan,
@@ -34,6 +36,7 @@ from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender
 
 logger = logging.getLogger("pagedserve.worker")
 POLL_S = 50e-6  # while a step runs on the GPU: how often to look for the next plan
+GRAMMAR_POLL_S = 1e-3  # while idle and a grammar compiles: how often to look if it is done
 
 
 def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
@@ -83,6 +86,8 @@ def run_loop(
     trace = _open_trace(rank)
     try:
         while True:
+            if runner.grammars.pending:
+                _report_grammars(runner, rank, results)
             msg = _next_message(plans, runner, pending)
             if isinstance(msg, StepPlan) and lookahead:
                 t0 = time.monotonic()
@@ -109,9 +114,13 @@ def run_loop(
                         rank, msg.num_blocks, "cache_ready", time.perf_counter() - start, timings
                     )
                 )
+            elif isinstance(msg, CompileGrammar):
+                if info.is_last_stage:  # only the sampling ranks need grammars
+                    runner.grammars.submit(msg.key, msg.spec)
             elif isinstance(msg, ShutdownWorkers):
                 return
     finally:
+        runner.grammars.close()
         if trace is not None:
             trace.close()
 
@@ -135,11 +144,17 @@ def _open_trace(rank: int):
     return open(f"{path}.worker{rank}", "w", buffering=1) if path else None  # noqa: SIM115
 
 
+def _report_grammars(runner, rank: int, results: StepSender) -> None:
+    for key, error in runner.grammars.poll():
+        results.send(GrammarCompiled(rank, key, error))
+
+
 def _next_message(plans: StepReceiver, runner, pending):
     """The next message; while a step is on the device, poll for the next plan only until that
-    step is done (then None: report it, the core may be waiting for it to plan more)."""
+    step is done (then None: report it, the core may be waiting for it to plan more). While a
+    grammar compiles, wait briefly (then None: report it when done)."""
     if pending is None:
-        return plans.get(timeout=1.0)
+        return plans.get(timeout=GRAMMAR_POLL_S if runner.grammars.pending else 1.0)
     while True:
         msg = plans.get(timeout=0.0)
         if msg is not None or runner.is_done(pending):

@@ -187,7 +187,10 @@ def add_bench_parser(sub: Any) -> None:
     from pagedserve.frontend.bench.serve import add_serve_parser
 
     add_serve_parser(kinds)
-    for p in (tp, lat, st):
+    from pagedserve.frontend.bench.structured import add_structured_parser
+
+    so = add_structured_parser(kinds)
+    for p in (tp, lat, st, so):
         p.add_argument("--output-json", default=None)
 
 
@@ -197,7 +200,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
         result = bench_serve(args)
     else:
-        fn = {"throughput": bench_throughput, "latency": bench_latency, "startup": bench_startup}
+        from pagedserve.frontend.bench.structured import bench_structured
+
+        fn = {"throughput": bench_throughput, "latency": bench_latency, "startup": bench_startup,
+              "structured": bench_structured}  # fmt: skip
         result = fn[args.bench_kind](args)
     report(args.bench_kind, result, getattr(args, "output_json", None))
     return 0

@@ -54,7 +54,7 @@ from pagedserve.frontend.openai.protocol import (
     error_body,
 )
 from pagedserve.frontend.openai.serving import Serving, now_s
-from pagedserve.frontend.openai.serving_chat import ChatServing
+from pagedserve.frontend.openai.serving_chat import ChatOptions, ChatServing
 from pagedserve.frontend.openai.serving_completions import CompletionServing
 from pagedserve.frontend.tokenizer import encode_prompt
 from pagedserve.ipc.process import die_with_parent
@@ -113,14 +113,13 @@ def build_app(
     drain: Drain | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_requests: bool = False,
-    chat_template: str | None = None,
-    trust_request_chat_template: bool = False,
     allowed_origins: list[str] | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
     server accepts connections (uvicorn's `Server` is expected at `app.state.server`, and is told
-    to exit when a drain started by `drain.request()` ends). `chat_template`: the server's own
-    (else the tokenizer's); `allowed_origins`: CORS (None: no CORS headers)."""
+    to exit when a drain started by `drain.request()` ends). `chat_options`: templates, tool and
+    reasoning parsers; `allowed_origins`: CORS (None: no CORS headers)."""
     drain = drain or Drain()
 
     @asynccontextmanager
@@ -151,8 +150,8 @@ def build_app(
             allow_headers=["*"],
         )  # fmt: skip
     base = Serving(engine, metrics, log_requests)
-    chat = ChatServing(engine, metrics, log_requests, chat_template, trust_request_chat_template)
-    add_openai_routes(app, engine, base, chat)
+    chat = ChatServing(engine, metrics, log_requests, options=chat_options)
+    add_openai_routes(app, engine, metrics, base, chat)
     add_utility_routes(app, metrics, base, chat)
     return app
 
@@ -168,8 +167,10 @@ def _exit(app: FastAPI) -> None:
         server.should_exit = True
 
 
-def add_openai_routes(app: FastAPI, engine: AsyncEngine, base: Serving, chat: ChatServing) -> None:
-    completions = CompletionServing(engine, base.metrics, base.log_requests)
+def add_openai_routes(
+    app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving, chat: ChatServing
+) -> None:
+    completions = CompletionServing(engine, metrics, base.log_requests)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -291,6 +292,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ssl-keyfile")
     ap.add_argument("--ssl-certfile")
     ap.add_argument("--root-path", default="")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true")
+    ap.add_argument("--tool-call-parser")
+    ap.add_argument("--reasoning-parser")
     return ap.parse_args(argv)
 
 
@@ -324,9 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         drain=drain,
         max_request_bytes=args.max_request_bytes,
         log_requests=args.log_requests,
-        chat_template=args.chat_template,
-        trust_request_chat_template=args.trust_request_chat_template,
         allowed_origins=args.allowed_origins,
+        chat_options=ChatOptions(
+            args.enable_auto_tool_choice,
+            args.tool_call_parser,
+            args.reasoning_parser,
+            args.chat_template,
+            args.trust_request_chat_template,
+        ),
     )
     uv_config = uvicorn.Config(
         app,

@@ -17,8 +17,9 @@ MAX_LOGPROBS = 20
 
 # Request fields vLLM implements and pagedserve does not (yet), each with the values that ask for
 # nothing (besides null): a request setting one to anything else gets a 400 naming it. A field a
-# request model defines is never refused (completions' `echo` works; chat's is refused). When a
-# feature lands, remove its entries here and add the fields to the request models.
+# request model defines is never refused (completions' `echo` works; chat's is refused; chat's
+# `tools` work, completions' are refused). When a feature lands on every endpoint that takes it,
+# remove its entries here and add the fields to the request models.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # structured outputs
     "response_format": ({"type": "text"},),
@@ -100,6 +101,59 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+# ---------------------------------------------------------------- structured outputs and tools
+# (issue 14: these fields are implemented, so they must not be refused by name)
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: str  # "text" | "json_object" | "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` field: one of json, regex, choice, grammar, json_object,
+    structural_tag; `any_whitespace` lets JSON hold free whitespace (off: compact JSON)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    any_whitespace: bool | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
+# ---------------------------------------------------------------- requests
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -126,6 +180,8 @@ class _SamplingRequest(_Request):
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -144,6 +200,9 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -155,6 +214,9 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):

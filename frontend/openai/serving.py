@@ -22,8 +22,9 @@ from pagedserve.frontend.async_engine import AsyncEngine
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.protocol import MAX_LOGPROBS, APIError
+from pagedserve.frontend.openai.structured import GrammarValidator, spec_from_request
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
-from pagedserve.ipc.messages import MAX_N, SamplingParams
+from pagedserve.ipc.messages import MAX_N, SamplingParams, StructuredOutputs
 
 T = TypeVar("T")
 _DONE = object()
@@ -46,6 +47,7 @@ class Serving:
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.model.vocab_size
         self.metrics = metrics
+        self.grammars = GrammarValidator()
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> None:
@@ -115,8 +117,23 @@ class Serving:
             raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
         self.check_alive()
 
+    async def structured_outputs(self, req: Any) -> StructuredOutputs | None:
+        """The request's grammar (response_format or structured_outputs), checked: a 400 names
+        what does not compile."""
+        spec = spec_from_request(req)
+        if spec is not None:
+            await self.grammars.check(spec, "response_format" if req.response_format else
+                                      "structured_outputs")  # fmt: skip
+        return spec
+
     # ------------------------------------------------------------------ sampling
-    def sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        req: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputs | None = None,
+    ) -> SamplingParams:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}.", "logprobs")
         names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -137,6 +154,7 @@ class Serving:
                 logit_bias=self._logit_bias(req.logit_bias),
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured,
                 **fields,
             )
         except ValueError as e:

@@ -6,11 +6,14 @@ the assistant header), then tokenized without adding special tokens again.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import msgspec.structs
 from fastapi import Request
 from starlette.responses import Response
 
@@ -22,8 +25,10 @@ from pagedserve.frontend.chat_template import (
     request_template,
     run_bounded,
 )
+from pagedserve.frontend.openai.chat_output import ChatShape, ChoiceStream
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
+from pagedserve.frontend.openai.reasoning_parsers import make_reasoning_parser
 from pagedserve.frontend.openai.serving import (
     SSE_DONE,
     ClientDisconnected,
@@ -37,10 +42,26 @@ from pagedserve.frontend.openai.serving import (
     stream_error,
     usage,
 )
+from pagedserve.frontend.openai.structured import spec_from_request, tool_call_spec
+from pagedserve.frontend.openai.tool_parsers import make_tool_parser
 from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt, render_chat
+from pagedserve.ipc.messages import StructuredOutputs
 
 _encode = msgspec.json.encode
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """Server flags for chat replies (vLLM's names): `--enable-auto-tool-choice`,
+    `--tool-call-parser`, `--reasoning-parser`, `--chat-template` (the template's text; None: the
+    tokenizer's own), `--trust-request-chat-template`."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
 
 class ChatServing(Serving):
@@ -49,12 +70,19 @@ class ChatServing(Serving):
         engine: AsyncEngine,
         metrics: Metrics | None = None,
         log_requests: bool = False,
-        chat_template: str | None = None,
-        trust_request_chat_template: bool = False,
+        options: ChatOptions | None = None,
     ) -> None:
         super().__init__(engine, metrics, log_requests)
-        self.chat_template = chat_template  # --chat-template; None: the tokenizer's own
-        self.trust_request_chat_template = trust_request_chat_template
+        self.options = opts = options or ChatOptions()
+        self.chat_template = opts.chat_template
+        self.trust_request_chat_template = opts.trust_request_chat_template
+        parser = opts.tool_call_parser
+        self.tool_parser = make_tool_parser(parser) if parser else None
+        self.reasoning = (
+            make_reasoning_parser(opts.reasoning_parser, self.tokenizer)
+            if opts.reasoning_parser
+            else None
+        )
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(req)
@@ -64,10 +92,23 @@ class ChatServing(Serving):
             raise APIError(400, message, param="max_completion_tokens")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+        shape, spec = self._shape(req)
+        if getattr(shape.tool_parser, "keeps_special_tokens", False):
+            req.skip_special_tokens = False
+        if spec is None:
+            spec = await self.structured_outputs(req)
+        elif spec_from_request(req) is not None:
+            raise APIError(400, "tool_choice required or named cannot take response_format or "
+                           "structured_outputs too.", param="tool_choice")  # fmt: skip
+        else:
+            await self.grammars.check(spec, "tool_choice")
         text, ids = self.render(req)
         max_tokens = self.check_prompt(ids, max_tokens)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, top_n)
+        if spec is not None and self.reasoning is not None:
+            after = self.reasoning.grammar_starts_after(ids)
+            spec = msgspec.structs.replace(spec, after_token_id=after)
+        params = self.sampling_params(req, max_tokens, top_n, spec)
         (stream,) = await self.admit([self.generate(ids, params, text, req.priority)])
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -77,25 +118,42 @@ class ChatServing(Serving):
         }
         if req.stream:
             head["object"] = "chat.completion.chunk"
-            return SSEResponse(self._stream(req, head, len(ids), top_n or 0, stream))
+            return SSEResponse(self._stream(req, head, len(ids), top_n or 0, stream, shape))
         try:
             final = await run_until_disconnect(_last(stream), raw)
         except ClientDisconnected:
             return Response(status_code=499)
-        choices = [
-            {
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = shape.message(c.text, c.finish_reason)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": chat_logprobs(c, 0, top_n or 0) if c.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+            })  # fmt: skip
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         body = {**head, "choices": choices}
         body["usage"] = usage(len(ids), num_generated, final.num_cached_tokens)
         return Response(_encode(body), 200)
+
+    def _shape(self, req: ChatCompletionRequest) -> tuple[ChatShape, StructuredOutputs | None]:
+        """How replies are read, and the grammar tool_choice required/named imposes."""
+        choice = req.tool_choice
+        if choice is None:
+            choice = "auto" if req.tools and self.options.enable_auto_tool_choice else "none"
+        if choice == "auto" and self.tool_parser is None:
+            message = 'tool_choice "auto" needs --enable-auto-tool-choice and --tool-call-parser.'
+            raise APIError(400, message, param="tool_choice")
+        spec, name = tool_call_spec(choice, req.tools or [], req.parallel_tool_calls)
+        shape = ChatShape(
+            reasoning=self.reasoning,
+            forced_name=name,
+            required=choice == "required",
+            tool_parser=self.tool_parser if choice == "auto" else None,
+        )
+        return shape, spec
 
     def render(self, req: Any) -> tuple[str, list[int]]:
         """The prompt text and its token ids for a chat request (also used by /tokenize)."""
@@ -107,6 +165,9 @@ class ChatServing(Serving):
         messages = [_message(m) for m in req.messages]
         kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
         kwargs.pop("chat_template", None)
+        tools = getattr(req, "tools", None)
+        if tools and getattr(req, "tool_choice", None) != "none":
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         own = request_template(req)
@@ -142,11 +203,13 @@ class ChatServing(Serving):
         num_prompt: int,
         top_n: int,
         stream: AsyncIterator[RequestOutput],
+        shape: ChatShape,
     ) -> AsyncIterator[bytes]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         cursors = [Cursor() for _ in range(req.n)]
+        choices = [ChoiceStream(shape) for _ in range(req.n)]
         num_generated = num_cached = 0
 
         def chunk(index: int, delta: dict[str, Any], **extra: Any) -> bytes:
@@ -166,13 +229,21 @@ class ChatServing(Serving):
                     step = cursors[c.index].advance(c)
                     if step is None:
                         continue
-                    text, start = step
+                    _, start = step
+                    done = c.finish_reason is not None
+                    deltas = choices[c.index].deltas(c.text, final=done) or [{}]
                     extra: dict[str, Any] = {}
                     if c.logprobs is not None:
                         extra["logprobs"] = chat_logprobs(c, start, top_n)
-                    if c.finish_reason is not None:
-                        extra.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    yield chunk(c.index, {"content": text} if text else {}, **extra)
+                    if done:
+                        finish = c.finish_reason
+                        if finish == "stop" and choices[c.index].num_calls:
+                            finish = "tool_calls"
+                        extra.update(finish_reason=finish, stop_reason=c.stop_reason)
+                    for delta in deltas[:-1]:
+                        yield chunk(c.index, delta)
+                    if deltas[-1] or extra:
+                        yield chunk(c.index, deltas[-1], **extra)
             if include_usage:
                 total = usage(num_prompt, num_generated, num_cached)
                 yield sse(_encode({**head, "choices": [], "usage": total}))
@@ -214,7 +285,24 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": content or ""}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:  # templates read arguments as a mapping (transformers' convention)
+        out["tool_calls"] = [
+            {"id": t.id, "type": t.type, "function": {"name": t.function.name,
+             "arguments": _arguments(t.function.arguments)}}
+            for t in m.tool_calls
+        ]  # fmt: skip
     return out
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise APIError(400, "tool_calls arguments must be JSON.", param="messages") from None
 
 
 def _entry(e: Logprob) -> dict[str, Any]:

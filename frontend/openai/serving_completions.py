@@ -46,8 +46,9 @@ class CompletionServing(Serving):
         if len(prompts) * req.n > MAX_CHOICES:
             message = f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts) * req.n})."
             raise APIError(400, message, param="prompt")
+        spec = await self.structured_outputs(req)
         params = [
-            self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs)
+            self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs, spec)
             for _, ids in prompts
         ]
         streams = await self.admit(

@@ -1,0 +1,124 @@
+"""Tool-call and reasoning parsers on replies in the formats real chat templates teach (Qwen's
+hermes `<tool_call>`, Llama 3.1's JSON with `<|python_tag|>`, Mistral's `[TOOL_CALLS]`), whole
+and streamed token by token; the grammar matcher's reasoning gate on token ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.frontend.openai.chat_output import ChatShape, ChoiceStream
+from pagedserve.frontend.openai.reasoning_parsers import make_reasoning_parser
+from pagedserve.frontend.openai.tool_parsers import make_tool_parser
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+CASES = {
+    "hermes": (
+        'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_time", "arguments": {}}\n</tool_call>',
+        "I will check.",
+    ),
+    "llama3_json": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+        '"celsius"}}; {"name": "get_time", "parameters": {}}',
+        None,
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        None,
+    ),
+}
+
+
+class _Vocab:
+    def get_vocab(self):
+        return {"<think>": 7, "</think>": 8}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parsers_extract_calls(name):
+    text, content = CASES[name]
+    left, calls = make_tool_parser(name).extract(text)
+    assert left == content
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", WEATHER), ("get_time", {})]
+    plain = "The weather in Paris is {sunny}."
+    assert make_tool_parser(name).extract(plain) == (plain, [])
+
+
+def test_mistral_new_format():
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+    _, calls = make_tool_parser("mistral").extract(text)
+    assert calls == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+def _stream(shape: ChatShape, text: str, step: int = 3) -> list[dict]:
+    stream, deltas = ChoiceStream(shape), []
+    for end in range(step, len(text) + step, step):
+        deltas += stream.deltas(text[:end], final=end >= len(text))
+    return deltas
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_streamed_auto_calls_match_the_whole_reply(name):
+    text, content = CASES[name]
+    shape = ChatShape(tool_parser=make_tool_parser(name))
+    deltas = _stream(shape, text)
+    streamed = "".join(d.get("content", "") for d in deltas)
+    assert streamed.strip() == (content or "")
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}  # name first
+    assert json.loads(calls[1]["function"]["arguments"]) == WEATHER
+    message, finish = shape.message(text, "stop")
+    assert finish == "tool_calls" and len(message["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_reasoning_split_whole_and_streamed(parser):
+    reasoning = make_reasoning_parser(parser, _Vocab())
+    text = ("<think>" if parser == "qwen3" else "") + "Let me think.</think>\n\nThe answer."
+    shape = ChatShape(reasoning=reasoning)
+    message, _ = shape.message(text, "stop")
+    assert message["reasoning_content"] == "Let me think."
+    assert message["content"].strip() == "The answer."
+    deltas = _stream(shape, text, step=2)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me think."
+    assert "".join(d.get("content", "") for d in deltas).strip() == "The answer."
+    assert reasoning.grammar_starts_after([1, 2]) == 8
+    assert reasoning.grammar_starts_after([1, 8, 2]) is None  # thinking closed in the prompt
+
+
+def test_qwen3_without_thinking_is_all_content():
+    shape = ChatShape(reasoning=make_reasoning_parser("qwen3", _Vocab()))
+    message, _ = shape.message("Just the answer.", "stop")
+    assert message == {
+        "role": "assistant",
+        "content": "Just the answer.",
+        "reasoning_content": None,
+    }
+
+
+def test_forced_call_streams_name_then_arguments():
+    shape = ChatShape(forced_name="get_weather")
+    deltas = _stream(shape, json.dumps(WEATHER))
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    args = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas)
+    assert json.loads(args) == WEATHER and len(deltas) > 3
+
+
+def test_matcher_waits_for_the_end_of_reasoning():
+    """A grammar with `after_token_id` ignores the tokens up to and including it."""
+    from pagedserve.frontend.cli import default_model_dir
+    from pagedserve.ipc.messages import StructuredOutputs
+    from pagedserve.worker.grammar import GrammarCompiler, RowMatcher
+
+    compiler = GrammarCompiler(default_model_dir(), 4096)
+    spec = StructuredOutputs(choice=["yes"], after_token_id=4)
+    matcher = RowMatcher(compiler.get(spec), spec, eos_token_ids=[1])
+    matcher.catch_up([10, 11, 12])  # thinking: free text
+    assert not matcher.active and not matcher.broken
+    matcher.catch_up([10, 11, 12, 4])
+    assert matcher.active
+    compiler.close()
