@@ -44,11 +44,20 @@ from pagedserve.ipc.sockets import (
     StepReceiver,
     StepSender,
     free_port,
+    ipc_address,
 )
 
 logger = logging.getLogger("pagedserve.engine")
 STARTUP_TIMEOUT_S = 1800.0
 ERROR_FILE = "engine-error"
+MAX_CLIENTS = 2**16  # client indices: API servers are numbered from 0
+# A client that takes no output for this long with CLIENT_HWM outputs queued (or whose socket is
+# gone) is dropped: a live API server drains its socket on its own IO thread at all times.
+CLIENT_HWM = 10_000
+CLIENT_TIMEOUT_S = 5.0
+# Plans queued per subscriber: a worker is at most `max_inflight` plans behind, so only a stalled
+# or foreign subscriber reaches it (PUB then drops its copies instead of growing without bound).
+PLAN_HWM = 1024
 
 
 class ZmqTransport:
@@ -56,6 +65,7 @@ class ZmqTransport:
 
     def __init__(self, config: EngineConfig, input_address: str, ipc_dir: str) -> None:
         self.config = config
+        self.ipc_dir = ipc_dir
         parallel = config.parallel
         if parallel.nnodes == 1:
             bind = connect = CoreAddresses.local(ipc_dir)
@@ -70,7 +80,9 @@ class ZmqTransport:
         self.results: StepReceiver[WorkerToCore] = StepReceiver(
             bind.results, WorkerToCore, bind=True
         )
-        self.plans: StepSender[StepPlan] = StepSender(bind.plans, bind=True, kind=zmq.PUB)
+        self.plans: StepSender[StepPlan] = StepSender(
+            bind.plans, bind=True, kind=zmq.PUB, hwm=PLAN_HWM
+        )
         self.clients_out: dict[int, Sender[CoreToClient]] = {}
         self.workers: list[Child] = []
 
@@ -86,19 +98,48 @@ class ZmqTransport:
 
     def send_outputs(self, client_index: int, outputs: EngineOutputs) -> None:
         sender = self.clients_out.get(client_index)
-        if sender is not None:
+        if sender is not None and not self._forget_if_gone(client_index, sender):
             sender.send(outputs)
 
     def add_client(self, hello: ClientHello) -> None:
+        sender = self._connect(hello)
+        if sender is None:
+            return
         old = self.clients_out.pop(hello.client_index, None)
         if old is not None:
-            old.close()
-        sender: Sender[CoreToClient] = Sender(hello.output_address, bind=False)
+            old.close(flush_timeout=0)
         self.clients_out[hello.client_index] = sender
         sender.send(self.ready)
 
     def client_indices(self) -> list[int]:
+        for index, sender in list(self.clients_out.items()):
+            self._forget_if_gone(index, sender)
         return list(self.clients_out)
+
+    def _connect(self, hello: ClientHello) -> Sender[CoreToClient] | None:
+        """A sender to a client's output socket, which must be an ipc socket in this engine's
+        private directory; None (logged) for a hello that makes no sense."""
+        address, inside = hello.output_address, ipc_address(self.ipc_dir, "")
+        path = address[len(inside) :]
+        if not (0 <= hello.client_index < MAX_CLIENTS):
+            problem = f"client index {hello.client_index} is not in [0, {MAX_CLIENTS})"
+        elif not address.startswith(inside) or not path or "/" in path or "\0" in path:
+            problem = f"output address {address[:200]!r} is not a socket in {self.ipc_dir}"
+        else:
+            try:
+                return Sender(address, bind=False, hwm=CLIENT_HWM, peer_timeout=CLIENT_TIMEOUT_S)
+            except zmq.ZMQError as e:
+                problem = f"cannot connect to {address[:200]!r}: {e}"
+        logger.error("dropped a ClientHello: %s", problem)
+        return None
+
+    def _forget_if_gone(self, client_index: int, sender: Sender[CoreToClient]) -> bool:
+        if not sender.gone:
+            return False
+        logger.warning("client %d went away; its outputs are dropped", client_index)
+        del self.clients_out[client_index]
+        sender.close(flush_timeout=0)
+        return True
 
     def check_workers(self) -> None:
         for child in self.workers:
@@ -155,7 +196,9 @@ class ZmqTransport:
         """Tell every client (also those whose hello is still queued) that the engine is dead."""
         while (msg := self.clients_in.get_nowait()) is not None:
             if isinstance(msg, ClientHello) and msg.client_index not in self.clients_out:
-                self.clients_out[msg.client_index] = Sender(msg.output_address, bind=False)
+                sender = self._connect(msg)
+                if sender is not None:
+                    self.clients_out[msg.client_index] = sender
         for sender in self.clients_out.values():
             sender.send(EngineDead(message))
 

@@ -109,6 +109,7 @@ JSON_BAD = [  # (id, path, body): each a 400
     ("negative-max_tokens", "/v1/completions", COMPLETION | {"max_tokens": -3}),
     ("huge-float", "/v1/completions", COMPLETION | {"frequency_penalty": 1e308}),
     ("enormous-seed", "/v1/completions", COMPLETION | {"seed": 2**70}),
+    ("seed-plus-n", "/v1/completions", COMPLETION | {"seed": 2**63 - 1, "n": 2}),
     ("enormous-top_k", "/v1/completions", COMPLETION | {"top_k": 2**40}),
     ("enormous-priority", "/v1/completions", COMPLETION | {"priority": 2**70}),
     ("enormous-stop-id", "/v1/completions", COMPLETION | {"stop_token_ids": [2**70]}),

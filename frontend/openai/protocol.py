@@ -11,8 +11,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_LOGPROBS = 20
-
 
 class APIError(Exception):
     """An error a client caused (or 503), rendered as `{"error": {...}}` with `status`."""
