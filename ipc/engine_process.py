@@ -85,6 +85,7 @@ class ZmqTransport:
         )
         self.clients_out: dict[int, Sender[CoreToClient]] = {}
         self.workers: list[Child] = []
+        self.ready: EngineReady | None = None  # the answer to each ClientHello, once serving
 
     # Transport protocol ---------------------------------------------------------------
     def next_client_message(self, timeout: float | None) -> ClientMessage | None:
@@ -117,12 +118,16 @@ class ZmqTransport:
         return list(self.clients_out)
 
     def _connect(self, hello: ClientHello) -> Sender[CoreToClient] | None:
-        """A sender to a client's output socket, which must be an ipc socket in this engine's
-        private directory; None (logged) for a hello that makes no sense."""
+        """A sender to a new client's output socket, which must be an ipc socket in this engine's
+        private directory; None (logged) for a hello that makes no sense (also one that would
+        take over a connected client's outputs)."""
         address, inside = hello.output_address, ipc_address(self.ipc_dir, "")
         path = address[len(inside) :]
+        known = self.clients_out.get(hello.client_index)
         if not (0 <= hello.client_index < MAX_CLIENTS):
             problem = f"client index {hello.client_index} is not in [0, {MAX_CLIENTS})"
+        elif known is not None and not known.gone:  # its outputs stay where they go
+            problem = f"client {hello.client_index} is already connected"
         elif not address.startswith(inside) or not path or "/" in path or "\0" in path:
             problem = f"output address {address[:200]!r} is not a socket in {self.ipc_dir}"
         else:
@@ -142,6 +147,8 @@ class ZmqTransport:
         return True
 
     def check_workers(self) -> None:
+        if self.ready is not None:  # after start-up, nobody counts subscriptions any more
+            self.plans.drain_subscriptions()
         for child in self.workers:
             message = child.death_message()
             if message is not None:

@@ -27,6 +27,9 @@ import zmq
 T = TypeVar("T")
 logger = logging.getLogger("pagedserve.ipc")
 _STOP = object()
+# What decoding untrusted bytes may raise: msgspec's errors, and ValueError subclasses it lets
+# through (invalid UTF-8 in a string raises UnicodeDecodeError). Any of them drops the frame.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 _POLL_MS = 100
 
 
@@ -124,7 +127,7 @@ class Receiver(Generic[T]):
                     break
                 try:
                     msg = self._decoder.decode(frame.buffer)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                except _DECODE_ERRORS as e:
                     logger.error(
                         "%s: dropped a frame that is not a valid message: %s", self.address, e
                     )
@@ -174,7 +177,7 @@ class StepReceiver(Generic[T]):
             frame = self._sock.recv(copy=False)
             try:
                 return self._decoder.decode(frame.buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except _DECODE_ERRORS as e:
                 logger.error("%s: dropped a frame that is not a valid message: %s", self.address, e)
 
     def get_nowait(self) -> T | None:
@@ -313,6 +316,17 @@ class StepSender(Generic[T]):
             if self._sock.recv()[:1] == b"\x01":
                 self._subscribers += 1
         return True
+
+    def drain_subscriptions(self) -> None:
+        """Discard subscription messages that came after start-up (XPUB queues every one it
+        gets, without a limit, for a reader; after `wait_subscribers` there is none)."""
+        if self._kind != zmq.XPUB:
+            return
+        while True:
+            try:
+                self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def close(self, flush_timeout: float = 0.0) -> None:
         """Close, giving queued messages up to `flush_timeout` seconds to leave."""
