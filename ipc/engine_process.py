@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -22,6 +23,7 @@ import zmq
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore, EngineDeadError, StepTimeoutError
+from pagedserve.ipc.curve import load_key, start_authenticator
 from pagedserve.ipc.messages import (
     ClientHello,
     ClientMessage,
@@ -65,23 +67,29 @@ class ZmqTransport:
 
     def __init__(self, config: EngineConfig, input_address: str, ipc_dir: str) -> None:
         self.config = config
+        self._auth = None
         self.ipc_dir = ipc_dir
         parallel = config.parallel
         if parallel.nnodes == 1:
             bind = connect = CoreAddresses.local(ipc_dir)
             self.dist_port = free_port()
-        else:  # other nodes' workers connect over TCP; only then do we listen beyond loopback
+            secure = None
+        else:  # other nodes' workers connect over TCP: listen only where they reach us, CURVE
             assert parallel.master_port is not None, "multi-node needs --master-port"
-            bind = CoreAddresses.tcp("0.0.0.0", parallel.master_port)
+            key = load_key()
+            self._auth = start_authenticator(key)
+            secure = key.server_options()
+            host = socket.gethostbyname(parallel.master_addr)  # bind takes addresses, not names
+            bind = CoreAddresses.tcp(host, parallel.master_port)
             connect = CoreAddresses.tcp(parallel.master_addr, parallel.master_port)
             self.dist_port = parallel.master_port
         self.worker_addresses = connect
         self.clients_in: Receiver[ClientMessage] = Receiver(input_address, ClientMessage, bind=True)
         self.results: StepReceiver[WorkerToCore] = StepReceiver(
-            bind.results, WorkerToCore, bind=True
+            bind.results, WorkerToCore, bind=True, options=secure
         )
         self.plans: StepSender[StepPlan] = StepSender(
-            bind.plans, bind=True, kind=zmq.PUB, hwm=PLAN_HWM
+            bind.plans, bind=True, kind=zmq.PUB, hwm=PLAN_HWM, options=secure
         )
         self.clients_out: dict[int, Sender[CoreToClient]] = {}
         self.workers: list[Child] = []
@@ -218,6 +226,8 @@ class ZmqTransport:
         self.plans.close()
         self.results.close()
         self.clients_in.close()
+        if self._auth is not None:
+            self._auth.stop()
 
 
 def _say_timings(ready: list[WorkerReady]) -> None:
@@ -260,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
     config = EngineConfig.from_json(args.config)
-    transport = ZmqTransport(config, args.input_address, args.ipc_dir)
+    try:
+        transport = ZmqTransport(config, args.input_address, args.ipc_dir)
+    except (ValueError, OSError) as e:  # no CURVE key, an address we cannot bind
+        print(f"pagedserve: engine stopped: {e}", file=sys.stderr, flush=True)
+        _leave_reason(args.ipc_dir, str(e))
+        return 1
     code = 0
     try:
         transport.start_workers(args.config)

@@ -55,7 +55,8 @@ class CoreAddresses:
 
     @classmethod
     def tcp(cls, host: str, base_port: int) -> CoreAddresses:
-        """Multi-node: the core binds base_port+1 and base_port+2 on every interface."""
+        """Multi-node: the core binds base_port+1 and base_port+2 on the address the nodes use
+        (traffic on them is CURVE-encrypted: ipc/curve.py)."""
         return cls(f"tcp://{host}:{base_port + 1}", f"tcp://{host}:{base_port + 2}")
 
 
@@ -71,7 +72,7 @@ def _socket(
     address: str,
     bind: bool,
     hwm: int = 0,
-    options: dict[int, int] | None = None,
+    options: dict[int, Any] | None = None,
 ) -> zmq.Socket:
     """`hwm`: messages queued per peer before a send blocks (PUSH) or drops (PUB); 0: no limit."""
     sock = ctx.socket(kind)
@@ -162,10 +163,17 @@ class StepReceiver(Generic[T]):
     share of a decode step. Same `get` interface as `Receiver`.
     """
 
-    def __init__(self, address: str, msg_type: Any, bind: bool, kind: int = zmq.PULL) -> None:
+    def __init__(
+        self,
+        address: str,
+        msg_type: Any,
+        bind: bool,
+        kind: int = zmq.PULL,
+        options: dict[int, Any] | None = None,
+    ) -> None:
         self.address = address
         self._decoder = msgspec.msgpack.Decoder(msg_type)
-        self._sock = _socket(zmq.Context.instance(), kind, address, bind)
+        self._sock = _socket(zmq.Context.instance(), kind, address, bind, options=options)
 
     def get(self, timeout: float | None = None) -> T | None:
         """The next valid message, or None after `timeout` seconds (None: wait forever)."""
@@ -295,11 +303,18 @@ class StepSender(Generic[T]):
     sent before a SUB has joined.
     """
 
-    def __init__(self, address: str, bind: bool, kind: int = zmq.PUSH, hwm: int = 0) -> None:
+    def __init__(
+        self,
+        address: str,
+        bind: bool,
+        kind: int = zmq.PUSH,
+        hwm: int = 0,
+        options: dict[int, Any] | None = None,
+    ) -> None:
         self.address = address
         self._encoder = msgspec.msgpack.Encoder()
         self._kind = zmq.XPUB if kind == zmq.PUB else kind
-        self._sock = _socket(zmq.Context.instance(), self._kind, address, bind, hwm)
+        self._sock = _socket(zmq.Context.instance(), self._kind, address, bind, hwm, options)
         if self._kind == zmq.XPUB:
             self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._subscribers = 0

@@ -4,6 +4,7 @@ token for token (fp32), including GQA with fewer KV heads than TP ranks (replica
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import ParallelConfig
 from pagedserve.frontend.llm import build_engine_config
+from pagedserve.ipc.curve import KEY_ENV, CurveKey
 from pagedserve.parallel.groups import layer_range, rank_info, split_layers
 
 from tiny_models import make_tiny_model
@@ -115,10 +117,15 @@ def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
     assert wait_gone(pids, 10) == []
 
 
-def test_two_node_launch_on_one_machine(tmp_path_factory):
+def test_two_node_launch_on_one_machine(tmp_path_factory, monkeypatch):
     """`launch --nnodes 2`: node 0 runs the EngineCore, the API server and TP rank 0; node 1 (a
-    second `launch --node-rank 1`) runs TP rank 1 and joins over TCP. Greedy output equals tp=1."""
+    second `launch --node-rank 1`) runs TP rank 1 and joins over TCP. Greedy output equals tp=1.
+    The plan and result ports listen on the master address only and talk CURVE with holders of
+    the shared key: an intruder without it (or with another key) reads no plan and pushes no
+    result, and the engine is unaffected."""
     import openai
+    from test_cli import child_pids
+    from test_reliability import listening_tcp_ports
     from test_server import Launched, launch_args
 
     from pagedserve.ipc.sockets import free_port
@@ -139,6 +146,8 @@ def test_two_node_launch_on_one_machine(tmp_path_factory):
         "--master-port",
         str(port),
     ]
+    key = CurveKey.generate()
+    monkeypatch.setenv(KEY_ENV, key.text())
     logs = tmp_path_factory.mktemp("two-node-logs")
     head = Launched(launch_args(path, *common, "--node-rank", "0"), str(logs / "head.log"))
     node1 = Launched(launch_args(path, *common, "--node-rank", "1"), str(logs / "node1.log"))
@@ -153,8 +162,56 @@ def test_two_node_launch_on_one_machine(tmp_path_factory):
             for p in prompts()
         ]  # fmt: skip
         assert got == want
+        core = child_pids(head)["EngineCore"]
+        assert {("0100007F", port + 1), ("0100007F", port + 2)} <= listening_tcp_ports(core)
+        assert intrude(port, key, lambda: client.completions.create(model=path, prompt="hi")) == []
+        assert "pwned" not in head.output()
+        again = client.completions.create(
+            model=path, prompt=prompts()[0]["prompt_token_ids"], max_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert again.choices[0].text == want[0]
     finally:
         pids = [head.proc.pid, node1.proc.pid]
         assert head.stop() == 0, head.output()
         node1.stop()
     assert wait_gone(pids, 10) == []
+
+
+def intrude(port: int, key: CurveKey, busy) -> list[bytes]:
+    """Sockets without `key` on the plan and result ports (plain; another key pair that knows
+    the core's public key; another key pair altogether) push forged results, then read plans
+    while `busy()` makes the engine plan steps: what they read (nothing, if CURVE holds)."""
+    import msgspec
+    import zmq
+
+    from pagedserve.ipc.messages import StepResult, WorkerError
+
+    ctx = zmq.Context()
+    stranger = CurveKey.generate()
+    socks, got = [], []
+    knows_public = {**stranger.client_options(), zmq.CURVE_SERVERKEY: key.public}
+    for options in ({}, knows_public, stranger.client_options()):
+        sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+        for sock in (sub, push):
+            for option, value in options.items():
+                sock.setsockopt(option, value)
+            sock.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port + 1}")
+        push.connect(f"tcp://127.0.0.1:{port + 2}")
+        for msg in (WorkerError(0, "pwned"), StepResult(0, [[5]])):
+            try:
+                push.send(msgspec.msgpack.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:  # no connection to queue on: refused already
+                pass
+        socks += [sub, push]
+    time.sleep(0.5)
+    busy()
+    for sock in socks[::2]:
+        while sock.poll(200):
+            got.append(sock.recv())
+    for sock in socks:
+        sock.close()
+    ctx.term()
+    return got

@@ -20,6 +20,7 @@ import traceback
 import zmq
 
 from pagedserve.config import EngineConfig
+from pagedserve.ipc.curve import load_key
 from pagedserve.ipc.messages import (
     CoreToWorker,
     InitCache,
@@ -37,9 +38,11 @@ POLL_S = 50e-6  # while a step runs on the GPU: how often to look for the next p
 
 
 def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
-    results: StepSender[WorkerToCore] = StepSender(addresses.results, bind=False)
+    # Over TCP (multi-node) the core only talks CURVE, to holders of the shared key.
+    secure = load_key().client_options() if addresses.plans.startswith("tcp://") else None
+    results: StepSender[WorkerToCore] = StepSender(addresses.results, bind=False, options=secure)
     plans: StepReceiver[CoreToWorker] = StepReceiver(
-        addresses.plans, CoreToWorker, bind=False, kind=zmq.SUB
+        addresses.plans, CoreToWorker, bind=False, kind=zmq.SUB, options=secure
     )
     try:
         run_loop(config, rank, dist_port, plans, results)
