@@ -86,3 +86,46 @@ def test_step_started_before_the_last_finished_equals_step_by_step(runner, param
         a.extend(t)
     finish_all(runner, 300)
     assert ahead == got
+
+
+# ---------------------------------------------------------------- mixed-step graph padding
+@pytest.mark.parametrize("max_model_len", [1, 5, 16, 40, 100, 1000])
+def test_mixed_graph_padding_stays_inside_its_block_table(max_model_len):
+    """With max_model_len below a bucket gap, the padding row's length used to exceed its
+    block table (reads past the staging buffer): now a step uses a bucket only if the padding
+    fits, else it runs eagerly; the laid-out metadata is consistent either way."""
+    import numpy as np
+
+    from pagedserve.worker.cuda_graphs import MIXED_TOKEN_SIZES, lay_out_mixed, mixed_bucket
+    from pagedserve.worker.input_batch import StepInputs
+
+    block_size, max_seqs = 16, 4
+    max_blocks = -(-max_model_len // block_size)
+    capacity, slots = max_blocks * block_size, max_seqs + 1
+    sizes = list(MIXED_TOKEN_SIZES)
+    used = 0
+    for num_tokens in range(1, 1100, 7):
+        lens = [min(num_tokens, max_model_len)] * -(-num_tokens // max_model_len)
+        lens[-1] = num_tokens - sum(lens[:-1])
+        if len(lens) > max_seqs:
+            continue
+        size = mixed_bucket(sizes, slots, capacity, num_tokens, len(lens))
+        if size is None:
+            continue
+        used += 1
+        assert num_tokens <= size <= num_tokens + capacity
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        zeros = np.zeros(num_tokens, dtype=np.int64)
+        tables = np.arange(len(lens) * max_blocks, dtype=np.int32).reshape(-1, max_blocks) + 1
+        inputs = StepInputs(zeros, zeros, zeros, qsl, np.array(lens, np.int32), tables, zeros, [])
+        a64 = np.zeros((3, sizes[0]), np.int64)
+        a32 = np.full(2 * slots + 1 + slots * max_blocks, 0, np.int32)
+        end = lay_out_mixed(a64, a32, inputs, size, slots, max_blocks)
+        q, seq = a32[: slots + 1], a32[slots + 1 : 2 * slots + 1]
+        assert q[-1] == size and (np.diff(q) >= 0).all() and (np.diff(q) <= seq).all()
+        assert seq[-1] == size - num_tokens <= capacity  # the padding row fits its table
+        assert (a64[2, num_tokens:size] == -1).all()
+        assert end == 2 * slots + 1 + len(lens) * max_blocks  # the padding row stays block 0
+    assert used > 0 if max_model_len >= 64 else True
+    if max_model_len < 64:  # smaller than every gap: a 1-token step cannot pad to 64
+        assert mixed_bucket(sizes, slots, capacity, 1, 1) is None
