@@ -13,7 +13,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import ParallelConfig
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.ipc.curve import KEY_ENV, CurveKey
-from pagedserve.parallel.groups import layer_range, rank_info, split_layers
+from pagedserve.parallel.groups import check_same_devices, layer_range, rank_info, split_layers
 
 from tiny_models import make_tiny_model
 
@@ -26,10 +26,24 @@ def prompts() -> list[dict]:
             for n in (4, 19, 40, 9, 27)]  # fmt: skip
 
 
+# Seeded random sampling must match too: every rank samples the same token from the same logits.
+RANDOM = [
+    SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=20, seed=12, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.4,
+                   repetition_penalty=1.3, seed=13, max_tokens=6, ignore_eos=True),
+    SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=50, seed=14, max_tokens=6,
+                   ignore_eos=True),
+    SamplingParams(temperature=1.2, min_p=0.05, seed=15, max_tokens=6, ignore_eos=True),
+]  # fmt: skip
+
+
 def generate(path: str, tp: int, pp: int, **kw) -> list[list[int]]:
+    """Greedy and seeded random outputs (one LLM per layout: CI time)."""
     with LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp,
              pipeline_parallel_size=pp, **kw) as llm:  # fmt: skip
-        return [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS)]
+        outputs = llm.generate(prompts() * 2, [PARAMS] * len(RANDOM) + RANDOM)
+        return [c.token_ids for o in outputs for c in o.outputs]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +74,15 @@ def test_layer_split_and_rank_layout():
     assert [(i.pp_stage, i.tp_rank) for i in infos] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [i.is_driver for i in infos] == [False, False, True, False]
     assert layer_range(5, infos[2], None) == (3, 5)
+
+
+def test_ranks_on_different_gpus_are_refused():
+    """The start-up check (a no-op on CPU, where the tp tests above pass through it)."""
+    h100 = ("NVIDIA H100 80GB HBM3", 132)
+    check_same_devices([h100, h100])
+    for other in [("NVIDIA H100 PCIe", 114), ("NVIDIA H100 80GB HBM3", 114)]:
+        with pytest.raises(RuntimeError, match="rank 1: .*114 SMs"):
+            check_same_devices([h100, other])
 
 
 def test_indivisible_sizes_are_refused(tmp_path_factory):
