@@ -129,3 +129,48 @@ def test_mixed_graph_padding_stays_inside_its_block_table(max_model_len):
     assert used > 0 if max_model_len >= 64 else True
     if max_model_len < 64:  # smaller than every gap: a 1-token step cannot pad to 64
         assert mixed_bucket(sizes, slots, capacity, 1, 1) is None
+
+
+# ---------------------------------------------------------------- the memory profile's step
+@pytest.mark.parametrize(
+    "budget,seqs,max_len,rows,tokens",
+    [(8192, 256, 4096, 256, 8192), (100, 256, 4096, 100, 100), (8192, 2, 1000, 2, 2000),
+     (8191, 3, 8192, 3, 8191)],
+)  # fmt: skip
+def test_profiled_step_is_the_worst_step(budget, seqs, max_len, rows, tokens):
+    """The whole budget over max_num_seqs rows (not one request of min(budget, max_len)
+    tokens), every row sampled, each row within max_model_len over its own blocks."""
+    import numpy as np
+
+    from pagedserve.worker.memory_profile import WORST_SAMPLING, worst_step_inputs
+
+    inputs, num_blocks = worst_step_inputs(budget, seqs, max_len, BLOCK)
+    assert len(inputs.seq_lens) == rows and len(inputs.input_ids) == tokens
+    assert inputs.seq_lens.max() <= max_len and inputs.seq_lens.max() - inputs.seq_lens.min() <= 1
+    assert (np.diff(inputs.query_start_loc) == inputs.seq_lens).all()
+    assert inputs.sample_rows == list(range(rows))
+    assert (inputs.logits_indices == inputs.query_start_loc[1:] - 1).all()
+    slots = inputs.slot_mapping
+    assert (
+        len(set(slots.tolist())) == tokens and slots.min() >= 0 and slots.max() < num_blocks * BLOCK
+    )
+    p = WORST_SAMPLING
+    assert p.top_p < 1 and p.top_k > 0 and p.logprobs and p.repetition_penalty != 1 and not p.greedy
+
+
+def test_profile_samples_max_num_seqs_rows_over_the_vocabulary(runner, monkeypatch):
+    """The profile's forward ends in the sampler over [max_num_seqs, vocab] logits, with
+    penalties and top-p (CPU: the same code path the GPU profile measures)."""
+    seen = []
+    sample_ids = runner.sampler.sample_ids
+    monkeypatch.setattr(
+        runner.sampler,
+        "sample_ids",
+        lambda logits, rows: seen.append((logits.shape, rows)) or sample_ids(logits, rows),
+    )
+    runner._dummy_forward()
+    sched = runner.config.scheduler
+    ((shape, rows),) = seen
+    want = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+    assert tuple(shape) == (want, runner.config.model.vocab_size)
+    assert all(r.params.top_p < 1 and r.params.presence_penalty for r in rows)
