@@ -7,7 +7,7 @@ blake2b, not Python's `hash()`: stable across processes and runs, and collisions
 Invariant: `req.blocks[:req.num_hashed_blocks]` are exactly the request's blocks that are full of
 known tokens once every planned token is computed, and each is registered (or a duplicate of a
 registered block). A block whose last token is a placeholder (sampled by a plan still in flight)
-is registered by a later allocation, once the core knows that token.
+is registered by a later allocation, once the core knows that token, or when the request leaves.
 """
 
 from __future__ import annotations
@@ -130,7 +130,14 @@ class KVCacheManager:
         req.num_hashed_blocks = num_full
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
+        """Release the request's blocks, tail first, so its tail is evicted before its prefix.
+
+        First every block full of known, computed tokens is registered: under async scheduling
+        the last ones held a placeholder when they were allocated, and a request that leaves
+        (finished, aborted, preempted) gets no later allocation to register them."""
+        self._cache_full_blocks(
+            req, min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        )
         self.pool.free_blocks(reversed(req.blocks))
         req.blocks = []
         req.num_hashed_blocks = 0
