@@ -80,6 +80,7 @@ class ModelRunner:
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
+        self.profiled_peak: int | None = None
         self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
@@ -116,6 +117,7 @@ class ModelRunner:
         ours = torch.cuda.memory_reserved()
         others = total - free - ours  # other processes and the CUDA context
         peak = torch.cuda.max_memory_allocated()
+        self.profiled_peak = peak  # weights + the worst step's activations, for memory_report
         return int(total * utilization - others - peak)
 
     def _dummy_forward(self) -> None:

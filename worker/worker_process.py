@@ -113,10 +113,30 @@ def run_loop(
                     )
                 )
             elif isinstance(msg, ShutdownWorkers):
+                _memory_report(runner, rank)
                 return
     finally:
         if trace is not None:
             trace.close()
+
+
+def _memory_report(runner, rank: int) -> None:
+    """PAGEDSERVE_MEMORY_REPORT=FILE (GPU): this rank's profiled peak (weights + the worst
+    step) plus its KV cache, against the real peak since the profile, as JSON in FILE.rank."""
+    path = os.environ.get("PAGEDSERVE_MEMORY_REPORT")
+    if not path or runner.device.type != "cuda" or runner.profiled_peak is None:
+        return
+    import json
+
+    import torch
+
+    kv = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    report = {"profiled_peak": runner.profiled_peak, "kv_cache": kv,
+              "predicted_peak": runner.profiled_peak + kv,
+              "real_peak": torch.cuda.max_memory_allocated(runner.device),
+              "total": torch.cuda.mem_get_info(runner.device)[1]}  # fmt: skip
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(report, f)
 
 
 class PhaseClock:
