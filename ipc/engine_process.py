@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_json(args.config)
     try:
         transport = ZmqTransport(config, args.input_address, args.ipc_dir)
-    except (ValueError, OSError) as e:  # no CURVE key, an address we cannot bind
+    except (ValueError, OSError, zmq.ZMQError) as e:  # no CURVE key, an address not ours
         print(f"pagedserve: engine stopped: {e}", file=sys.stderr, flush=True)
         _leave_reason(args.ipc_dir, str(e))
         return 1
