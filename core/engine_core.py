@@ -5,10 +5,14 @@ ipc/engine_process.py builds from ZeroMQ sockets and tests can build from plain 
 drain client messages -> schedule while fewer than `max_inflight` plans are out -> take the oldest
 result -> update requests -> emit per-request deltas to the client that owns each request.
 
-Every AddRequest is answered at once with an empty delta (admitted) or a "rejected" one (the
-waiting queue is at `max_waiting`), so an API server knows before it sends a 200 whether the
-request will run. A watchdog declares the engine dead when the oldest plan in flight gets no
-result within `step_timeout` (a worker stuck in a step never reports anything by itself).
+Every AddRequest is answered at once with an empty delta (admitted), a "rejected" one (the
+waiting queue is at `max_waiting`) or an "invalid" one with the reason (core/admission.py checks it
+against the model: the core is the gate, whoever sent it), so an API server knows before it sends
+a 200 whether the request will run. A message that makes no sense (from an unknown client, a
+result for no plan in flight or that does not fit its plan) is logged and dropped, never
+asserted on: no message can kill the loop. A watchdog declares the engine dead when the oldest
+plan in flight gets no result within `step_timeout` (a worker stuck in a step never reports
+anything by itself).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.admission import ModelLimits, check_request
 from pagedserve.core.grammar_gate import GrammarGate
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.ipc.messages import (
@@ -86,6 +91,8 @@ class EngineCore:
         )
         self.max_inflight = 2 if async_scheduling else pp
         self.grammars = GrammarGate(num_sampling_ranks=config.parallel.tensor_parallel_size)
+        self.limits = ModelLimits(config.model.vocab_size, config.max_model_len)
+        self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()
         self.step_timeout = config.scheduler.step_timeout
         self._sent_at: dict[int, float] = {}  # step_id -> when its plan was broadcast
@@ -140,6 +147,11 @@ class EngineCore:
 
     def _handle_client_message(self, msg: ClientMessage) -> list[tuple[int, RequestDelta]]:
         if isinstance(msg, AddRequest):
+            if msg.client_index not in self.transport.client_indices():
+                logger.error(
+                    "dropped request %.64r of unknown client %d", msg.req_id, msg.client_index
+                )
+                return []
             return [(msg.client_index, self._add_request(msg))]
         if isinstance(msg, AbortRequests):
             held = self.grammars.abort(msg.req_ids) if self.grammars.pending else []
@@ -153,7 +165,12 @@ class EngineCore:
         return []
 
     def _add_request(self, msg: AddRequest) -> RequestDelta:
-        """The answer to an AddRequest: admitted (no tokens yet), rejected or aborted."""
+        """The answer to an AddRequest: admitted (no tokens yet), rejected or invalid."""
+        try:
+            check_request(msg, self.limits)
+        except ValueError as e:
+            logger.warning("refused request %.64r: %s", msg.req_id, e)
+            return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
         if self.scheduler.is_full():
             return RequestDelta(msg.req_id, [], finish_reason="rejected")
         schedulable, compile_order = self.grammars.admit(msg)
@@ -166,9 +183,9 @@ class EngineCore:
     def _schedule_request(self, msg: AddRequest) -> RequestDelta:
         try:
             self.scheduler.add_request(msg)
-        except ValueError as e:  # clients validate first; never let one request kill the loop
-            logger.warning("refused request %s: %s", msg.req_id, e)
-            return RequestDelta(msg.req_id, [], finish_reason="abort")
+        except ValueError as e:
+            logger.warning("refused request %.64r: %s", msg.req_id, e)
+            return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
         return RequestDelta(msg.req_id, [])
 
     def _grammar_compiled(self, msg: GrammarCompiled) -> None:
@@ -206,8 +223,9 @@ class EngineCore:
         if not isinstance(msg, StepResult):
             self._handle_worker_message(msg)
             return
+        if not self._fits(msg):
+            return
         plan = self.inflight.popleft()
-        assert plan.step_id == msg.step_id, (plan.step_id, msg.step_id)
         sent = self._sent_at.pop(plan.step_id)
         received = time.monotonic()
         deltas = self.scheduler.update_from_output(plan, msg)
@@ -221,11 +239,23 @@ class EngineCore:
 
     def _handle_worker_message(self, msg: WorkerToCore | None) -> None:
         """A worker message other than a step result."""
-        if isinstance(msg, WorkerError):
+        if isinstance(msg, WorkerError) and 0 <= msg.rank < self.world_size:
             self._blame_dead_worker()
             raise EngineDeadError(f"worker {msg.rank} failed: {msg.message}")
         if isinstance(msg, GrammarCompiled):
             self._grammar_compiled(msg)
+
+    def _fits(self, result: StepResult) -> bool:
+        """The result answers the oldest plan in flight (results come in plan order); else it is
+        logged and dropped, and a worker that never sends the right one trips the step timeout."""
+        plan = self.inflight[0]
+        if result.step_id != plan.step_id:
+            problem = f"step {result.step_id} is not the oldest in flight ({plan.step_id})"
+        else:
+            problem = self.scheduler.check_result(plan, result, self.limits.vocab_size)
+        if problem is not None:
+            logger.error("dropped a step result that fits no plan: %s", problem)
+        return problem is None
 
     def _check_step_timeout(self) -> None:
         plan = self.inflight[0]

@@ -7,7 +7,8 @@ blake2b, not Python's `hash()`: stable across processes and runs, and collisions
 Invariant: `req.blocks[:req.num_hashed_blocks]` are exactly the request's blocks that are full of
 known tokens once every planned token is computed, and each is registered (or a duplicate of a
 registered block, or skipped). A block whose last token is a placeholder (sampled by a plan still
-in flight) is registered by a later allocation, once the core knows that token.
+in flight) is registered by a later allocation, once the core knows that token, or when the
+request leaves.
 
 Sliding window (every layer attends only to the last `sliding_window` positions): the next token
 to compute, at position `num_computed_tokens`, reads keys from `num_computed_tokens - window + 1`
@@ -162,7 +163,14 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(behind))  # latest first: the prefix is evicted last
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
+        """Release the request's blocks, tail first, so its tail is evicted before its prefix.
+
+        First every block full of known, computed tokens is registered: under async scheduling
+        the last ones held a placeholder when they were allocated, and a request that leaves
+        (finished, aborted, preempted) gets no later allocation to register them."""
+        self._cache_full_blocks(
+            req, min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        )
         self.pool.free_blocks(b for b in reversed(req.blocks) if b is not SKIPPED_BLOCK)
         req.blocks = []
         req.num_hashed_blocks = 0

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.admission import check_result
 from pagedserve.core.deltas import cached_delta, new_request, request_delta
 from pagedserve.core.invariants import check_invariants
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -276,6 +277,14 @@ class Scheduler:
         if self.debug:
             check_invariants(self)
         return outputs
+
+    def check_result(self, plan: StepPlan, result: StepResult, vocab_size: int) -> str | None:
+        """Why `result` cannot be applied as the answer to `plan` (None: it can)."""
+        record = self._inflight.get(plan.step_id)
+        if record is None:
+            return f"no plan in flight with step id {plan.step_id}"
+        current = [(req, self._is_current(req, n)) for req, n in record]
+        return check_result(current, result, vocab_size)
 
     def _is_current(self, req: Request, num_preemptions: int) -> bool:
         return (

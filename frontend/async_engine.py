@@ -171,6 +171,9 @@ class AsyncEngine:
                 finished = item.finished
                 if any(c.finish_reason == "rejected" for c in item.outputs):
                     raise self._overloaded()  # admitted siblings (n > 1) are aborted below
+                refused = [c.stop_reason for c in item.outputs if c.finish_reason == "invalid"]
+                if refused:  # the core's gate refused it: the client's fault, a 400
+                    raise APIError(400, f"The engine refused the request: {refused[0]}")
                 yield item
         finally:
             self._queues.pop(request_id, None)

@@ -122,7 +122,37 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve_p.add_argument("--model", help=argparse.SUPPRESS)
     add_launch_args(serve_p)
     serve_p.set_defaults(handler=serve)
-    return parser, {"launch": launch_p, "serve": serve_p, "bench": _add_bench(sub)}
+    return parser, {
+        "launch": launch_p,
+        "serve": serve_p,
+        "bench": _add_bench(sub),
+        "gen-key": _add_gen_key(sub),
+    }
+
+
+def _add_gen_key(sub: Any) -> argparse.ArgumentParser:
+    """`pagedserve gen-key [--output FILE]`: the CURVE key pair every node of a multi-node
+    group gets (ipc/curve.py); printed, or written to a new 0600 file."""
+    p = sub.add_parser("gen-key", help="make the key pair that protects multi-node traffic")
+    p.add_argument("--output", help="write it to this new file (mode 0600) instead of stdout")
+
+    def gen_key(args: argparse.Namespace, fail: Any) -> int:
+        from pagedserve.ipc.curve import CurveKey
+
+        text = CurveKey.generate().text() + "\n"
+        if args.output is None:
+            sys.stdout.write(text)
+            return 0
+        try:
+            fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            fail(f"cannot create {args.output}: {e.strerror}")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return 0
+
+    p.set_defaults(handler=gen_key)
+    return p
 
 
 def _add_bench(sub: Any) -> argparse.ArgumentParser:

@@ -165,6 +165,7 @@ class LLM:
                     if to_abort:
                         client.send(AbortRequests(to_abort))
                     for parent in touched:
+                        _raise_if_refused(parent)
                         if parent.finished:
                             results[parent.request_id] = parent.make_output()
                             if progress is not None:
@@ -176,6 +177,14 @@ class LLM:
         if progress is not None:
             progress.close()
         return [results[r] for r in order]
+
+
+def _raise_if_refused(parent: Any) -> None:
+    """The core refused a request (its reason rides in stop_reason): the whole call fails; the
+    caller's `except` aborts the requests still running."""
+    for child in parent.children:
+        if child.finish_reason == "invalid":
+            raise ValueError(f"the engine refused request {parent.request_id}: {child.stop_reason}")
 
 
 def _progress(total: int) -> Any:

@@ -54,7 +54,10 @@ class RequestState:
         self.text = self.detok.text
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
-            self.stop_reason = delta.stop_reason
+            # "invalid": the core refused it, and says why (as fail_all gives its reason)
+            self.stop_reason = (
+                delta.error if delta.finish_reason == "invalid" else delta.stop_reason
+            )
         return False
 
     def _check_stop_strings(self, new_text: str) -> bool:
@@ -148,8 +151,9 @@ class OutputProcessor:
         messages = []
         for i in range(params.n):
             child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = _replace(params, seed=params.seed + i)
+            if params.n > 1:  # each engine request is one choice; choice i samples with seed + i
+                seed = None if params.seed is None else params.seed + i
+                child_params = _replace(params, n=1, seed=seed)
             state = RequestState(i, prompt_token_ids, child_params, self.tokenizer)
             parent.children.append(state)
             cid = child_id(request_id, i, params.n)

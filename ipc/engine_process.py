@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -22,6 +23,7 @@ import zmq
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore, EngineDeadError, StepTimeoutError
+from pagedserve.ipc.curve import load_key, start_authenticator
 from pagedserve.ipc.messages import (
     ClientHello,
     ClientMessage,
@@ -44,11 +46,20 @@ from pagedserve.ipc.sockets import (
     StepReceiver,
     StepSender,
     free_port,
+    ipc_address,
 )
 
 logger = logging.getLogger("pagedserve.engine")
 STARTUP_TIMEOUT_S = 1800.0
 ERROR_FILE = "engine-error"
+MAX_CLIENTS = 2**16  # client indices: API servers are numbered from 0
+# A client that takes no output for this long with CLIENT_HWM outputs queued (or whose socket is
+# gone) is dropped: a live API server drains its socket on its own IO thread at all times.
+CLIENT_HWM = 10_000
+CLIENT_TIMEOUT_S = 5.0
+# Plans queued per subscriber: a worker is at most `max_inflight` plans behind, so only a stalled
+# or foreign subscriber reaches it (PUB then drops its copies instead of growing without bound).
+PLAN_HWM = 1024
 
 
 class ZmqTransport:
@@ -56,23 +67,33 @@ class ZmqTransport:
 
     def __init__(self, config: EngineConfig, input_address: str, ipc_dir: str) -> None:
         self.config = config
+        self._auth = None
+        self.ipc_dir = ipc_dir
         parallel = config.parallel
         if parallel.nnodes == 1:
             bind = connect = CoreAddresses.local(ipc_dir)
             self.dist_port = free_port()
-        else:  # other nodes' workers connect over TCP; only then do we listen beyond loopback
+            secure = None
+        else:  # other nodes' workers connect over TCP: listen only where they reach us, CURVE
             assert parallel.master_port is not None, "multi-node needs --master-port"
-            bind = CoreAddresses.tcp("0.0.0.0", parallel.master_port)
+            key = load_key()
+            self._auth = start_authenticator(key)
+            secure = key.server_options()
+            host = socket.gethostbyname(parallel.master_addr)  # bind takes addresses, not names
+            bind = CoreAddresses.tcp(host, parallel.master_port)
             connect = CoreAddresses.tcp(parallel.master_addr, parallel.master_port)
             self.dist_port = parallel.master_port
         self.worker_addresses = connect
         self.clients_in: Receiver[ClientMessage] = Receiver(input_address, ClientMessage, bind=True)
         self.results: StepReceiver[WorkerToCore] = StepReceiver(
-            bind.results, WorkerToCore, bind=True
+            bind.results, WorkerToCore, bind=True, options=secure
         )
-        self.plans: StepSender[StepPlan] = StepSender(bind.plans, bind=True, kind=zmq.PUB)
+        self.plans: StepSender[StepPlan] = StepSender(
+            bind.plans, bind=True, kind=zmq.PUB, hwm=PLAN_HWM, options=secure
+        )
         self.clients_out: dict[int, Sender[CoreToClient]] = {}
         self.workers: list[Child] = []
+        self.ready: EngineReady | None = None  # the answer to each ClientHello, once serving
 
     # Transport protocol ---------------------------------------------------------------
     def next_client_message(self, timeout: float | None) -> ClientMessage | None:
@@ -86,21 +107,56 @@ class ZmqTransport:
 
     def send_outputs(self, client_index: int, outputs: EngineOutputs) -> None:
         sender = self.clients_out.get(client_index)
-        if sender is not None:
+        if sender is not None and not self._forget_if_gone(client_index, sender):
             sender.send(outputs)
 
     def add_client(self, hello: ClientHello) -> None:
+        sender = self._connect(hello)
+        if sender is None:
+            return
         old = self.clients_out.pop(hello.client_index, None)
         if old is not None:
-            old.close()
-        sender: Sender[CoreToClient] = Sender(hello.output_address, bind=False)
+            old.close(flush_timeout=0)
         self.clients_out[hello.client_index] = sender
         sender.send(self.ready)
 
     def client_indices(self) -> list[int]:
+        for index, sender in list(self.clients_out.items()):
+            self._forget_if_gone(index, sender)
         return list(self.clients_out)
 
+    def _connect(self, hello: ClientHello) -> Sender[CoreToClient] | None:
+        """A sender to a new client's output socket, which must be an ipc socket in this engine's
+        private directory; None (logged) for a hello that makes no sense (also one that would
+        take over a connected client's outputs)."""
+        address, inside = hello.output_address, ipc_address(self.ipc_dir, "")
+        path = address[len(inside) :]
+        known = self.clients_out.get(hello.client_index)
+        if not (0 <= hello.client_index < MAX_CLIENTS):
+            problem = f"client index {hello.client_index} is not in [0, {MAX_CLIENTS})"
+        elif known is not None and not known.gone:  # its outputs stay where they go
+            problem = f"client {hello.client_index} is already connected"
+        elif not address.startswith(inside) or not path or "/" in path or "\0" in path:
+            problem = f"output address {address[:200]!r} is not a socket in {self.ipc_dir}"
+        else:
+            try:
+                return Sender(address, bind=False, hwm=CLIENT_HWM, peer_timeout=CLIENT_TIMEOUT_S)
+            except zmq.ZMQError as e:
+                problem = f"cannot connect to {address[:200]!r}: {e}"
+        logger.error("dropped a ClientHello: %s", problem)
+        return None
+
+    def _forget_if_gone(self, client_index: int, sender: Sender[CoreToClient]) -> bool:
+        if not sender.gone:
+            return False
+        logger.warning("client %d went away; its outputs are dropped", client_index)
+        del self.clients_out[client_index]
+        sender.close(flush_timeout=0)
+        return True
+
     def check_workers(self) -> None:
+        if self.ready is not None:  # after start-up, nobody counts subscriptions any more
+            self.plans.drain_subscriptions()
         for child in self.workers:
             message = child.death_message()
             if message is not None:
@@ -155,7 +211,9 @@ class ZmqTransport:
         """Tell every client (also those whose hello is still queued) that the engine is dead."""
         while (msg := self.clients_in.get_nowait()) is not None:
             if isinstance(msg, ClientHello) and msg.client_index not in self.clients_out:
-                self.clients_out[msg.client_index] = Sender(msg.output_address, bind=False)
+                sender = self._connect(msg)
+                if sender is not None:
+                    self.clients_out[msg.client_index] = sender
         for sender in self.clients_out.values():
             sender.send(EngineDead(message))
 
@@ -168,6 +226,8 @@ class ZmqTransport:
         self.plans.close()
         self.results.close()
         self.clients_in.close()
+        if self._auth is not None:
+            self._auth.stop()
 
 
 def _say_timings(ready: list[WorkerReady]) -> None:
@@ -210,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
     config = EngineConfig.from_json(args.config)
-    transport = ZmqTransport(config, args.input_address, args.ipc_dir)
+    try:
+        transport = ZmqTransport(config, args.input_address, args.ipc_dir)
+    except (ValueError, OSError, zmq.ZMQError) as e:  # no CURVE key, an address not ours
+        print(f"pagedserve: engine stopped: {e}", file=sys.stderr, flush=True)
+        _leave_reason(args.ipc_dir, str(e))
+        return 1
     code = 0
     try:
         transport.start_workers(args.config)

@@ -15,6 +15,7 @@ import msgspec
 
 _HOT = dict(array_like=True, omit_defaults=True, gc=False)
 MAX_N = 128  # choices per request: each is an engine request, so this bounds one HTTP request
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs); the core enforces it
 # Integers must fit msgpack (64 bits) and the workers' tensors; bounds keep a client's huge number
 # a 400 instead of an encoding error on an IO thread.
 _I32 = 2**31
@@ -96,6 +97,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.top_k = 0
         _check(1 <= self.n <= MAX_N, f"n must be between 1 and {MAX_N}")
         _check(self.seed is None or -_I64 <= self.seed < _I64, "seed must fit in 64 bits")
+        _check(  # choice i samples with seed + i
+            self.seed is None or self.seed + self.n - 1 < _I64, "seed + n - 1 must fit in 64 bits"
+        )
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _check(0 <= self.top_k < _I32, "top_k must be -1 (off), 0 (off) or positive")
@@ -192,10 +196,12 @@ class RequestDelta(msgspec.Struct, **_HOT):
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" (queue full)
+    # "stop" | "length" | "abort" | "rejected" (queue full) | "invalid" (refused: see `error`)
+    finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     first_scheduled_time: float = 0.0  # when the core first scheduled it (queue time)
+    error: str | None = None  # why the core refused the request ("invalid")
 
 
 class EngineReady(msgspec.Struct, tag=True, **_HOT):

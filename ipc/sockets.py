@@ -27,6 +27,9 @@ import zmq
 T = TypeVar("T")
 logger = logging.getLogger("pagedserve.ipc")
 _STOP = object()
+# What decoding untrusted bytes may raise: msgspec's errors, and ValueError subclasses it lets
+# through (invalid UTF-8 in a string raises UnicodeDecodeError). Any of them drops the frame.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 _POLL_MS = 100
 
 
@@ -52,7 +55,8 @@ class CoreAddresses:
 
     @classmethod
     def tcp(cls, host: str, base_port: int) -> CoreAddresses:
-        """Multi-node: the core binds base_port+1 and base_port+2 on every interface."""
+        """Multi-node: the core binds base_port+1 and base_port+2 on the address the nodes use
+        (traffic on them is CURVE-encrypted: ipc/curve.py)."""
         return cls(f"tcp://{host}:{base_port + 1}", f"tcp://{host}:{base_port + 2}")
 
 
@@ -62,11 +66,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+def _socket(
+    ctx: zmq.Context,
+    kind: int,
+    address: str,
+    bind: bool,
+    hwm: int = 0,
+    options: dict[int, Any] | None = None,
+) -> zmq.Socket:
+    """`hwm`: messages queued per peer before a send blocks (PUSH) or drops (PUB); 0: no limit."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, 0)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     if bind:
@@ -114,7 +128,7 @@ class Receiver(Generic[T]):
                     break
                 try:
                     msg = self._decoder.decode(frame.buffer)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                except _DECODE_ERRORS as e:
                     logger.error(
                         "%s: dropped a frame that is not a valid message: %s", self.address, e
                     )
@@ -149,10 +163,17 @@ class StepReceiver(Generic[T]):
     share of a decode step. Same `get` interface as `Receiver`.
     """
 
-    def __init__(self, address: str, msg_type: Any, bind: bool, kind: int = zmq.PULL) -> None:
+    def __init__(
+        self,
+        address: str,
+        msg_type: Any,
+        bind: bool,
+        kind: int = zmq.PULL,
+        options: dict[int, Any] | None = None,
+    ) -> None:
         self.address = address
         self._decoder = msgspec.msgpack.Decoder(msg_type)
-        self._sock = _socket(zmq.Context.instance(), kind, address, bind)
+        self._sock = _socket(zmq.Context.instance(), kind, address, bind, options=options)
 
     def get(self, timeout: float | None = None) -> T | None:
         """The next valid message, or None after `timeout` seconds (None: wait forever)."""
@@ -164,7 +185,7 @@ class StepReceiver(Generic[T]):
             frame = self._sock.recv(copy=False)
             try:
                 return self._decoder.decode(frame.buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except _DECODE_ERRORS as e:
                 logger.error("%s: dropped a frame that is not a valid message: %s", self.address, e)
 
     def get_nowait(self) -> T | None:
@@ -180,15 +201,31 @@ class Sender(Generic[T]):
     Several connect addresses may share one sender (the core's PUSH to each client's PULL is one
     sender per client). For PUB with `wait_subscribers=n`, XPUB is used so `wait_ready` can block
     until n subscribers are attached (ZeroMQ drops PUB messages sent before a SUB has joined).
+
+    `peer_timeout` (PUSH only): a peer that takes no message for that many seconds while `hwm`
+    are queued (or that is gone: sends only go to live connections) is declared `gone`; the
+    sender then drops everything, so a dead API server costs the core neither memory nor a
+    blocked thread.
     """
 
-    def __init__(self, address: str, bind: bool, kind: int = zmq.PUSH) -> None:
+    def __init__(
+        self,
+        address: str,
+        bind: bool,
+        kind: int = zmq.PUSH,
+        hwm: int = 0,
+        peer_timeout: float | None = None,
+    ) -> None:
         self.address = address
+        self.gone = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context.instance()
         self._kind = zmq.XPUB if kind == zmq.PUB else kind
-        self._sock = _socket(self._ctx, self._kind, address, bind)
+        options = {}
+        if peer_timeout is not None:
+            options = {zmq.IMMEDIATE: 1, zmq.SNDTIMEO: int(peer_timeout * 1000)}
+        self._sock = _socket(self._ctx, self._kind, address, bind, hwm, options)
         if self._kind == zmq.XPUB:
             self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._subscribers = 0
@@ -221,13 +258,20 @@ class Sender(Generic[T]):
             else:
                 item = self._queue.get()
             if item is _STOP:
+                self._sock.close(linger=0)  # here: a socket belongs to one thread
                 return
+            if self.gone:
+                continue
             try:
                 payload = item if isinstance(item, bytes) else self._encoder.encode(item)
             except (TypeError, ValueError, OverflowError) as e:  # a bug upstream; keep sending
                 logger.error("%s: cannot encode %s: %s", self.address, type(item).__name__, e)
                 continue
-            self._sock.send(payload)
+            try:
+                self._sock.send(payload)
+            except zmq.Again:  # only with a peer_timeout: the peer is gone or stopped reading
+                logger.warning("%s: the peer took nothing for a while; dropping it", self.address)
+                self.gone = True
 
     def _count_subscriptions(self) -> None:
         while True:
@@ -241,9 +285,11 @@ class Sender(Generic[T]):
                     self._sub_lock.notify_all()
 
     def close(self, flush_timeout: float = 1.0) -> None:
+        """Give queued messages up to `flush_timeout` seconds to leave; the IO thread closes the
+        socket when it reaches the end of its queue (a send it is stuck in ends at the peer
+        timeout, or with the process)."""
         self._queue.put(_STOP)
         self._thread.join(timeout=flush_timeout)
-        self._sock.close(linger=0)
 
 
 class StepSender(Generic[T]):
@@ -257,11 +303,18 @@ class StepSender(Generic[T]):
     sent before a SUB has joined.
     """
 
-    def __init__(self, address: str, bind: bool, kind: int = zmq.PUSH) -> None:
+    def __init__(
+        self,
+        address: str,
+        bind: bool,
+        kind: int = zmq.PUSH,
+        hwm: int = 0,
+        options: dict[int, Any] | None = None,
+    ) -> None:
         self.address = address
         self._encoder = msgspec.msgpack.Encoder()
         self._kind = zmq.XPUB if kind == zmq.PUB else kind
-        self._sock = _socket(zmq.Context.instance(), self._kind, address, bind)
+        self._sock = _socket(zmq.Context.instance(), self._kind, address, bind, hwm, options)
         if self._kind == zmq.XPUB:
             self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._subscribers = 0
@@ -278,6 +331,17 @@ class StepSender(Generic[T]):
             if self._sock.recv()[:1] == b"\x01":
                 self._subscribers += 1
         return True
+
+    def drain_subscriptions(self) -> None:
+        """Discard subscription messages that came after start-up (XPUB queues every one it
+        gets, without a limit, for a reader; after `wait_subscribers` there is none)."""
+        if self._kind != zmq.XPUB:
+            return
+        while True:
+            try:
+                self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def close(self, flush_timeout: float = 0.0) -> None:
         """Close, giving queued messages up to `flush_timeout` seconds to leave."""

@@ -76,6 +76,40 @@ def init_distributed(info: RankInfo, master_addr: str, master_port: int, device:
         if stage == info.pp_stage:
             my_group = group
     init_tp_group(my_group, info.tp_rank, info.tp_size)
+    if device.type == "cuda" and info.tp_size > 1:
+        check_same_devices(gather_devices(device, info.world_size))
+
+
+_NAME_BYTES = 64
+
+
+def gather_devices(device: torch.device, world_size: int) -> list[tuple[str, int]]:
+    """(device name, SM count) of every rank, gathered as one small tensor per rank."""
+    props = torch.cuda.get_device_properties(device)
+    mine = torch.zeros(_NAME_BYTES + 1, dtype=torch.int64, device=device)
+    name = props.name.encode()[:_NAME_BYTES]
+    mine[: len(name)] = torch.tensor(list(name), dtype=torch.int64)
+    mine[-1] = props.multi_processor_count
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    out = []
+    for t in everyone:
+        values = t.tolist()
+        out.append((bytes(v for v in values[:-1] if v).decode(errors="replace"), values[-1]))
+    return out
+
+
+def check_same_devices(devices: list[tuple[str, int]]) -> None:
+    """Refuse ranks on different kinds of GPU: random sampling is identical on every TP rank only
+    if each runs the same kernels, and their launch grids depend on the SM count."""
+    if len(set(devices)) > 1:
+        listing = ", ".join(
+            f"rank {r}: {name} ({sms} SMs)" for r, (name, sms) in enumerate(devices)
+        )
+        raise RuntimeError(
+            "tensor parallelism needs the same GPU model on every rank (random sampling must "
+            f"match across ranks, and kernels' launch grids depend on the SM count): {listing}"
+        )
 
 
 def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = None) -> list[int]:

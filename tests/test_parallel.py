@@ -6,6 +6,7 @@ pp > 1 also runs without async scheduling)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch
 from pagedserve import LLM, SamplingParams, StructuredOutputs
 from pagedserve.config import ParallelConfig
 from pagedserve.frontend.llm import build_engine_config
-from pagedserve.parallel.groups import layer_range, rank_info, split_layers
+from pagedserve.ipc.curve import KEY_ENV, CurveKey
+from pagedserve.parallel.groups import check_same_devices, layer_range, rank_info, split_layers
 
 from tiny_models import make_tiny_model
 
@@ -28,15 +30,29 @@ def prompts() -> list[dict]:
             for n in (4, 19, 40, 9, 27)]  # fmt: skip
 
 
+# Seeded random sampling must match too: every rank samples the same token from the same logits.
+RANDOM = [
+    SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=20, seed=12, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.4,
+                   repetition_penalty=1.3, seed=13, max_tokens=6, ignore_eos=True),
+    SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=50, seed=14, max_tokens=6,
+                   ignore_eos=True),
+    SamplingParams(temperature=1.2, min_p=0.05, seed=15, max_tokens=6, ignore_eos=True),
+]  # fmt: skip
+
+
 def generate(path: str, tp: int, pp: int, grammars: bool = False, **kw) -> list[list[int]]:
-    batch, params = prompts(), [PARAMS] * 5
-    if grammars:  # constrained rows among unconstrained ones
-        batch += batch[:2]
+    """Greedy and seeded random outputs, with constrained rows among them if `grammars` (one LLM
+    per layout: CI time)."""
+    batch, params = prompts() * 2, [PARAMS] * len(RANDOM) + RANDOM
+    if grammars:
+        batch += prompts()[:2]
         params += [SamplingParams(temperature=0, max_tokens=10, structured_outputs=g)
                    for g in GRAMMARS]  # fmt: skip
     with LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp,
              pipeline_parallel_size=pp, **kw) as llm:  # fmt: skip
-        return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+        return [c.token_ids for o in llm.generate(batch, params) for c in o.outputs]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +85,15 @@ def test_layer_split_and_rank_layout():
     assert [(i.pp_stage, i.tp_rank) for i in infos] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [i.is_driver for i in infos] == [False, False, True, False]
     assert layer_range(5, infos[2], None) == (3, 5)
+
+
+def test_ranks_on_different_gpus_are_refused():
+    """The start-up check (a no-op on CPU, where the tp tests above pass through it)."""
+    h100 = ("NVIDIA H100 80GB HBM3", 132)
+    check_same_devices([h100, h100])
+    for other in [("NVIDIA H100 PCIe", 114), ("NVIDIA H100 80GB HBM3", 114)]:
+        with pytest.raises(RuntimeError, match="rank 1: .*114 SMs"):
+            check_same_devices([h100, other])
 
 
 def test_indivisible_sizes_are_refused(tmp_path_factory):
@@ -126,10 +151,15 @@ def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
     assert wait_gone(pids, 10) == []
 
 
-def test_two_node_launch_on_one_machine(tmp_path_factory):
+def test_two_node_launch_on_one_machine(tmp_path_factory, monkeypatch):
     """`launch --nnodes 2`: node 0 runs the EngineCore, the API server and TP rank 0; node 1 (a
-    second `launch --node-rank 1`) runs TP rank 1 and joins over TCP. Greedy output equals tp=1."""
+    second `launch --node-rank 1`) runs TP rank 1 and joins over TCP. Greedy output equals tp=1.
+    The plan and result ports listen on the master address only and talk CURVE with holders of
+    the shared key: an intruder without it (or with another key) reads no plan and pushes no
+    result, and the engine is unaffected."""
     import openai
+    from test_cli import child_pids
+    from test_reliability import listening_tcp_ports
     from test_server import Launched, launch_args
 
     from pagedserve.ipc.sockets import free_port
@@ -150,6 +180,8 @@ def test_two_node_launch_on_one_machine(tmp_path_factory):
         "--master-port",
         str(port),
     ]
+    key = CurveKey.generate()
+    monkeypatch.setenv(KEY_ENV, key.text())
     logs = tmp_path_factory.mktemp("two-node-logs")
     head = Launched(launch_args(path, *common, "--node-rank", "0"), str(logs / "head.log"))
     node1 = Launched(launch_args(path, *common, "--node-rank", "1"), str(logs / "node1.log"))
@@ -164,8 +196,56 @@ def test_two_node_launch_on_one_machine(tmp_path_factory):
             for p in prompts()
         ]  # fmt: skip
         assert got == want
+        core = child_pids(head)["EngineCore"]
+        assert {("0100007F", port + 1), ("0100007F", port + 2)} <= listening_tcp_ports(core)
+        assert intrude(port, key, lambda: client.completions.create(model=path, prompt="hi")) == []
+        assert "pwned" not in head.output()
+        again = client.completions.create(
+            model=path, prompt=prompts()[0]["prompt_token_ids"], max_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert again.choices[0].text == want[0]
     finally:
         pids = [head.proc.pid, node1.proc.pid]
         assert head.stop() == 0, head.output()
         node1.stop()
     assert wait_gone(pids, 10) == []
+
+
+def intrude(port: int, key: CurveKey, busy) -> list[bytes]:
+    """Sockets without `key` on the plan and result ports (plain; another key pair that knows
+    the core's public key; another key pair altogether) push forged results, then read plans
+    while `busy()` makes the engine plan steps: what they read (nothing, if CURVE holds)."""
+    import msgspec
+    import zmq
+
+    from pagedserve.ipc.messages import StepResult, WorkerError
+
+    ctx = zmq.Context()
+    stranger = CurveKey.generate()
+    socks, got = [], []
+    knows_public = {**stranger.client_options(), zmq.CURVE_SERVERKEY: key.public}
+    for options in ({}, knows_public, stranger.client_options()):
+        sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+        for sock in (sub, push):
+            for option, value in options.items():
+                sock.setsockopt(option, value)
+            sock.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port + 1}")
+        push.connect(f"tcp://127.0.0.1:{port + 2}")
+        for msg in (WorkerError(0, "pwned"), StepResult(0, [[5]])):
+            try:
+                push.send(msgspec.msgpack.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:  # no connection to queue on: refused already
+                pass
+        socks += [sub, push]
+    time.sleep(0.5)
+    busy()
+    for sock in socks[::2]:
+        while sock.poll(200):
+            got.append(sock.recv())
+    for sock in socks:
+        sock.close()
+    ctx.term()
+    return got

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from ipc_fuzz import anything, client_message, frames, worker_message
 from test_cli import child_pids, stream_in_background, wait_exit
 from test_server import Launched, assert_error
 
@@ -109,6 +111,7 @@ JSON_BAD = [  # (id, path, body): each a 400
     ("negative-max_tokens", "/v1/completions", COMPLETION | {"max_tokens": -3}),
     ("huge-float", "/v1/completions", COMPLETION | {"frequency_penalty": 1e308}),
     ("enormous-seed", "/v1/completions", COMPLETION | {"seed": 2**70}),
+    ("seed-plus-n", "/v1/completions", COMPLETION | {"seed": 2**63 - 1, "n": 2}),
     ("enormous-top_k", "/v1/completions", COMPLETION | {"top_k": 2**40}),
     ("enormous-priority", "/v1/completions", COMPLETION | {"priority": 2**70}),
     ("enormous-stop-id", "/v1/completions", COMPLETION | {"stop_token_ids": [2**70]}),
@@ -192,7 +195,7 @@ def bound_cost(case) -> None:
 
 def test_fuzz_openapi(url: str) -> None:
     """schemathesis: valid and invalid requests generated from /openapi.json."""
-    schemathesis = pytest.importorskip("schemathesis")
+    import schemathesis  # the test extra: missing fails, never skips
     from hypothesis import HealthCheck, Phase, given, settings
 
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
@@ -488,3 +491,57 @@ def test_no_pickle_on_the_wire() -> None:
                     assert hit is None, f"{sub}/{name}: {hit.group(0)!r}"
                     checked += 1
     assert checked > 20
+
+
+# ---------------------------------------------------------------------- the core's own sockets
+def test_fuzz_core_sockets(servers: SimpleNamespace, url: str) -> None:
+    """Hostile frames (tests/ipc_fuzz.py) on each of the EngineCore's sockets: client input,
+    worker results, and the plan broadcast (a subscriber sending junk and never reading), while
+    a normal client keeps being served and /health stays 200."""
+    launched = servers.launched["open"]
+    with open(f"/proc/{child_pids(launched)['API server 0']}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    directory = argv[argv.index("--ipc-dir") + 1]
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def serve_normally() -> None:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            while not stop.is_set():
+                statuses.append(client.get("/health").status_code)
+                statuses.append(client.post("/v1/completions", json=COMPLETION).status_code)
+
+    ctx = zmq.Context()
+    sockets = {name: ctx.socket(zmq.PUSH) for name in ("input", "results")}
+    sockets["plans"] = ctx.socket(zmq.XSUB)  # sends (un)subscriptions and junk, reads nothing
+    for name, sock in sockets.items():
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(f"ipc://{directory}/{name}")
+    normal = threading.Thread(target=serve_normally)
+    normal.start()
+    quick = settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                     suppress_health_check=list(HealthCheck))  # fmt: skip
+    try:
+        for name, messages in [("input", client_message(directory)), ("results", worker_message(1)),
+                               ("plans", anything.map(lambda x: [x]))]:  # fmt: skip
+
+            @quick
+            @given(frame=frames(messages))
+            def fuzz(frame: bytes) -> None:
+                sockets[name].send(frame)  # noqa: B023 (called right here)
+
+            fuzz()
+        time.sleep(1.0)  # the last frames reach the core
+    finally:
+        stop.set()
+        normal.join(timeout=60)
+        for sock in sockets.values():
+            sock.close()
+        ctx.term()
+    assert statuses and set(statuses) == {200}, statuses
+    assert httpx.get(url + "/health").status_code == 200
+    r = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    output = launched.output()
+    for dropped in ("not a valid message", "refused request", "fits no plan"):
+        assert dropped in output, dropped

@@ -86,3 +86,91 @@ def test_step_started_before_the_last_finished_equals_step_by_step(runner, param
         a.extend(t)
     finish_all(runner, 300)
     assert ahead == got
+
+
+# ---------------------------------------------------------------- mixed-step graph padding
+@pytest.mark.parametrize("max_model_len", [1, 5, 16, 40, 100, 1000])
+def test_mixed_graph_padding_stays_inside_its_block_table(max_model_len):
+    """With max_model_len below a bucket gap, the padding row's length used to exceed its
+    block table (reads past the staging buffer): now a step uses a bucket only if the padding
+    fits, else it runs eagerly; the laid-out metadata is consistent either way."""
+    import numpy as np
+
+    from pagedserve.worker.cuda_graphs import MIXED_TOKEN_SIZES, lay_out_mixed, mixed_bucket
+    from pagedserve.worker.input_batch import StepInputs
+
+    block_size, max_seqs = 16, 4
+    max_blocks = -(-max_model_len // block_size)
+    capacity, slots = max_blocks * block_size, max_seqs + 1
+    sizes = list(MIXED_TOKEN_SIZES)
+    used = 0
+    for num_tokens in range(1, 1100, 7):
+        lens = [min(num_tokens, max_model_len)] * -(-num_tokens // max_model_len)
+        lens[-1] = num_tokens - sum(lens[:-1])
+        if len(lens) > max_seqs:
+            continue
+        size = mixed_bucket(sizes, slots, capacity, num_tokens, len(lens))
+        if size is None:
+            continue
+        used += 1
+        assert num_tokens <= size <= num_tokens + capacity
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        zeros = np.zeros(num_tokens, dtype=np.int64)
+        tables = np.arange(len(lens) * max_blocks, dtype=np.int32).reshape(-1, max_blocks) + 1
+        inputs = StepInputs(zeros, zeros, zeros, qsl, np.array(lens, np.int32), tables, zeros, [])
+        a64 = np.zeros((3, sizes[0]), np.int64)
+        a32 = np.full(2 * slots + 1 + slots * max_blocks, 0, np.int32)
+        end = lay_out_mixed(a64, a32, inputs, size, slots, max_blocks)
+        q, seq = a32[: slots + 1], a32[slots + 1 : 2 * slots + 1]
+        assert q[-1] == size and (np.diff(q) >= 0).all() and (np.diff(q) <= seq).all()
+        assert seq[-1] == size - num_tokens <= capacity  # the padding row fits its table
+        assert (a64[2, num_tokens:size] == -1).all()
+        assert end == 2 * slots + 1 + len(lens) * max_blocks  # the padding row stays block 0
+    assert used > 0 if max_model_len >= 64 else True
+    if max_model_len < 64:  # smaller than every gap: a 1-token step cannot pad to 64
+        assert mixed_bucket(sizes, slots, capacity, 1, 1) is None
+
+
+# ---------------------------------------------------------------- the memory profile's step
+@pytest.mark.parametrize(
+    "budget,seqs,max_len,rows,tokens",
+    [(8192, 256, 4096, 256, 8192), (100, 256, 4096, 100, 100), (8192, 2, 1000, 2, 2000),
+     (8191, 3, 8192, 3, 8191)],
+)  # fmt: skip
+def test_profiled_step_is_the_worst_step(budget, seqs, max_len, rows, tokens):
+    """The whole budget over max_num_seqs rows (not one request of min(budget, max_len)
+    tokens), every row sampled, each row within max_model_len over its own blocks."""
+    import numpy as np
+
+    from pagedserve.worker.memory_profile import WORST_SAMPLING, worst_step_inputs
+
+    inputs, num_blocks = worst_step_inputs(budget, seqs, max_len, BLOCK)
+    assert len(inputs.seq_lens) == rows and len(inputs.input_ids) == tokens
+    assert inputs.seq_lens.max() <= max_len and inputs.seq_lens.max() - inputs.seq_lens.min() <= 1
+    assert (np.diff(inputs.query_start_loc) == inputs.seq_lens).all()
+    assert inputs.sample_rows == list(range(rows))
+    assert (inputs.logits_indices == inputs.query_start_loc[1:] - 1).all()
+    slots = inputs.slot_mapping
+    assert (
+        len(set(slots.tolist())) == tokens and slots.min() >= 0 and slots.max() < num_blocks * BLOCK
+    )
+    p = WORST_SAMPLING
+    assert p.top_p < 1 and p.top_k > 0 and p.logprobs and p.repetition_penalty != 1 and not p.greedy
+
+
+def test_profile_samples_max_num_seqs_rows_over_the_vocabulary(runner, monkeypatch):
+    """The profile's forward ends in the sampler over [max_num_seqs, vocab] logits, with
+    penalties and top-p (CPU: the same code path the GPU profile measures)."""
+    seen = []
+    sample_ids = runner.sampler.sample_ids
+    monkeypatch.setattr(
+        runner.sampler,
+        "sample_ids",
+        lambda logits, rows: seen.append((logits.shape, rows)) or sample_ids(logits, rows),
+    )
+    runner._dummy_forward()
+    sched = runner.config.scheduler
+    ((shape, rows),) = seen
+    want = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+    assert tuple(shape) == (want, runner.config.model.vocab_size)
+    assert all(r.params.top_p < 1 and r.params.presence_penalty for r in rows)

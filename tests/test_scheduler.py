@@ -676,3 +676,47 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------- results that do not fit
+def test_results_that_do_not_fit_their_plan_are_named():
+    """The core drops (never asserts on) a result that cannot answer its plan."""
+    s = make(budget=8, async_scheduling=True)
+    add(s, "a", range(10))
+    plan = s.schedule()  # "a" runs 8 of its 10 prompt tokens: nothing is sampled
+    assert s.check_result(plan, result_for(s, plan), vocab_size=100) is None
+    bad = {
+        "no sample lists": StepResult(plan.step_id, []),
+        "mid-prompt sample": StepResult(plan.step_id, [[7]]),
+        "unknown step": StepResult(plan.step_id + 5, [[]]),
+    }
+    for name, result in bad.items():
+        other = StepPlan(result.step_id, plan.scheduled_ids, plan.num_scheduled_tokens)
+        assert s.check_result(other, result, vocab_size=100) is not None, name
+    s.update_from_output(plan, result_for(s, plan))
+    plan = s.schedule()  # the last 2 prompt tokens: "a" samples
+    lp = TokenLogprobs([7, 8], [-0.1], [1, 2])
+    for sampled, logprobs in [([[100]], None), ([[7, 8]], None), ([[-1]], None), ([[7]], [lp])]:
+        result = StepResult(plan.step_id, sampled, logprobs)
+        assert s.check_result(plan, result, vocab_size=100) is not None, result
+    assert s.check_result(plan, StepResult(plan.step_id, [[7]]), vocab_size=100) is None
+
+
+def test_async_blocks_of_a_leaving_request_are_cached():
+    """Under async scheduling a request's last full block may hold a placeholder when allocated;
+    when the request finishes (or is preempted) it is registered all the same, so a follow-up
+    that repeats its prompt and outputs (a chat's next turn) hits it."""
+    s = make(block_size=4, async_scheduling=True, workers_keep_samples=True)
+    add(s, "a", range(10, 15), max_tokens=4, ignore_eos=True)  # computes 5 + 3 = 8 tokens
+    plans = [s.schedule(), s.schedule()]
+    for token in (7, 8, 9, 11):
+        plan = plans.pop(0)
+        deltas = s.update_from_output(plan, StepResult(plan.step_id, [[token]]))
+        nxt = s.schedule()
+        if nxt.scheduled_ids:
+            plans.append(nxt)
+    assert deltas[0][1].finish_reason == "length" and not plans
+    add(s, "b", [*range(10, 15), 7, 8, 9, 11, 12])
+    plan = s.schedule()
+    assert s.requests["b"].num_cached_tokens == 8, "both full blocks of 'a' are hits"
+    assert sched(plan) == {"b": 2}

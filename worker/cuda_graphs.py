@@ -224,7 +224,8 @@ class MixedGraphs(_GraphSet):
         return self._metadata(size, self.slots, size, unknown)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
-        return self._smallest_fit(num_tokens) if num_seqs < self.slots else None
+        pad_capacity = self.max_blocks * self.block_size
+        return mixed_bucket(self.sizes, self.slots, pad_capacity, num_tokens, num_seqs)
 
     def run(
         self,
@@ -233,14 +234,36 @@ class MixedGraphs(_GraphSet):
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
-        t, n, s = len(inputs.input_ids), len(inputs.seq_lens), self.slots
         a64, a32 = self._host_buffers(inputs)
-        a64[0, t:size] = a64[1, t:size] = 0
-        a64[2, t:size] = -1  # padding tokens write nowhere
-        qsl, seq_lens = a32[: s + 1], a32[s + 1 : 2 * s + 1]
-        qsl[: n + 1], qsl[n + 1 : s], qsl[s] = inputs.query_start_loc, t, size
-        seq_lens[:n], seq_lens[n : s - 1], seq_lens[s - 1] = inputs.seq_lens, 0, size - t
-        tables = a32[2 * s + 1 :].reshape(s, self.max_blocks)
-        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
-        # The padding row's table (never copied, never written) stays zeros: block 0.
-        return self._replay(size, t, 2 * s + 1 + n * self.max_blocks, fill)
+        end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
+        return self._replay(size, len(inputs.input_ids), end, fill)
+
+
+def mixed_bucket(
+    sizes: list[int], slots: int, pad_capacity: int, num_tokens: int, num_seqs: int
+) -> int | None:
+    """The smallest token bucket for a mixed step whose padding fits the padding row's block
+    table (`pad_capacity` = max_blocks x block_size tokens: with a small max_model_len a bigger
+    gap would read past the table); None: run eagerly."""
+    if num_seqs >= slots:
+        return None
+    fits = [s for s in sizes if num_tokens <= s <= num_tokens + pad_capacity]
+    return min(fits) if fits else None
+
+
+def lay_out_mixed(
+    a64: np.ndarray, a32: np.ndarray, inputs: StepInputs, size: int, slots: int, max_blocks: int
+) -> int:
+    """Write a mixed step's padding and sequence metadata into the host staging arrays (int64
+    [3, >= size], int32 as MixedGraphs lays it out); the int32 length to copy. Real rows first,
+    then empty rows, then the padding row: `size - T` tokens that write nowhere and attend among
+    themselves over its table, which stays zeros (block 0)."""
+    t, n, s = len(inputs.input_ids), len(inputs.seq_lens), slots
+    a64[0, t:size] = a64[1, t:size] = 0
+    a64[2, t:size] = -1  # padding tokens write nowhere
+    qsl, seq_lens = a32[: s + 1], a32[s + 1 : 2 * s + 1]
+    qsl[: n + 1], qsl[n + 1 : s], qsl[s] = inputs.query_start_loc, t, size
+    seq_lens[:n], seq_lens[n : s - 1], seq_lens[s - 1] = inputs.seq_lens, 0, size - t
+    tables = a32[2 * s + 1 :].reshape(s, max_blocks)
+    tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
+    return 2 * s + 1 + n * max_blocks

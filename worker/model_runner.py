@@ -25,6 +25,7 @@ from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate,
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.grammar import GrammarCompiler, GrammarMasks, RowMatcher
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
+from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
 
@@ -82,6 +83,7 @@ class ModelRunner:
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
+        self.profiled_peak: int | None = None
         self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
@@ -122,30 +124,25 @@ class ModelRunner:
         ours = torch.cuda.memory_reserved()
         others = total - free - ours  # other processes and the CUDA context
         peak = torch.cuda.max_memory_allocated()
+        self.profiled_peak = peak  # weights + the worst step's activations, for memory_report
         return int(total * utilization - others - peak)
 
     def _dummy_forward(self) -> None:
-        """A prefill of max_num_batched_tokens tokens over a throwaway cache, for the peak."""
+        """The worst step the scheduler can plan (worker/memory_profile.py), over a throwaway
+        cache: the full token budget over max_num_seqs rows, all sampled with every sampler
+        stage on, for the peak."""
         sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, self.config.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size)
+        inputs, num_blocks = worst_step_inputs(
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.config.max_model_len,
+            self.block_size,
+        )  # fmt: skip
         caches = [
             torch.zeros(
                 (num_blocks, *self._kv_block_shape()), dtype=self.kv_dtype, device=self.device
             )
             for _ in range(self.model.num_layers)
         ]
-        positions = np.arange(num_tokens, dtype=np.int64)
-        inputs = StepInputs(
-            input_ids=np.zeros(num_tokens, dtype=np.int64),
-            positions=positions,
-            slot_mapping=positions.copy(),
-            query_start_loc=np.array([0, num_tokens], dtype=np.int32),
-            seq_lens=np.array([num_tokens], dtype=np.int32),
-            block_tables=np.arange(num_blocks, dtype=np.int32)[None],
-            logits_indices=np.array([num_tokens - 1], dtype=np.int64),
-            sample_rows=[0],
-        )
+        num_tokens = len(inputs.input_ids)
         with torch.inference_mode():
             intermediate = None
             if not self.info.is_first_stage:
@@ -155,7 +152,11 @@ class ModelRunner:
                 intermediate = (zeros, zeros)
             hidden = self._forward(inputs, caches, intermediate)
             if self.info.is_last_stage:
-                self.model.compute_logits(hidden[-1:])
+                logits_idx = to_device(inputs.logits_indices, self.device)
+                logits = self.model.compute_logits(hidden[logits_idx])  # [R, V] float32
+                rows = worst_sampling_rows(inputs, logits.shape[1])
+                token_ids = self.sampler.sample_ids(logits, rows)  # [R]
+                compute_logprobs(logits, token_ids, rows)
         del caches
 
     def init_cache(self, num_blocks: int) -> dict[str, float]:

@@ -20,6 +20,7 @@ import traceback
 import zmq
 
 from pagedserve.config import EngineConfig
+from pagedserve.ipc.curve import load_key
 from pagedserve.ipc.messages import (
     CompileGrammar,
     CoreToWorker,
@@ -40,9 +41,11 @@ GRAMMAR_POLL_S = 1e-3  # while idle and a grammar compiles: how often to look if
 
 
 def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
-    results: StepSender[WorkerToCore] = StepSender(addresses.results, bind=False)
+    # Over TCP (multi-node) the core only talks CURVE, to holders of the shared key.
+    secure = load_key().client_options() if addresses.plans.startswith("tcp://") else None
+    results: StepSender[WorkerToCore] = StepSender(addresses.results, bind=False, options=secure)
     plans: StepReceiver[CoreToWorker] = StepReceiver(
-        addresses.plans, CoreToWorker, bind=False, kind=zmq.SUB
+        addresses.plans, CoreToWorker, bind=False, kind=zmq.SUB, options=secure
     )
     try:
         run_loop(config, rank, dist_port, plans, results)
@@ -118,11 +121,31 @@ def run_loop(
                 if info.is_last_stage:  # only the sampling ranks need grammars
                     runner.grammars.submit(msg.key, msg.spec)
             elif isinstance(msg, ShutdownWorkers):
+                _memory_report(runner, rank)
                 return
     finally:
         runner.grammars.close()
         if trace is not None:
             trace.close()
+
+
+def _memory_report(runner, rank: int) -> None:
+    """PAGEDSERVE_MEMORY_REPORT=FILE (GPU): this rank's profiled peak (weights + the worst
+    step) plus its KV cache, against the real peak since the profile, as JSON in FILE.rank."""
+    path = os.environ.get("PAGEDSERVE_MEMORY_REPORT")
+    if not path or runner.device.type != "cuda" or runner.profiled_peak is None:
+        return
+    import json
+
+    import torch
+
+    kv = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    report = {"profiled_peak": runner.profiled_peak, "kv_cache": kv,
+              "predicted_peak": runner.profiled_peak + kv,
+              "real_peak": torch.cuda.max_memory_allocated(runner.device),
+              "total": torch.cuda.mem_get_info(runner.device)[1]}  # fmt: skip
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(report, f)
 
 
 class PhaseClock:

@@ -13,8 +13,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_LOGPROBS = 20
-
 # Request fields vLLM implements and pagedserve does not (yet), each with the values that ask for
 # nothing (besides null): a request setting one to anything else gets a 400 naming it. A field a
 # request model defines is never refused (completions' `echo` works; chat's is refused; chat's

@@ -21,10 +21,10 @@ from starlette.types import Receive, Scope, Send
 from pagedserve.frontend.async_engine import AsyncEngine
 from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.openai.metrics import Metrics
-from pagedserve.frontend.openai.protocol import MAX_LOGPROBS, APIError
+from pagedserve.frontend.openai.protocol import APIError
 from pagedserve.frontend.openai.structured import GrammarValidator, spec_from_request
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
-from pagedserve.ipc.messages import MAX_N, SamplingParams, StructuredOutputs
+from pagedserve.ipc.messages import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
 
 T = TypeVar("T")
 _DONE = object()

@@ -1,0 +1,108 @@
+"""The EngineCore is the gate: what it checks before a client's request or a worker's result may
+touch the scheduler.
+
+Any process that reaches the core's sockets (an API server, `LLM`, or a careless or hostile one)
+sends messages that msgspec has only type-checked. A value the model cannot take (a token id
+outside the vocabulary, more logprobs than it has tokens, a seed the workers cannot add to) would
+raise deep in a worker or in `schedule()` and kill the engine for every user. So the core checks
+each AddRequest against the model here and refuses a bad one to its sender with the reason, and
+checks each StepResult against the plan it answers; a result that does not fit is dropped (a
+worker that never sends a good one trips the step timeout).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedserve.core.request import Request
+from pagedserve.ipc.messages import (
+    MAX_LOGPROBS,
+    AddRequest,
+    StepResult,
+    TokenLogprobs,
+)
+
+MAX_REQ_ID_LEN = 256  # request ids are echoed in every delta and log line
+MAX_STOP_TOKEN_IDS = 1024
+_I32 = 2**31
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model can take: from the EngineConfig, known before any request arrives."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int = MAX_LOGPROBS
+
+
+def check_request(msg: AddRequest, limits: ModelLimits) -> None:
+    """Raise ValueError naming the first value of `msg` this model cannot run."""
+    vocab = limits.vocab_size
+    _require(0 < len(msg.req_id) <= MAX_REQ_ID_LEN, f"request ids are 1 to {MAX_REQ_ID_LEN} chars")
+    ids = msg.prompt_token_ids
+    _require(len(ids) > 0, "the prompt is empty")
+    _require(
+        len(ids) <= limits.max_model_len,
+        f"the prompt has {len(ids)} tokens; max_model_len is {limits.max_model_len}",
+    )
+    _require(min(ids) >= 0 and max(ids) < vocab, f"prompt token ids must be in [0, {vocab})")
+    _require(
+        all(0 <= t < vocab for t in msg.eos_token_ids), f"eos_token_ids must be in [0, {vocab})"
+    )
+    _require(math.isfinite(msg.arrival_time), "arrival_time must be finite")
+    _require(-_I32 <= msg.priority < _I32, "priority must fit in 32 bits")
+    _check_sampling(msg, limits)
+
+
+def _check_sampling(msg: AddRequest, limits: ModelLimits) -> None:
+    p, vocab = msg.sampling, limits.vocab_size
+    cap = min(limits.max_logprobs, vocab)
+    _require(p.logprobs is None or p.logprobs <= cap, f"logprobs must be at most {cap}")
+    _require(
+        p.seed is None or p.seed + p.n - 1 < 2**63,
+        "seed + n - 1 must fit in 64 bits (choice i samples with seed + i)",
+    )
+    stops = p.stop_token_ids or []
+    _require(len(stops) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    _require(all(0 <= t < vocab for t in stops), f"stop_token_ids must be in [0, {vocab})")
+    bias = p.logit_bias or {}
+    _require(
+        all(0 <= t < vocab for t in bias), f"logit_bias keys must be token ids in [0, {vocab})"
+    )
+
+
+def check_result(
+    record: list[tuple[Request, bool]], result: StepResult, vocab_size: int
+) -> str | None:
+    """Why `result` cannot answer the plan that scheduled `record` (each request, and whether
+    the result still applies to it); None: it can.
+
+    One list of at most one sampled id per scheduled request, ids in the vocabulary, a sample
+    only where the plan sampled (a current request has a token in flight), logprobs aligned."""
+    sampled = result.sampled_token_ids
+    if len(sampled) != len(record):
+        return f"{len(sampled)} sample lists for {len(record)} scheduled requests"
+    for (req, current), token_ids in zip(record, sampled, strict=True):
+        if not token_ids:  # (plain loop, no generators: this runs on every step's result)
+            continue
+        if len(token_ids) > 1 or not 0 <= token_ids[0] < vocab_size:
+            return f"request {req.req_id!r}: sampled {token_ids[:4]} (one id in the vocabulary)"
+        if current and req.num_placeholders == 0:
+            return f"request {req.req_id!r}: a sample where the plan sampled nothing"
+    if result.logprobs is not None:
+        if len(result.logprobs) != len(record):
+            return f"{len(result.logprobs)} logprob entries for {len(record)} requests"
+        if not all(_aligned(lp) for lp in result.logprobs):
+            return "logprob entries of unequal lengths"
+    return None
+
+
+def _aligned(entry: TokenLogprobs | None) -> bool:
+    return entry is None or (0 < len(entry.token_ids) == len(entry.logprobs) == len(entry.ranks))
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
