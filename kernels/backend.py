@@ -2,9 +2,9 @@
 batched SDPA on CPU).
 
 The rule is one predicate per tensor: a CUDA tensor takes the fast path when Triton imports,
-anything else takes the torch reference, so CPU runs (and CI) never import Triton. Attention on a
-CPU runs the batched SDPA backend (kernels/cpu_attention.py), tested against the reference. Environment
-variables, read once per process (they are start-up settings, never flipped at run time):
+anything else takes the torch reference, so CPU runs (and CI) never import Triton. Attention on
+a CPU runs the batched SDPA backend (kernels/cpu_attention.py), tested against the reference.
+Environment variables, read once per process (start-up settings, never flipped at run time):
 
 - `PAGEDSERVE_ATTENTION_BACKEND=torch|sdpa|triton|flash` forces the attention backend (and, for
   `torch`, the reference KV-cache write too); unset means triton on CUDA (torch without Triton),
