@@ -25,33 +25,38 @@ from pagedserve.kernels.attention import AttentionMetadata
 
 @dataclass
 class PaddedGroup:
-    """Rows of one step that attend as one padded batch of `Lmax` queries over `S` keys."""
+    """Rows of one step that attend as one padded batch of `L` queries per row over `S` keys.
 
-    token_index: torch.Tensor  # [B * Lmax] int64: flattened query token per (row, j), 0 if pad
+    The `G` query heads that share a KV head are folded into the query dimension (`G * L`
+    queries per KV head, head-major), so SDPA runs `B * Hkv` problems rather than `B * Hq` with
+    each KV head broadcast: on a CPU the per-problem cost dominates at decode sizes."""
+
+    token_index: torch.Tensor  # [B * L] int64: flattened query token per (row, j), 0 if pad
     out_index: torch.Tensor | None  # [N] int64: padded positions that hold real tokens
     dest: torch.Tensor | None  # [N] int64: those tokens' indices in the step (None: all, in order)
     block_tables: torch.Tensor  # [B, nb] int64
-    q_pos: torch.Tensor  # [B, 1, Lmax, 1] absolute position of each query (padding repeats)
+    q_pos: torch.Tensor  # [B, 1, G * L, 1] absolute position of each query (padding repeats)
     k_pos: torch.Tensor  # [1, 1, 1, S]
-    mask: torch.Tensor  # [B, 1, Lmax, S] bool: causal and inside the row's context
-    max_query_len: int
+    mask: torch.Tensor  # [B, 1, G * L, S] bool: causal, so inside the row's context
+    max_query_len: int  # L
 
 
-def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool) -> PaddedGroup:
-    """Layout of `rows` (indices into the step's sequences); `dense` says they are all the
-    step's tokens in order with one query each, so the output needs no scatter."""
+def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -> PaddedGroup:
+    """Layout of `rows` (indices into the step's sequences) for `group` query heads per KV head;
+    `dense` says they are all the step's tokens in order, so the output needs no scatter."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     q_lens = (qsl[1:] - qsl[:-1])[rows]  # [B]
     seq_lens = meta.seq_lens_cpu[rows].astype(np.int64)  # [B]
     max_q = int(q_lens.max())
     nb = -(-int(seq_lens.max()) // meta.block_size)
-    j = np.arange(max_q)[None, :]  # [1, Lmax]
-    real = j < q_lens[:, None]  # [B, Lmax]
-    tokens = np.where(real, qsl[rows][:, None] + j, 0)  # [B, Lmax]
+    j = np.arange(max_q)[None, :]  # [1, L]
+    real = j < q_lens[:, None]  # [B, L]
+    tokens = np.where(real, qsl[rows][:, None] + j, 0)  # [B, L]
     # Padding queries repeat the row's last position, so every query row sees some key.
-    q_pos = seq_lens[:, None] - q_lens[:, None] + np.minimum(j, q_lens[:, None] - 1)
+    q_pos = seq_lens[:, None] - q_lens[:, None] + np.minimum(j, q_lens[:, None] - 1)  # [B, L]
+    q_pos = np.tile(q_pos, (1, group))  # [B, G * L]
     k_pos = np.arange(nb * meta.block_size)  # [S]
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Lmax, S]; q_pos < seq_len
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, G * L, S]; q_pos < seq_len
     device = meta.seq_lens.device
     block_tables = meta.block_tables[torch.from_numpy(rows).to(device), :nb].long()
     flat_real = np.nonzero(real.reshape(-1))[0]
@@ -71,16 +76,18 @@ def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool) -> PaddedGrou
     )
 
 
-def padded_groups(meta: AttentionMetadata) -> list[PaddedGroup]:
-    """The step's decode group and prefill group (either may be absent), built once per step."""
-    groups = meta.scratch.get("cpu_groups")
+def padded_groups(meta: AttentionMetadata, group: int) -> list[PaddedGroup]:
+    """The step's decode group and prefill group (either may be absent), built once per step
+    (per query heads per KV head, which is the same in every layer of the models we run)."""
+    key = ("cpu_groups", group)
+    groups = meta.scratch.get(key)
     if groups is None:
         q_lens = np.diff(meta.query_start_loc_cpu)
         decode = np.nonzero(q_lens == 1)[0]
         prefill = np.nonzero(q_lens > 1)[0]
         dense = len(decode) == len(q_lens)
-        groups = [_group(meta, rows, dense) for rows in (decode, prefill) if len(rows)]
-        meta.scratch["cpu_groups"] = groups
+        groups = [_group(meta, rows, dense, group) for rows in (decode, prefill) if len(rows)]
+        meta.scratch[key] = groups
     return groups
 
 
@@ -92,7 +99,7 @@ def cpu_paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """`paged_attention_ref`'s contract, batched: same inputs, same outputs (to rounding)."""
-    groups = padded_groups(meta)
+    groups = padded_groups(meta, query.shape[1] // kv_cache.shape[3])
     if len(groups) == 1 and groups[0].dest is None:
         return _attend_group(query, kv_cache, groups[0], scale, sliding_window).flatten(0, 1)
     out = torch.zeros_like(query)
@@ -108,18 +115,21 @@ def _attend_group(
     group: PaddedGroup,
     scale: float,
     sliding_window: int | None,
-) -> torch.Tensor:  # [B, Lmax, Hq, D]
-    num_rows = group.block_tables.shape[0]
-    q = query[group.token_index].unflatten(0, (num_rows, -1)).transpose(1, 2)  # [B, Hq, L, D]
+) -> torch.Tensor:  # [B, L, Hq, D]
+    num_rows, num_kv_heads = group.block_tables.shape[0], kv_cache.shape[3]
+    length, head_dim = group.max_query_len, query.shape[2]
+    q = query[group.token_index].view(num_rows, length, num_kv_heads, -1, head_dim)  # B L Hkv G D
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G*L, D]
     key = _gather(kv_cache[:, 0], group.block_tables)  # [B, Hkv, S, D]
     value = _gather(kv_cache[:, 1], group.block_tables)  # [B, Hkv, S, D]
     mask = group.mask
     if sliding_window is not None:
         mask = mask & (group.q_pos - group.k_pos < sliding_window)
     out = F.scaled_dot_product_attention(
-        q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [B, Hq, L, D]
-    return out.transpose(1, 2)
+        q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask, scale=scale
+    )  # [B, Hkv, G * L, D]
+    out = out.view(num_rows, num_kv_heads, -1, length, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_rows, length, -1, head_dim)  # [B, L, Hq, D]
 
 
 def _gather(
