@@ -166,6 +166,11 @@ def test_silu_and_mul():
 
 
 def test_backend_choice(monkeypatch):
+    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+
+    assert select_backend(torch.device("cpu")) is cpu_paged_attention
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
+    backend.forced_attention_backend.cache_clear()
     assert select_backend(torch.device("cpu")) is paged_attention_ref
     for value, error in (("flash2", "not one of"), ("triton", "CUDA device")):
         monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", value)
