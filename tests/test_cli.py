@@ -141,7 +141,8 @@ def test_default_model(tmp_path) -> None:
 
 def test_sigterm_stops_every_process(model_dir: str, tmp_path) -> None:
     """SIGTERM drains; a stream longer than --drain-timeout is aborted with an error event."""
-    args = launch_args(model_dir, "--api-servers", "2", "--drain-timeout", "1")
+    # 480 tokens outlast 0.2 s (the batched CPU path decodes the tiny model in ~1-2 ms a token)
+    args = launch_args(model_dir, "--api-servers", "2", "--drain-timeout", "0.2")
     launched = Launched(args, str(tmp_path / "l.log"))
     try:
         url = launched.wait_ready()
