@@ -17,7 +17,8 @@ one per-tensor scale per layer from the checkpoint (`k_scale` / `v_scale`) or 1.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # What a backend derives from the layout once per step and every layer reuses (the CPU
+    # backend's padded groups and masks); a new step builds new metadata, so it never goes stale.
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -199,10 +203,14 @@ AttentionBackend = Callable[..., torch.Tensor]
 
 
 def select_backend(device: torch.device) -> AttentionBackend:
-    """Pick the attention implementation once, at model build time: Triton on CUDA, the torch
-    reference elsewhere, or what `PAGEDSERVE_ATTENTION_BACKEND` forces (see kernels/backend.py).
+    """Pick the attention implementation once, at model build time: Triton on CUDA, the batched
+    SDPA backend on CPU, or what `PAGEDSERVE_ATTENTION_BACKEND` forces (see kernels/backend.py).
     Every backend keeps `paged_attention_ref`'s signature."""
     name = attention_backend_name(device)
+    if name == "sdpa":
+        from pagedserve.kernels.cpu_attention import cpu_paged_attention
+
+        return cpu_paged_attention
     if name == "triton":
         from pagedserve.kernels.triton_attention import triton_paged_attention
 

@@ -1,11 +1,14 @@
-"""Which implementation an op runs: the torch reference or a fast path (Triton, FlashAttention).
+"""Which implementation an op runs: the torch reference or a fast path (Triton, FlashAttention,
+batched SDPA on CPU).
 
 The rule is one predicate per tensor: a CUDA tensor takes the fast path when Triton imports,
-anything else takes the torch reference, so CPU runs (and CI) never import Triton. Environment
-variables, read once per process (they are start-up settings, never flipped at run time):
+anything else takes the torch reference, so CPU runs (and CI) never import Triton. Attention on
+a CPU runs the batched SDPA backend (kernels/cpu_attention.py), tested against the reference.
+Environment variables, read once per process (start-up settings, never flipped at run time):
 
-- `PAGEDSERVE_ATTENTION_BACKEND=torch|triton|flash` forces the attention backend (and, for
-  `torch`, the reference KV-cache write too); unset means triton on CUDA, torch elsewhere.
+- `PAGEDSERVE_ATTENTION_BACKEND=torch|sdpa|triton|flash` forces the attention backend (and, for
+  `torch`, the reference KV-cache write too); unset means triton on CUDA (torch without Triton),
+  sdpa elsewhere.
 - `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
 """
 
@@ -17,7 +20,7 @@ import os
 
 import torch
 
-ATTENTION_BACKENDS = ("torch", "triton", "flash")
+ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "flash")
 
 
 @functools.cache
@@ -48,11 +51,12 @@ def forced_attention_backend() -> str | None:
 
 
 def attention_backend_name(device: torch.device | str) -> str:
-    """`torch`, `triton` or `flash` for a model on `device`; a forced backend must be usable."""
+    """`torch`, `sdpa`, `triton` or `flash` for a model on `device`; a forced backend must be
+    usable (`torch` and `sdpa` run anywhere)."""
     is_cuda = torch.device(device).type == "cuda"
     forced = forced_attention_backend()
-    if forced == "torch":
-        return "torch"
+    if forced in ("torch", "sdpa"):
+        return forced
     if forced is not None and not is_cuda:
         raise ValueError(f"attention backend {forced!r} needs a CUDA device, not {device}")
     if forced == "flash" and not flash_attn_available():
@@ -61,7 +65,9 @@ def attention_backend_name(device: torch.device | str) -> str:
         raise ValueError("attention backend 'triton' needs the triton package")
     if forced is not None:
         return forced
-    return "triton" if is_cuda and triton_available() else "torch"
+    if not is_cuda:
+        return "sdpa"
+    return "triton" if triton_available() else "torch"
 
 
 def use_triton_cache_write(kv_cache: torch.Tensor) -> bool:

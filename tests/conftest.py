@@ -9,6 +9,11 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# One intra-op thread for this process and the servers it starts (before torch is imported): the
+# test models are tiny, and on a 2-core machine running a test process, an engine core, API
+# servers and workers, a second OpenMP thread makes each op wait at a barrier for a thread that
+# is not scheduled (10-100x slower ops under load). Workers pick the same for themselves there.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

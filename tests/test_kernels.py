@@ -232,3 +232,36 @@ def test_tp_divisibility_errors(monkeypatch):
         layers.VocabParallelEmbedding(512, 8)
     with pytest.raises(ValueError, match="intermediate size"):
         layers.MergedColumnParallelLinear(16, [8, 8])
+
+
+CPU_BATCHES = {  # (cached tokens, new tokens) per row
+    "prefill": ([0, 0, 0], [7, 1, 13]),
+    "decode": ([5, 0, 17, 40, 3], [1, 1, 1, 1, 1]),
+    "mixed": ([9, 0, 30, 2, 0, 11], [1, 6, 1, 1, 3, 20]),
+    "chunked": ([25, 4], [9, 1]),
+}
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "window", "dtype"),
+    [
+        (4, 4, 16, None, torch.float32),
+        (8, 2, 3, None, torch.float32),
+        (6, 3, 5, 4, torch.float32),
+        (8, 2, 16, 7, torch.bfloat16),
+    ],
+)
+def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dtype):
+    from pagedserve.kernels.attention import paged_attention_ref
+    from pagedserve.kernels.bench_kernels import random_batch
+    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    for computed, new in CPU_BATCHES.values():
+        q, kv, meta = random_batch(computed, new, hq, hkv, 16, block_size, dtype, "cpu", seed=hq)
+        ref = paged_attention_ref(q, kv, meta, 0.25, window)
+        out = cpu_paged_attention(q, kv, meta, 0.25, window)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, **tol)
+        # the layout is cached on the step's metadata: a second layer reuses it
+        torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.25, window), out)

@@ -200,6 +200,11 @@ def test_fused_moe(num_tokens, num_experts, top_k, block_m):
 
 
 def test_backend_choice(monkeypatch):
+    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+
+    assert select_backend(torch.device("cpu")) is cpu_paged_attention
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
+    backend.forced_attention_backend.cache_clear()
     assert select_backend(torch.device("cpu")) is paged_attention_ref
     for value, error in (("flash2", "not one of"), ("triton", "CUDA device")):
         monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", value)

@@ -11,6 +11,7 @@ builds the StepResult. `execute(plan)` is the three in a row. KV capacity comes 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,20 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def set_cpu_threads(ranks_per_node: int) -> int:
+    """Intra-op threads for a CPU worker: the cores it may use, less one for the core and API
+    server processes, shared by the ranks of this node (`OMP_NUM_THREADS` wins when set).
+
+    Decode matmuls on a CPU are small: a thread more than the cores left over buys nothing and
+    makes every op wait at an OpenMP barrier for a thread the scheduler has parked."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, ((cores or 1) - 1) // max(ranks_per_node, 1))
+    torch.set_num_threads(threads)
+    return threads
 
 
 @dataclass

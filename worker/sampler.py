@@ -2,8 +2,10 @@
 
 Order per step: logit bias -> min_tokens masks -> repetition / frequency / presence penalties ->
 greedy rows take the argmax; the others: temperature -> min_p -> top_k -> top_p -> sample as
-`argmax(probs / Exponential(1))`, which draws exactly from `probs` and needs one noise tensor.
-A seeded request draws its noise from a generator seeded by (seed, number of tokens generated), so
+`argmax(probs / Exponential(1))` on CUDA, which draws exactly from `probs` and needs one noise
+tensor, or by inverting the cumulative distribution with one uniform per row on a CPU (where
+drawing a noise tensor costs more than the forward). A seeded request draws its noise (or
+uniform) from a generator seeded by (seed, number of tokens generated), so
 its tokens do not depend on which other requests share the batch or on preemption.
 Logprobs come from the raw logits (before penalties and temperature), as vLLM returns by default.
 """
@@ -85,13 +87,33 @@ class Sampler:
         every = len(random) == len(rows)
         index = None if every else to_device(random, logits.device)
         probs = filtered_probs(logits if every else logits[index], sub_rows)  # [R, V]
-        noise = self._exponential_noise(probs, sub_rows)  # [R, V]
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self._draw(probs, sub_rows)  # [R]
         if every:
             return sampled
         token_ids = logits.argmax(dim=-1)  # [N]: the greedy rows'
         token_ids[index] = sampled
         return token_ids
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [R]
+        """One token per row, drawn from `probs` [R, V]. On CUDA: `argmax(probs / Exponential(1))`
+        (no scan over the vocabulary). On a CPU one exponential per vocabulary entry costs more
+        than the whole decode step (2.7 ms for 32 x 4096, 21 ms for 32 x 32000), so there a row
+        takes one uniform `u` and the first token whose cumulative probability passes it."""
+        if probs.device.type == "cuda":
+            return (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
+        cdf = probs.cumsum(dim=-1)  # [R, V]
+        u = self._uniform(rows, probs.device) * cdf[:, -1]  # [R]: the total is 1 up to rounding
+        picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # first cdf > u
+        return picked.clamp_max_(probs.shape[1] - 1)
+
+    def _uniform(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:  # [R]
+        u = torch.rand(len(rows), generator=self._generator(device), device=device)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                g = torch.Generator(device)
+                g.manual_seed(seed_for_step(row.params.seed, len(row.output_token_ids)))
+                u[i] = torch.rand(1, generator=g, device=device)[0]
+        return u
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)

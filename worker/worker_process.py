@@ -64,12 +64,14 @@ def run_loop(
     clock = PhaseClock()
     # torch is imported here so that a bad install is reported to the core as a WorkerError.
     from pagedserve.parallel.groups import init_distributed, rank_info
-    from pagedserve.worker.model_runner import ModelRunner, resolve_device
+    from pagedserve.worker.model_runner import ModelRunner, resolve_device, set_cpu_threads
 
     clock.mark("torch import")
     parallel = config.parallel
     info = rank_info(parallel, rank)
     device = resolve_device(parallel.device, rank % parallel.ranks_per_node)
+    if device.type == "cpu":
+        set_cpu_threads(parallel.ranks_per_node)
     init_distributed(info, parallel.master_addr, dist_port, device)
     clock.mark("device and process groups")
     runner = ModelRunner(config, device, info)
@@ -83,8 +85,11 @@ def run_loop(
     # already here (async scheduling sends it early), it starts before this one's sampled ids are
     # read back, so the device runs step N+1 while the host reports step N. With pipeline stages
     # the core already keeps every stage busy, and a stage must not sit on a result while it
-    # waits for its neighbour, so there each step finishes before the next starts.
-    lookahead = info.pp_size == 1
+    # waits for its neighbour, so there each step finishes before the next starts. On a CPU the
+    # forward runs as it is queued, so looking ahead would only hold step N's result back for a
+    # whole forward: there each step is reported as soon as it is sampled, and the core plans
+    # N + 2 while this worker computes N + 1.
+    lookahead = info.pp_size == 1 and device.type == "cuda"
     pending = None
     trace = _open_trace(rank)
     try:

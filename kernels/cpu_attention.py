@@ -1,0 +1,143 @@
+"""Batched paged attention for CPUs: every request of a step in a handful of torch ops.
+
+`paged_attention_ref` loops over requests in Python (about ten ops per request per layer), so a
+32-request decode step on a CPU is mostly interpreter and dispatch time. Here the rows of a step
+are split into two groups, decodes (one query token) and the rest (prefill chunks), and each group
+runs as one padded batch: gather its blocks by block table into `[B, S, Hkv, D]` keys and values,
+and one `scaled_dot_product_attention` call (GQA inside, a boolean mask for causality, context
+length and the sliding window). Two groups rather than one keep a long prefill chunk from padding
+every decode in the step to its length.
+
+Everything that depends only on the batch layout (which tokens, which blocks, the masks) is built
+once per step with numpy and cached on the step's `AttentionMetadata`, which every layer shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.attention import AttentionMetadata
+
+
+@dataclass
+class PaddedGroup:
+    """Rows of one step that attend as one padded batch of `L` queries per row over `S` keys.
+
+    The `G` query heads that share a KV head are folded into the query dimension (`G * L`
+    queries per KV head, head-major), so SDPA runs `B * Hkv` problems rather than `B * Hq` with
+    each KV head broadcast: on a CPU the per-problem cost dominates at decode sizes."""
+
+    token_index: torch.Tensor  # [B * L] int64: flattened query token per (row, j), 0 if pad
+    out_index: torch.Tensor | None  # [N] int64: padded positions that hold real tokens
+    dest: torch.Tensor | None  # [N] int64: those tokens' indices in the step (None: all, in order)
+    block_tables: torch.Tensor  # [B, nb] int64
+    q_pos: torch.Tensor  # [B, 1, G * L, 1] absolute position of each query (padding repeats)
+    k_pos: torch.Tensor  # [1, 1, 1, S]
+    mask: torch.Tensor  # [B, 1, G * L, S] bool: causal, so inside the row's context
+    max_query_len: int  # L
+
+
+def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -> PaddedGroup:
+    """Layout of `rows` (indices into the step's sequences) for `group` query heads per KV head;
+    `dense` says they are all the step's tokens in order, so the output needs no scatter."""
+    qsl = meta.query_start_loc_cpu.astype(np.int64)
+    q_lens = (qsl[1:] - qsl[:-1])[rows]  # [B]
+    seq_lens = meta.seq_lens_cpu[rows].astype(np.int64)  # [B]
+    max_q = int(q_lens.max())
+    nb = -(-int(seq_lens.max()) // meta.block_size)
+    j = np.arange(max_q)[None, :]  # [1, L]
+    real = j < q_lens[:, None]  # [B, L]
+    tokens = np.where(real, qsl[rows][:, None] + j, 0)  # [B, L]
+    # Padding queries repeat the row's last position, so every query row sees some key.
+    q_pos = seq_lens[:, None] - q_lens[:, None] + np.minimum(j, q_lens[:, None] - 1)  # [B, L]
+    q_pos = np.tile(q_pos, (1, group))  # [B, G * L]
+    k_pos = np.arange(nb * meta.block_size)  # [S]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, G * L, S]; q_pos < seq_len
+    device = meta.seq_lens.device
+    block_tables = meta.block_tables[torch.from_numpy(rows).to(device), :nb].long()
+    flat_real = np.nonzero(real.reshape(-1))[0]
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return PaddedGroup(
+        token_index=dev(tokens.reshape(-1)),
+        out_index=None if dense else dev(flat_real),
+        dest=None if dense else dev(tokens.reshape(-1)[flat_real]),
+        block_tables=block_tables,
+        q_pos=dev(q_pos[:, None, :, None]),
+        k_pos=dev(k_pos[None, None, None, :]),
+        mask=dev(mask[:, None]),
+        max_query_len=max_q,
+    )
+
+
+def padded_groups(meta: AttentionMetadata, group: int) -> list[PaddedGroup]:
+    """The step's decode group and prefill group (either may be absent), built once per step
+    (per query heads per KV head, which is the same in every layer of the models we run)."""
+    key = ("cpu_groups", group)
+    groups = meta.scratch.get(key)
+    if groups is None:
+        q_lens = np.diff(meta.query_start_loc_cpu)
+        decode = np.nonzero(q_lens == 1)[0]
+        prefill = np.nonzero(q_lens > 1)[0]
+        dense = len(decode) == len(q_lens)
+        groups = [_group(meta, rows, dense, group) for rows in (decode, prefill) if len(rows)]
+        meta.scratch[key] = groups
+    return groups
+
+
+def cpu_paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """`paged_attention_ref`'s contract, batched: same inputs, same outputs (to rounding)."""
+    groups = padded_groups(meta, query.shape[1] // kv_cache.shape[3])
+    if len(groups) == 1 and groups[0].dest is None:
+        return _attend_group(query, kv_cache, groups[0], scale, sliding_window).flatten(0, 1)
+    out = torch.zeros_like(query)
+    for group in groups:
+        padded = _attend_group(query, kv_cache, group, scale, sliding_window)
+        out[group.dest] = padded.flatten(0, 1)[group.out_index]
+    return out
+
+
+def _attend_group(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    group: PaddedGroup,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [B, L, Hq, D]
+    num_rows, num_kv_heads = group.block_tables.shape[0], kv_cache.shape[3]
+    length, head_dim = group.max_query_len, query.shape[2]
+    q = query[group.token_index].view(num_rows, length, num_kv_heads, -1, head_dim)  # B L Hkv G D
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G*L, D]
+    key = _gather(kv_cache[:, 0], group.block_tables)  # [B, Hkv, S, D]
+    value = _gather(kv_cache[:, 1], group.block_tables)  # [B, Hkv, S, D]
+    mask = group.mask
+    if sliding_window is not None:
+        mask = mask & (group.q_pos - group.k_pos < sliding_window)
+    out = F.scaled_dot_product_attention(
+        q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask, scale=scale
+    )  # [B, Hkv, G * L, D]
+    out = out.view(num_rows, num_kv_heads, -1, length, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_rows, length, -1, head_dim)  # [B, L, Hq, D]
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the K or the V half
+    block_tables: torch.Tensor,  # [B, nb] int64
+) -> torch.Tensor:  # [B, Hkv, nb * block_size, D]
+    """Each row's blocks, in order. `index_select` copies whole blocks (several times faster on
+    CPU than advanced indexing) and its output is contiguous, so merging the block and in-block
+    dimensions into one key dimension is a view."""
+    blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, block_size, Hkv, D]
+    return blocks.unflatten(0, block_tables.shape).flatten(1, 2).transpose(1, 2)

@@ -1,0 +1,64 @@
+"""Worker-side cost of one decode step on a CPU: `ModelRunner.execute` of B running requests at a
+given context, in thread CPU time (steadier than wall time on a shared machine) and wall time.
+
+    python tests/bench_cpu_step.py [--model DIR] [--batch 32] [--context 128] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+import pagedserve
+from pagedserve.frontend.llm import build_engine_config
+from pagedserve.ipc.messages import CachedDelta, NewRequest, SamplingParams, StepPlan
+from pagedserve.parallel.groups import rank_info
+from pagedserve.worker.model_runner import ModelRunner
+
+EMBEDDED = os.path.join(os.path.dirname(pagedserve.__file__), "frontend", "default_model")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=EMBEDDED)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    config = build_engine_config(a.model, device="cpu", dtype=a.dtype, load_format=a.load_format,
+                                 num_gpu_blocks_override=2048)  # fmt: skip
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    runner.init_cache(2048)
+    per_row = -(-(a.context + a.steps + 8) // 16)
+    greedy = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    news = [
+        NewRequest(f"r{i}", list(range(5, 5 + a.context)),
+                   list(range(i * per_row, (i + 1) * per_row)), greedy, 0)
+        for i in range(a.batch)
+    ]  # fmt: skip
+    ids = [n.req_id for n in news]
+    runner.execute(StepPlan(0, ids, [a.context] * a.batch, new_requests=news))
+
+    def decode(k: int) -> StepPlan:
+        cached = [CachedDelta(r, [], [], a.context + k - 1) for r in ids]
+        return StepPlan(k, ids, [1] * a.batch, cached=cached)
+
+    for k in range(1, 4):
+        runner.execute(decode(k))
+    cpu, wall = time.thread_time(), time.perf_counter()
+    for k in range(4, 4 + a.steps):
+        runner.execute(decode(k))
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    print(f"decode batch {a.batch} at context ~{a.context}: {cpu / a.steps * 1e3:.2f} ms CPU, "
+          f"{wall / a.steps * 1e3:.2f} ms wall per step")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
