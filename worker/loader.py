@@ -34,20 +34,32 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, Any]]:
-    """Yield (name, lazy slice) for every tensor of the checkpoint; nothing is read yet."""
-    for path in safetensors_files(model_dir):
+def iter_checkpoint(model_dir: str, show_progress: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor of the checkpoint; nothing is read yet.
+    `show_progress`: a bar per shard file on stderr (only when stderr is a terminal)."""
+    files = safetensors_files(model_dir)
+    for path in progress(files, "Loading safetensors checkpoint shards", show_progress):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def progress(items: list[str], desc: str, enabled: bool) -> Any:
+    """`items`, through a tqdm bar when enabled and stderr is a terminal (tqdm's disable=None)."""
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="file", disable=None)
+
+
+def load_weights(model: nn.Module, model_dir: str, show_progress: bool = False) -> None:
     """Copy the checkpoint into `model`, which provides `checkpoint_name_wanted(name)` and
-    `checkpoint_to_param(name) -> (param name, shard id)`. Raises on missing or unknown weights."""
+    `checkpoint_to_param(name) -> (param name, shard id)`. Raises on missing or unknown weights.
+    `show_progress`: one rank per model shows the shard bar (the others would print it again)."""
     params = dict(model.named_parameters())
     loaded: set[tuple[str, Any]] = set()
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in iter_checkpoint(model_dir, show_progress):
         if not model.checkpoint_name_wanted(name):
             continue
         param_name, shard_id = model.checkpoint_to_param(name)

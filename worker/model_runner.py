@@ -73,7 +73,7 @@ class ModelRunner:
         self.hidden_size = int(config.model.hf["hidden_size"])
         torch.manual_seed(config.model.seed)
         layers = layer_range(config.model.num_layers, info, config.parallel.pp_layer_partition)
-        self.model = build_model(config.model, self.dtype, device, layers)
+        self.model = build_model(config.model, self.dtype, device, layers, info.rank == 0)
         self.block_size = config.cache.block_size
         self.batch = InputBatch(
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size

@@ -56,11 +56,13 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     layer_range: tuple[int, int] | None = None,
+    show_progress: bool = False,
 ) -> nn.Module:
     """Build the model for `config` on `device` in `dtype` and fill its weights.
 
     `layer_range` `[start, end)` is this pipeline stage's decoder layers (default: all). Weights
-    come from the safetensors in `config.model`, or are random for `load_format="dummy"`.
+    come from the safetensors in `config.model`, or are random for `load_format="dummy"`;
+    `show_progress` draws a bar per shard file on a terminal.
     """
     cls = model_class(config.hf)
     device = torch.device(device)
@@ -69,5 +71,5 @@ def build_model(
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        load_weights(model, config.model)
+        load_weights(model, config.model, show_progress)
     return model.eval()
