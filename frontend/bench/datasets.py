@@ -154,7 +154,9 @@ def oversample(
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "custom"])
+    p.add_argument(
+        "--dataset-name", default="random", choices=["random", "sharegpt", "custom", "multi-turn"]
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON or custom JSONL file")
     p.add_argument(
         "--tokenizer",

@@ -22,6 +22,8 @@ import numpy as np
 # Per-request lists vLLM drops from the saved file unless --save-detailed.
 DETAILED = ["input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts",
             "errors"]  # fmt: skip
+# Per-request lists, kept in the saved file but not printed.
+PER_REQUEST = [*DETAILED, "latencies", "queue_times"]
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     generated_text: str = ""
     error: str = ""
+    replica: str | None = None  # the X-Pagedserve-Replica answer header (nginx --replica-header)
 
 
 def summarize(

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -24,17 +25,23 @@ import numpy as np
 
 from pagedserve.frontend.bench import results
 from pagedserve.frontend.bench.datasets import SampleRequest, add_dataset_args, get_samples
+from pagedserve.frontend.bench.multi_turn import add_multi_turn_args, bench_multi_turn
 from pagedserve.frontend.bench.results import RequestResult
 from pagedserve.frontend.cli import _positive_int
 
 
-async def send(client: Any, url: str, body: dict[str, Any], chat: bool) -> RequestResult:
+async def send(
+    client: Any, url: str, body: dict[str, Any], chat: bool, extra: dict[str, str] | None = None
+) -> RequestResult:
     """One streamed request; its clock starts here, when it is sent."""
     result = RequestResult(start_time=time.perf_counter())
     last = result.start_time
     text: list[str] = []
     try:
-        async with client.stream("POST", url, json=body) as resp:
+        async with client.stream("POST", url, json=body, headers=extra) as resp:
+            # "a, b" after a retry, "a : b" after nginx's spill: the last one served it
+            replica = resp.headers.get("x-pagedserve-replica")
+            result.replica = re.split(r", | : ", replica)[-1] if replica else None
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return result
@@ -184,24 +191,27 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+    if unknown := set(args.percentile_metrics.split(",")) - {"ttft", "tpot", "itl", "e2el"}:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(sorted(unknown))}")
     card = server_model(args)
     model = args.model or (card or {}).get("id")
     if model is None:
         raise SystemExit(f"bench serve: no --model and no model at {args.base_url}/v1/models")
     tokenizer, tokenizer_id = bench_tokenizer(args, card)
-    max_len = (card or {}).get("max_model_len") if args.model in (None, model) else None
-    samples = get_samples(args, tokenizer, args.vocab_size, max_len)
-    outputs, duration = asyncio.run(run_load(samples, model, args))
-    metrics = args.percentile_metrics.split(",")
-    if unknown := set(metrics) - {"ttft", "tpot", "itl", "e2el"}:
-        raise ValueError(f"--percentile-metrics: unknown {', '.join(sorted(unknown))}")
-    summary = results.summarize(outputs, duration, metrics, parse_percentiles(args))
-    if not summary["completed"]:
-        summary["first_error"] = next((r.error for r in outputs if r.error), "")
+    if args.dataset_name == "multi-turn":
+        summary = bench_multi_turn(args, model, tokenizer)
+    else:
+        max_len = card.get("max_model_len") if card and card.get("id") == model else None
+        samples = get_samples(args, tokenizer, args.vocab_size, max_len)
+        outputs, duration = asyncio.run(run_load(samples, model, args))
+        metrics, percentiles = args.percentile_metrics.split(","), parse_percentiles(args)
+        summary = results.summarize(outputs, duration, metrics, percentiles)
+        if not summary["completed"]:
+            summary["first_error"] = next((r.error for r in outputs if r.error), "")
     result = results.saved_result(args, summary, model, tokenizer_id)
     if args.save_result:
         results.save(result, results.result_path(args, model, result["date"]))
-    return {k: v for k, v in result.items() if not isinstance(v, list)}
+    return {k: v for k, v in result.items() if k not in results.PER_REQUEST}
 
 
 def parse_percentiles(args: argparse.Namespace) -> list[float]:
@@ -217,6 +227,7 @@ def add_serve_parser(kinds: Any) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra request headers")
     add_dataset_args(p)
+    add_multi_turn_args(p)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0)
