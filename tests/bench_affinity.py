@@ -75,7 +75,7 @@ def main_() -> None:
     p.add_argument("--kv-cache-memory", default="64M")
     p.add_argument(
         "--replica-args",
-        default="--max-num-seqs 3 --max-waiting 1",
+        default="--max-num-seqs 4 --max-waiting 4",
         help="launch flags of every replica (the bound that makes affinity spill)",
     )
     p.add_argument("--modes", default="least_conn,affinity")

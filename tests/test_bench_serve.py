@@ -91,3 +91,16 @@ def test_max_concurrency_clock_starts_when_sent(server, tmp_path):
     latencies, queued = result["latencies"], sorted(result["queue_times"])
     assert max(latencies) < 0.7 * result["duration"]
     assert queued[-1] > sum(sorted(latencies)[:2])  # the last one waited for three others
+
+
+def test_multi_turn_resends_the_history(server, tmp_path):
+    """Each turn resends the conversation so far: the server finds its earlier turns cached."""
+    flags = ["--dataset-name", "multi-turn", "--endpoint", "/v1/chat/completions"]
+    flags += ["--num-users", "2", "--num-turns", "2", "--turn-output-len", "2"]
+    flags += ["--think-time", "0", "--system-prompt-len", "40", "--user-turn-len", "8"]
+    result = bench(server, str(tmp_path / "t.json"), *flags)
+    assert (result["completed"], result["num_prompts"]) == (4, 4)
+    first, second = result["per_turn"]
+    assert second["mean_prompt_tokens"] > first["mean_prompt_tokens"] + 8
+    assert first["cached_share"] < second["cached_share"]  # turn 2 finds turn 1's prompt
+    assert result["per_replica_requests"] == {} and result["replica_switches"] == 0

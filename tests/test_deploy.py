@@ -478,6 +478,28 @@ def test_k8s_overlays_render_and_validate(overlay: str) -> None:
     print(f"\n{overlay}: {len(docs)} resources {sorted(by_kind)}")
 
 
+def test_k8s_router_matches_deploy_nginx() -> None:
+    """The router's nginx files are deploy/nginx's (render.py output, the same njs), and its
+    kustomization renders to valid resources: nginx over the replicas' headless Service."""
+    router = os.path.join(K8S, "router")
+    render: Any = _render_nginx()
+    want = render.render("8000", [], js_file="/etc/nginx/pagedserve/pagedserve_route.js",
+                         servers_include="/etc/nginx/upstreams/servers.conf")  # fmt: skip
+    with open(os.path.join(router, "pagedserve.conf")) as f:
+        assert f.read() == want, "regenerate deploy/k8s/router/pagedserve.conf (kustomization)"
+    with open(os.path.join(router, "pagedserve_route.js")) as a, open(render.JS_FILE) as b:
+        assert a.read() == b.read(), "copy deploy/nginx/pagedserve_route.js to deploy/k8s/router"
+    docs = _kustomize(router)
+    for doc in docs:
+        _validate(doc, "router")
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    pods = by_name[("Service", "pagedserve-pods")]
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["selector"]["app.kubernetes.io/component"] == "server"
+    config = by_name[("Deployment", "pagedserve-router")]["spec"]["template"]["spec"]
+    assert "pagedserve-pods" in config["initContainers"][0]["command"][-1]
+
+
 def test_prometheus_adapter_rules_serve_the_hpa_metric() -> None:
     """The adapter's rule turns pagedserve:num_requests_waiting into the HPA's metric name."""
     with open(os.path.join(K8S, "prometheus-adapter", "adapter-rules.yaml")) as f:

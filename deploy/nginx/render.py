@@ -37,14 +37,17 @@ def render(
     prefix_chars: int = 256,
     js_file: str = JS_FILE,
     replica_header: bool = False,
+    servers_include: str | None = None,
 ) -> str:
     """The http{}-level configuration: one `server` line per replica (host:port).
 
     `mode`: "affinity" (njs routing key, consistent hash, a replica's 503 spills to the least
     loaded replica) or
     "least_conn". `replica_header`:
-    answers carry X-Pagedserve-Replica (the replica's address; for benchmarks and tests)."""
-    if not replicas:
+    answers carry X-Pagedserve-Replica (the replica's address; for benchmarks and tests).
+    `servers_include`: the upstreams include PATH and PATH.spill (written where the replicas are
+    known: the Kubernetes router's init container) instead of naming `replicas`."""
+    if not replicas and servers_include is None:
         raise ValueError("give at least one replica as host:port")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -57,6 +60,9 @@ def render(
         "SPILL_SERVERS": [f"server {r} max_fails=0;" for r in replicas],
         "REPLICA_HEADER": [header or "# (render.py --replica-header: X-Pagedserve-Replica)"],
     }
+    if servers_include is not None:
+        values["SERVERS"] = [f"include {servers_include};"]
+        values["SPILL_SERVERS"] = [f"include {servers_include}.spill;"]
     for name, lines in values.items():
         # Only placeholders alone on their line (comments name them too).
         text = re.sub(rf"^( *)\{{\{{{name}\}}\}}$",
@@ -123,7 +129,7 @@ http {{
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("replicas", nargs="+", metavar="HOST:PORT")
+    p.add_argument("replicas", nargs="*", metavar="HOST:PORT")
     p.add_argument("--listen", default="8000", help="nginx's listen address (port or host:port)")
     p.add_argument("--max-fails", type=int, default=1)
     p.add_argument("--fail-timeout", default="10s")
@@ -134,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--js-file", default=JS_FILE, help="where nginx finds pagedserve_route.js")
     p.add_argument("--replica-header", action="store_true",
                    help="add X-Pagedserve-Replica (the replica's address) to every answer")
+    p.add_argument("--servers-include", metavar="PATH",
+                   help="upstreams include PATH (and PATH.spill) instead of listing replicas")
     p.add_argument("--njs-module", default=NJS_MODULE, help="--standalone: njs module to load")
     p.add_argument("--standalone", metavar="DIR", help="write DIR/nginx.conf, a complete config")
     args = p.parse_args(argv)
     conf = render(
         args.listen, args.replicas, args.max_fails, args.fail_timeout, args.mode,
         args.session_header, args.prefix_chars, args.js_file,
-        args.replica_header,
+        args.replica_header, args.servers_include,
     )  # fmt: skip
     if args.standalone:
         path = standalone(args.standalone, conf, args.njs_module)
