@@ -62,7 +62,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -76,6 +76,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         encoded = []
@@ -83,7 +84,7 @@ class LLM:
             text = render_chat(self.tokenizer, conv, add_generation_prompt, chat_template)
             encoded.append((text, encode_prompt(self.tokenizer, text, add_special_tokens=False)))
         params = _per_prompt(sampling_params or self._default_params, len(encoded))
-        return self._run(encoded, params, [0] * len(encoded))
+        return self._run(encoded, params, [0] * len(encoded), use_tqdm)
 
     def close(self) -> None:
         if self._client is not None:
@@ -188,9 +189,11 @@ def _raise_if_refused(parent: Any) -> None:
 
 
 def _progress(total: int) -> Any:
+    """vLLM's bar over a generate/chat call; tqdm's disable=None keeps it off unless stderr is a
+    terminal (logs, pipes and CI stay clean)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="requests", unit="req", mininterval=1.0)
+    return tqdm(total=total, desc="Processed prompts", unit="req", mininterval=1.0, disable=None)
 
 
 def _per_prompt(

@@ -100,6 +100,12 @@ class FastTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tk.id_to_token(i) for i in ids]
 
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the special added tokens (BOS, EOS, chat markers), as transformers names them."""
+        decoder = self._tk.get_added_tokens_decoder()
+        return sorted(i for i, token in decoder.items() if token.special)
+
     def get_vocab(self) -> dict[str, int]:
         return self._tk.get_vocab(with_added_tokens=True)
 

@@ -9,6 +9,7 @@ promql-parser from PyPI).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -91,10 +93,15 @@ class Cluster:
     nginx: subprocess.Popen[bytes]
 
 
-def _start_replica(port: int, log_path: str) -> Replica:
+# Each replica runs 2 requests and queues 3 (a request waits until the next step plans it, so 3
+# arrive at once without a refusal); it refuses more (503), which nginx spills elsewhere.
+BOUND = ["--max-num-seqs", "2", "--max-waiting", "3"]
+
+
+def _start_replica(port: int, log_path: str, *extra: str) -> Replica:
     cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--device", "cpu"]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--max-model-len", "512", "--kv-cache-memory", "64M"]  # keep two replicas light
+    cmd += ["--max-model-len", "512", "--kv-cache-memory", "64M", *extra]  # replicas stay light
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Replica(port, proc, log_path)
@@ -126,26 +133,49 @@ def _stop(proc: subprocess.Popen[bytes], extra_pids: list[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _start_nginx(prefix: str, replicas: list[Replica], **render_kw: object) -> tuple[str, Any]:
+    """nginx (deploy/nginx rendered with `render_kw`) in front of `replicas`: (url, process)."""
+    render: Any = _render_nginx()
+    port = _free_port()
+    conf = render.render(f"127.0.0.1:{port}", [f"127.0.0.1:{r.port}" for r in replicas],
+                         **render_kw)  # fmt: skip
+    path = render.standalone(prefix, conf)
+    cmd = [
+        _tool("nginx", NGINX_INSTALL),
+        "-p",
+        prefix,
+        "-e",
+        f"{prefix}/logs/error.log",
+        "-c",
+        path,
+    ]
+    nginx = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(f"{url}/nginx-health", nginx, "nginx", timeout=20)
+    return url, nginx
+
+
+NGINX_INSTALL = "apt-get install -y nginx libnginx-mod-http-js"
+
+
+def _need_nginx_with_njs() -> None:
+    """nginx and its njs module; missing ones fail the run (a skip would hide it)."""
+    _tool("nginx", NGINX_INSTALL)
+    if not os.path.isfile(_render_nginx().NJS_MODULE):  # type: ignore[attr-defined]
+        pytest.fail("nginx's njs module is not installed (apt-get install libnginx-mod-http-js)")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    nginx_bin = _tool("nginx", "apt-get install -y nginx")
+    """Two replicas behind nginx in affinity mode (answers name their replica)."""
+    _need_nginx_with_njs()
     tmp = tmp_path_factory.mktemp("deploy")
     replicas: list[Replica] = []
     nginx: subprocess.Popen[bytes] | None = None
     try:
         for i in range(2):
-            replicas.append(_start_replica(_free_port(), str(tmp / f"replica{i}.log")))
-        port = _free_port()
-        render = _render_nginx()
-        conf = render.render(  # type: ignore[attr-defined]
-            f"127.0.0.1:{port}", [f"127.0.0.1:{r.port}" for r in replicas]
-        )
-        prefix = str(tmp / "nginx")
-        path = render.standalone(prefix, conf)  # type: ignore[attr-defined]
-        cmd = [nginx_bin, "-p", prefix, "-e", f"{prefix}/logs/error.log", "-c", path]
-        nginx = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/nginx-health", nginx, "nginx", timeout=20)
+            replicas.append(_start_replica(_free_port(), str(tmp / f"replica{i}.log"), *BOUND))
+        url, nginx = _start_nginx(str(tmp / "nginx"), replicas, replica_header=True)
         for r in replicas:
             _wait_http(f"http://127.0.0.1:{r.port}/health", r.proc, f"replica :{r.port}", 180)
             r.children = descendants(r.proc.pid)
@@ -178,6 +208,67 @@ def test_nginx_spreads_requests_over_replicas(cluster: Cluster) -> None:
     print(f"\nnginx least_conn: 20 requests -> per replica {served}")
     assert sum(served) == 20
     assert min(served) >= 3, f"one replica got almost nothing: {served}"
+
+
+def _conversation(url: str, name: str, turns: int, **extra: Any) -> list[tuple[str, int]]:
+    """A chat of `turns` turns, each resending the history: (replica, cached tokens) per turn.
+    `extra`: `headers=` for the request, or body fields (`user=`)."""
+    headers = extra.pop("headers", None)
+    messages = [{"role": "system", "content": "You write Python."}]
+    first = f"Conversation {name}: def parse(text):\n    return [line.split(',') for line in text]"
+    messages.append({"role": "user", "content": first})
+    out: list[tuple[str, int]] = []
+    for turn in range(turns):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body | extra, headers=headers,
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text[:300]
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # the replica that answered ("a, b" when nginx moved on from a after a connect error)
+        out.append((re.split(r", | : ", r.headers["x-pagedserve-replica"])[-1], cached))
+        reply = r.json()["choices"][0]["message"]["content"]
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": f"Now part {turn} of it"}]  # fmt: skip
+    return out
+
+
+def test_nginx_affinity_keeps_a_conversation_on_its_replica(cluster: Cluster) -> None:
+    """Every turn of a conversation reaches the replica that served its first turn (keyed by the
+    conversation's start, the session header or `user`), and finds its history cached there."""
+    with ThreadPoolExecutor(3) as pool:  # 3 at most on a replica: none refused
+        chats = list(pool.map(lambda i: _conversation(cluster.url, f"c{i}", 2), range(10)))
+    homes = [chat[0][0] for chat in chats]
+    assert all(len({replica for replica, _ in chat}) == 1 for chat in chats), chats
+    assert len(set(homes)) == 2, f"10 conversations, all on one replica: {homes}"
+    # Turn 2 finds turn 1's prompt (system + the conversation's own first message, > 32 tokens)
+    assert all(cached >= 32 for chat in chats for _, cached in chat[1:]), chats
+    by_header = [_conversation(cluster.url, f"h{i}", 1, headers={"X-Session-ID": "s1"})
+                 for i in range(3)]  # fmt: skip
+    by_user = [_conversation(cluster.url, f"u{i}", 1, user="alice") for i in range(3)]
+    assert len({chat[0][0] for chat in by_header}) == 1, by_header
+    assert len({chat[0][0] for chat in by_user}) == 1, by_user
+    print(f"\naffinity: 10 conversations x 2 turns -> homes {homes}; cached tokens per turn "
+          f"{[[c for _, c in chat] for chat in chats]}")  # fmt: skip
+
+
+def test_nginx_bounded_load_spills_to_another_replica(cluster: Cluster) -> None:
+    """One conversation, six overlapping streams: its replica takes five (2 running, 3 queued:
+    --max-waiting 3) and refuses the rest with 503, which nginx spills to the other replica."""
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 400, "ignore_eos": True}
+    body["stream"] = True
+    served = []
+    with httpx.Client(timeout=120) as client, contextlib.ExitStack() as streams:
+        for _ in range(6):  # opened within a fraction of a second; aborted at the end
+            resp = streams.enter_context(client.stream(
+                "POST", f"{cluster.url}/v1/completions", json=body, headers={"X-Session-ID": "hot"}
+            ))  # fmt: skip
+            assert resp.status_code == 200, resp.read()
+            # "$upstream_addr": "a, b" after a retry, "a : b" after the error_page to @spill
+            served.append(re.split(r", | : ", resp.headers["x-pagedserve-replica"]))
+    print(f"\none hot conversation, 6 overlapping streams -> {served}")
+    home = served[0][-1]
+    assert served[0] == [home] and sum(s[-1] == home for s in served) <= 5, served
+    assert any(s[-1] != home and s[0] == home for s in served), served
 
 
 def test_nginx_streams_sse_chunk_by_chunk(cluster: Cluster) -> None:
@@ -213,7 +304,12 @@ def test_nginx_streams_sse_chunk_by_chunk(cluster: Cluster) -> None:
 
 
 def test_nginx_survives_a_dead_replica(cluster: Cluster) -> None:
+    """SIGKILL one replica: its conversations move to the survivor and succeed; the survivor's own
+    conversations do not move (consistent hashing); no request fails."""
     dead, alive = cluster.replicas
+    homes = {f"c{i}": _conversation(cluster.url, f"c{i}", 1)[0][0] for i in range(10)}
+    dead_addr = f"127.0.0.1:{dead.port}"
+    assert dead_addr in homes.values() and len(set(homes.values())) == 2, homes
     before = alive.served()
     dead.proc.send_signal(signal.SIGKILL)
     dead.proc.wait(timeout=10)
@@ -222,11 +318,36 @@ def test_nginx_survives_a_dead_replica(cluster: Cluster) -> None:
     assert not left, f"children of the killed launcher still alive: {left}"
     responses = [_complete(cluster.url, f"After the crash {i}") for i in range(10)]
     failures = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200]
+    after = {name: _conversation(cluster.url, name, 1) for name in homes}
     served = alive.served() - before
     print(f"\nafter SIGKILL of replica :{dead.port}: {len(failures)} failures of 10, "
           f"survivor served {served:.0f}")  # fmt: skip
     assert not failures, failures
-    assert served == 10
+    assert all(replica == f"127.0.0.1:{alive.port}" for chat in after.values()
+               for replica, _ in chat), after  # fmt: skip
+    assert served == 10 + len(homes)
+
+
+@pytest.mark.parametrize("mode", ["affinity", "least_conn"])
+def test_nginx_config_modes(mode: str, tmp_path: Any) -> None:
+    """Both modes of the template render to a configuration nginx accepts; least_conn needs no
+    njs, affinity hashes the njs key with a bound per replica and a spill pool."""
+    nginx_bin = _tool("nginx", NGINX_INSTALL)
+    render: Any = _render_nginx()
+    conf = render.render("127.0.0.1:1", ["10.0.0.1:8000", "10.0.0.2:8000"], mode=mode)
+    code = "\n".join(line for line in conf.splitlines() if not line.lstrip().startswith("#"))
+    if mode == "least_conn":
+        assert "js_" not in code and "least_conn;" in code and "spill" not in code
+    else:
+        assert "hash $pagedserve_route_key consistent;" in code
+        assert "error_page 503 = @spill;" in code and "proxy_next_upstream error timeout;" in code
+    assert "{{" not in code and "#@" not in conf
+    if mode == "affinity":
+        _need_nginx_with_njs()
+    path = render.standalone(str(tmp_path), conf)
+    cmd = [nginx_bin, "-t", "-p", str(tmp_path), "-e", f"{tmp_path}/logs/error.log", "-c", path]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 # ---------------------------------------------------------------------- Dockerfiles
@@ -370,6 +491,28 @@ def test_k8s_overlays_render_and_validate(overlay: str) -> None:
         assert "--node-rank=0" in leader and "--master-addr=$(LWS_LEADER_ADDRESS)" in leader
         assert "--node-rank=$(LWS_WORKER_INDEX)" in worker
     print(f"\n{overlay}: {len(docs)} resources {sorted(by_kind)}")
+
+
+def test_k8s_router_matches_deploy_nginx() -> None:
+    """The router's nginx files are deploy/nginx's (render.py output, the same njs), and its
+    kustomization renders to valid resources: nginx over the replicas' headless Service."""
+    router = os.path.join(K8S, "router")
+    render: Any = _render_nginx()
+    want = render.render("8000", [], js_file="/etc/nginx/pagedserve/pagedserve_route.js",
+                         servers_include="/etc/nginx/upstreams/servers.conf")  # fmt: skip
+    with open(os.path.join(router, "pagedserve.conf")) as f:
+        assert f.read() == want, "regenerate deploy/k8s/router/pagedserve.conf (kustomization)"
+    with open(os.path.join(router, "pagedserve_route.js")) as a, open(render.JS_FILE) as b:
+        assert a.read() == b.read(), "copy deploy/nginx/pagedserve_route.js to deploy/k8s/router"
+    docs = _kustomize(router)
+    for doc in docs:
+        _validate(doc, "router")
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    pods = by_name[("Service", "pagedserve-pods")]
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["selector"]["app.kubernetes.io/component"] == "server"
+    config = by_name[("Deployment", "pagedserve-router")]["spec"]["template"]["spec"]
+    assert "pagedserve-pods" in config["initContainers"][0]["command"][-1]
 
 
 def test_prometheus_adapter_rules_serve_the_hpa_metric() -> None:

@@ -3,9 +3,11 @@ against transformers' own `generate` on tiny random-weight models of every suppo
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -291,3 +293,26 @@ def test_seed_plus_n_overflow_is_a_value_error(llama_llm):
     top = SamplingParams(n=2, seed=2**63 - 2, temperature=1.0, max_tokens=2)
     out = llama_llm.generate({"prompt_token_ids": [5, 6]}, top)[0]
     assert [len(c.token_ids) for c in out.outputs] == [2, 2]
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, so tqdm draws (tqdm's disable=None checks isatty)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_on_a_terminal_only(llama_llm, monkeypatch, tty):
+    """generate/chat draw vLLM's bar by default on a terminal; none when piped or disabled."""
+    err = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    llama_llm.generate(["one", "two"], greedy())
+    llama_llm.chat([[{"role": "user", "content": "hi"}]] * 3, greedy())
+    drawn = err.getvalue()
+    assert (("Processed prompts" in drawn and "2/2" in drawn and "3/3" in drawn) if tty
+            else drawn == "")  # fmt: skip
+    err.seek(0), err.truncate()
+    llama_llm.generate(["one"], greedy(), use_tqdm=False)
+    llama_llm.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False)
+    assert err.getvalue() == ""

@@ -3,9 +3,11 @@ chunked prefill, and mixed decode + prefill steps through the paged KV cache."""
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention import build_attention_metadata
 from pagedserve.tests.tiny_models import TINY_KINDS, VOCAB_SIZE, tiny_model_dir
+from pagedserve.worker.loader import iter_checkpoint, safetensors_files
 from pagedserve.worker.models import build_model
 
 BLOCK_SIZE = 8
@@ -188,3 +191,23 @@ def test_sharded_checkpoint_and_missing_weight(models, tmp_path):
     with pytest.raises(ValueError, match=r"lacks model.layers.1.self_attn.k_proj.weight \(for .*"
                        r"qkv_proj.weight \(shard k\)\)"):  # fmt: skip
         build_model(ModelConfig(model=str(tmp_path / "broken")), torch.float32, "cpu")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:  # tqdm draws only on a terminal
+        return True
+
+
+def test_shard_progress_bar(models, tmp_path, monkeypatch):
+    """Loading draws one bar step per shard file, on a terminal only and only when asked."""
+    models[1].save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    num_files = len(safetensors_files(str(tmp_path / "sharded")))
+    assert num_files > 1
+    for tty, show in [(True, True), (False, True), (True, False)]:
+        err = _Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        names = [name for name, _ in iter_checkpoint(str(tmp_path / "sharded"), show)]
+        assert names
+        drawn = err.getvalue()
+        want = f"{num_files}/{num_files}"
+        assert ("checkpoint shards" in drawn and want in drawn) if tty and show else drawn == ""

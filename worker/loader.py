@@ -40,12 +40,23 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, Any]]:
-    """Yield (name, lazy slice) for every tensor of the checkpoint; nothing is read yet."""
-    for path in safetensors_files(model_dir):
+def iter_checkpoint(model_dir: str, show_progress: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor of the checkpoint; nothing is read yet.
+    `show_progress`: a bar per shard file on stderr (only when stderr is a terminal)."""
+    files = safetensors_files(model_dir)
+    for path in progress(files, "Loading safetensors checkpoint shards", show_progress):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
                 yield name, f.get_slice(name)
+
+
+def progress(items: list[str], desc: str, enabled: bool) -> Any:
+    """`items`, through a tqdm bar when enabled and stderr is a terminal (tqdm's disable=None)."""
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="file", disable=None)
 
 
 def iter_gguf(gguf_file: str, hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -91,7 +91,9 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         layers = layer_range(config.model.num_layers, info, config.parallel.pp_layer_partition)
         kv_fp8 = config.cache.kv_fp8
-        self.model = build_model(config.model, self.dtype, device, layers, kv_fp8=kv_fp8)
+        self.model = build_model(
+            config.model, self.dtype, device, layers, kv_fp8=kv_fp8, show_progress=info.rank == 0
+        )
         self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else self.dtype  # fp8: half the bytes
         self.block_size = config.cache.block_size
         self.batch = InputBatch(

@@ -20,26 +20,79 @@ TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagedserve.
 TEMP_DIRS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
-def render(listen: str, replicas: list[str], max_fails: int = 1, fail_timeout: str = "10s") -> str:
-    """The http{}-level configuration: one `server` line per replica (host:port)."""
-    if not replicas:
+MODES = ("affinity", "least_conn")
+JS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagedserve_route.js")
+# Where Debian's libnginx-mod-http-js puts the njs module (a system nginx loads it itself, through
+# /etc/nginx/modules-enabled/; a --standalone one is told with load_module).
+NJS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"
+
+
+def render(
+    listen: str,
+    replicas: list[str],
+    max_fails: int = 1,
+    fail_timeout: str = "10s",
+    mode: str = "affinity",
+    session_header: str = "X-Session-ID",
+    prefix_chars: int = 256,
+    js_file: str = JS_FILE,
+    replica_header: bool = False,
+    servers_include: str | None = None,
+) -> str:
+    """The http{}-level configuration: one `server` line per replica (host:port).
+
+    `mode`: "affinity" (njs routing key, consistent hash, a replica's 503 spills to the least
+    loaded replica) or
+    "least_conn". `replica_header`:
+    answers carry X-Pagedserve-Replica (the replica's address; for benchmarks and tests).
+    `servers_include`: the upstreams include PATH and PATH.spill (written where the replicas are
+    known: the Kubernetes router's init container) instead of naming `replicas`."""
+    if not replicas and servers_include is None:
         raise ValueError("give at least one replica as host:port")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     with open(TEMPLATE) as f:
-        text = f.read()
+        text = keep_mode(f.read(), mode)
+    line = "server {{}} max_fails={} fail_timeout={};".format(max_fails, fail_timeout)
+    header = "add_header X-Pagedserve-Replica $upstream_addr always;" if replica_header else ""
+    values = {
+        "SERVERS": [line.format(r) for r in replicas],
+        "SPILL_SERVERS": [f"server {r} max_fails=0;" for r in replicas],
+        "REPLICA_HEADER": [header or "# (render.py --replica-header: X-Pagedserve-Replica)"],
+    }
+    if servers_include is not None:
+        values["SERVERS"] = [f"include {servers_include};"]
+        values["SPILL_SERVERS"] = [f"include {servers_include}.spill;"]
+    for name, lines in values.items():
+        # Only placeholders alone on their line (comments name them too).
+        text = re.sub(rf"^( *)\{{\{{{name}\}}\}}$",
+                      lambda m, ls=lines: "\n".join(m[1] + x for x in ls), text, count=1,
+                      flags=re.M)  # fmt: skip
+    inline = {
+        "LISTEN": listen, "JS_FILE": js_file, "SESSION_HEADER": session_header,
+        "PREFIX_CHARS": str(prefix_chars),
+    }  # fmt: skip
+    for name, value in inline.items():
+        text = text.replace("{{" + name + "}}", value)
+    return text
 
-    def servers(match: re.Match[str]) -> str:
-        line = "{}server {} max_fails={} fail_timeout={};"
-        return "\n".join(line.format(match[1], r, max_fails, fail_timeout) for r in replicas)
 
-    # Only placeholders alone on their line (the comments above them name them too).
-    text = re.sub(r"^( *)\{\{SERVERS\}\}$", servers, text, count=1, flags=re.M)
-    return re.sub(
-        r"^( *)listen \{\{LISTEN\}\};$", rf"\1listen {listen};", text, count=1, flags=re.M
-    )
+def keep_mode(text: str, mode: str) -> str:
+    """The template without the `#@other_mode ... #@end` blocks and without the markers."""
+    out, keep = [], True
+    for line in text.splitlines(keepends=True):
+        marker = line.strip()
+        if marker.startswith("#@"):
+            keep = marker in ("#@end", f"#@{mode}")
+            continue
+        if keep:
+            out.append(line)
+    return "".join(out)
 
 
-def standalone(directory: str, http_conf: str) -> str:
-    """A whole nginx.conf around `http_conf`, every path under `directory`; returns its path."""
+def standalone(directory: str, http_conf: str, njs_module: str | None = NJS_MODULE) -> str:
+    """A whole nginx.conf around `http_conf`, every path under `directory`; returns its path.
+    `njs_module` is loaded when the configuration uses njs (affinity mode)."""
     directory = os.path.abspath(directory)
     os.makedirs(os.path.join(directory, "logs"), exist_ok=True)
     for name in TEMP_DIRS:
@@ -49,8 +102,10 @@ def standalone(directory: str, http_conf: str) -> str:
         os.chmod(path, 0o1777)
     temp = "\n".join(f"    {n}_temp_path {directory}/temp/{n};" for n in TEMP_DIRS)
     indented = "\n".join(("    " + line) if line else "" for line in http_conf.splitlines())
+    uses_njs = njs_module and "js_import" in http_conf
+    load = f"load_module {njs_module};\n" if uses_njs else ""
     conf = f"""# Generated by deploy/nginx/render.py --standalone.
-daemon off;
+{load}daemon off;
 worker_processes 1;
 pid {directory}/nginx.pid;
 error_log {directory}/logs/error.log warn;
@@ -74,15 +129,29 @@ http {{
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("replicas", nargs="+", metavar="HOST:PORT")
+    p.add_argument("replicas", nargs="*", metavar="HOST:PORT")
     p.add_argument("--listen", default="8000", help="nginx's listen address (port or host:port)")
     p.add_argument("--max-fails", type=int, default=1)
     p.add_argument("--fail-timeout", default="10s")
+    p.add_argument("--mode", choices=MODES, default="affinity")
+    p.add_argument("--session-header", default="X-Session-ID")
+    p.add_argument("--prefix-chars", type=int, default=256,
+                   help="affinity: characters of a completions prompt that make its key")
+    p.add_argument("--js-file", default=JS_FILE, help="where nginx finds pagedserve_route.js")
+    p.add_argument("--replica-header", action="store_true",
+                   help="add X-Pagedserve-Replica (the replica's address) to every answer")
+    p.add_argument("--servers-include", metavar="PATH",
+                   help="upstreams include PATH (and PATH.spill) instead of listing replicas")
+    p.add_argument("--njs-module", default=NJS_MODULE, help="--standalone: njs module to load")
     p.add_argument("--standalone", metavar="DIR", help="write DIR/nginx.conf, a complete config")
     args = p.parse_args(argv)
-    conf = render(args.listen, args.replicas, args.max_fails, args.fail_timeout)
+    conf = render(
+        args.listen, args.replicas, args.max_fails, args.fail_timeout, args.mode,
+        args.session_header, args.prefix_chars, args.js_file,
+        args.replica_header, args.servers_include,
+    )  # fmt: skip
     if args.standalone:
-        path = standalone(args.standalone, conf)
+        path = standalone(args.standalone, conf, args.njs_module)
         d = os.path.dirname(path)
         print(f"nginx -p {d} -e {d}/logs/error.log -c {path}")
     else:

@@ -1,44 +1,49 @@
 """`pagedserve bench serve`: an OpenAI-API load generator for any compatible server (vLLM too).
 
-Streams `/v1/completions` with random token-id prompts of exact lengths, Poisson (or gamma, with
-`--burstiness`) arrivals at `--request-rate`, and reports TTFT, TPOT, ITL and E2E percentiles and
-throughput like `vllm bench serve`. TPOT = (E2E - TTFT) / (output tokens - 1) per request; ITL is
-every gap between streamed chunks.
+Streams `/v1/completions` or `/v1/chat/completions` (`--endpoint`) with prompts from a dataset
+(frontend/bench/datasets.py), Poisson (or gamma, with `--burstiness`) arrivals at
+`--request-rate`, at most `--max-concurrency` requests in flight, and reports TTFT, TPOT, ITL and
+E2EL like `vllm bench serve`, under its key names in `--save-result` JSON (results.py).
+
+The model's tokenizer (`--tokenizer`, else `--model` or the path the server reports in
+/v1/models when that directory is here) counts prompt lengths and gives random prompts the served
+model's own vocabulary.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import re
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pagedserve.frontend.bench.offline import random_lengths, random_prompts
+from pagedserve.frontend.bench import results
+from pagedserve.frontend.bench.datasets import SampleRequest, add_dataset_args, get_samples
+from pagedserve.frontend.bench.multi_turn import add_multi_turn_args, bench_multi_turn
+from pagedserve.frontend.bench.results import RequestResult
+from pagedserve.frontend.cli import _positive_int
 
 
-@dataclass
-class RequestResult:
-    ok: bool = False
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str = ""
-
-
-async def one_request(client: Any, url: str, body: dict[str, Any]) -> RequestResult:
-    result = RequestResult(prompt_tokens=len(body["prompt"]))
-    start = last = time.perf_counter()
-    chunks = 0
+async def send(
+    client: Any, url: str, body: dict[str, Any], chat: bool, extra: dict[str, str] | None = None
+) -> RequestResult:
+    """One streamed request; its clock starts here, when it is sent."""
+    result = RequestResult(start_time=time.perf_counter())
+    last = result.start_time
+    text: list[str] = []
     try:
-        async with client.stream("POST", url, json=body) as resp:
+        async with client.stream("POST", url, json=body, headers=extra) as resp:
+            # "a, b" after a retry, "a : b" after nginx's spill: the last one served it
+            replica = resp.headers.get("x-pagedserve-replica")
+            result.replica = re.split(r", | : ", replica)[-1] if replica else None
             if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return result
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -46,21 +51,56 @@ async def one_request(client: Any, url: str, body: dict[str, Any]) -> RequestRes
                 data = json.loads(line[6:])
                 now = time.perf_counter()
                 if data.get("usage"):
-                    result.output_tokens = data["usage"]["completion_tokens"]
-                if not data.get("choices") or not data["choices"][0].get("text"):
+                    read_usage(result, data["usage"])
+                piece = chunk_text(data, chat)
+                if not piece:
                     continue
-                if chunks == 0:
-                    result.ttft = now - start
+                if not text:
+                    result.ttft = now - result.start_time
                 else:
                     result.itl.append(now - last)
                 last = now
-                chunks += 1
-        result.e2e = time.perf_counter() - start
-        result.output_tokens = result.output_tokens or chunks
-        result.ok = chunks > 0
+                text.append(piece)
+        result.latency = time.perf_counter() - result.start_time
+        result.generated_text = "".join(text)
+        result.output_tokens = result.output_tokens or len(text)
+        result.success = bool(text)
+        result.error = "" if text else "no tokens streamed"
     except Exception as e:  # a failed request is counted and reported, not fatal to the run
         result.error = repr(e)
     return result
+
+
+def chunk_text(data: dict[str, Any], chat: bool) -> str:
+    choices = data.get("choices") or [{}]
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    result.output_tokens = usage.get("completion_tokens") or 0
+    result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = details.get("cached_tokens")
+
+
+def request_body(
+    sample: SampleRequest, model: str, chat: bool, args: argparse.Namespace
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if chat:
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        body["max_completion_tokens"] = sample.expected_output_len
+    else:
+        body["prompt"] = sample.prompt
+        body["max_tokens"] = sample.expected_output_len
+    if args.ignore_eos or args.dataset_name == "random":  # vLLM: random runs to its lengths
+        body["ignore_eos"] = True
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    return {**body, **(args.extra_body or {})}
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -70,85 +110,143 @@ def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generato
     return rng.gamma(shape=burstiness, scale=theta, size=n)
 
 
-async def run_load(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+async def run_load(
+    samples: list[SampleRequest], model: str, args: argparse.Namespace
+) -> tuple[list[RequestResult], float]:
+    """Send every sample at its arrival time; each waits for a concurrency slot, then is sent."""
     import httpx
+    from tqdm import tqdm
 
-    rng = np.random.default_rng(args.seed)
-    n = args.num_prompts
-    in_lens = random_lengths(args.random_input_len, args.random_range_ratio, n, rng)
-    out_lens = random_lengths(args.random_output_len, args.random_range_ratio, n, rng)
-    prompts = random_prompts(in_lens, args.vocab_size, rng)
-    gaps = arrival_gaps(n, args.request_rate, args.burstiness, rng)
+    chat = args.endpoint.endswith("/chat/completions")
     url = args.base_url.rstrip("/") + args.endpoint
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency or n)
-    timeout = httpx.Timeout(None)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-        tasks = []
-        start = time.perf_counter()
-        for prompt, out_len, gap in zip(prompts, out_lens, gaps, strict=True):
+    gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness,
+                        np.random.default_rng(args.seed))  # fmt: skip
+    slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = tqdm(total=len(samples), disable=True if args.disable_tqdm else None)
+
+    async def limited(client: Any, sample: SampleRequest) -> RequestResult:
+        arrived = time.perf_counter()
+        async with slots or contextlib.nullcontext():
+            result = await send(client, url, request_body(sample, model, chat, args), chat)
+        result.queue_time = result.start_time - arrived
+        result.prompt_len = result.prompt_len or sample.prompt_len
+        bar.update(1)
+        return result
+
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(samples) or 1)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None),
+                                 headers=headers(args)) as client:  # fmt: skip
+        start, tasks = time.perf_counter(), []
+        for sample, gap in zip(samples, gaps, strict=True):
             await asyncio.sleep(gap)
-            body = {
-                "model": args.model, "prompt": prompt, "max_tokens": out_len, "stream": True,
-                "ignore_eos": args.ignore_eos, "temperature": 0.0,
-                "stream_options": {"include_usage": True},
-            }  # fmt: skip
-            tasks.append(asyncio.create_task(one_request(client, url, body)))
-        results = []
-        for i, task in enumerate(asyncio.as_completed(tasks), 1):
-            results.append(await task)
-            if i % max(1, n // 20) == 0 or i == n:
-                print(f"\rbench serve: {i}/{n} done", end="", flush=True)
-        print()
-        return results, time.perf_counter() - start
+            tasks.append(asyncio.create_task(limited(client, sample)))
+        outputs = await asyncio.gather(*tasks)
+    bar.close()
+    return list(outputs), time.perf_counter() - start
 
 
-def summarize(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    out: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
-        "request_throughput": len(ok) / elapsed,
-        "output_throughput": sum(r.output_tokens for r in ok) / elapsed,
-        "total_token_throughput": sum(r.output_tokens + r.prompt_tokens for r in ok) / elapsed,
-    }  # fmt: skip
-    if not ok:
-        out["first_error"] = next((r.error for r in results if r.error), "")
-        return out
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    series = {
-        "ttft_ms": [r.ttft for r in ok], "tpot_ms": tpot,
-        "itl_ms": [x for r in ok for x in r.itl], "e2el_ms": [r.e2e for r in ok],
-    }  # fmt: skip
-    for name, values in series.items():
-        if values:
-            ms = 1000 * np.asarray(values)
-            out[f"mean_{name}"] = float(ms.mean())
-            for q in (50, 90, 99):
-                out[f"p{q}_{name}"] = float(np.percentile(ms, q))
+def headers(args: argparse.Namespace) -> dict[str, str]:
+    out = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    for item in args.header or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--header {item!r}: use KEY=VALUE")
+        out[key.strip()] = value.strip()
     return out
 
 
+def server_model(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The server's first /v1/models card (its id, `root` path, max_model_len), or None."""
+    import httpx
+
+    try:
+        url = args.base_url.rstrip("/") + "/v1/models"
+        cards = httpx.get(url, headers=headers(args), timeout=30).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return cards[0] if cards else None
+
+
+def bench_tokenizer(
+    args: argparse.Namespace, card: dict[str, Any] | None
+) -> tuple[Any, str | None]:
+    """(tokenizer, its path): --tokenizer, else --model or the server's model path if here."""
+    from pagedserve.frontend.tokenizer import load_tokenizer
+
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer), args.tokenizer
+    same_model = card is not None and args.model in (None, card.get("id"))
+    for path in (args.model, card.get("root") if same_model else None):
+        if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return load_tokenizer(path), path
+    return None, None
+
+
 def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    results, elapsed = asyncio.run(run_load(args))
-    return summarize(results, elapsed)
+    """The run's summary; a mistake in the flags or the dataset ends in one line (exit 1)."""
+    try:
+        return _bench_serve(args)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"bench serve: {e}") from None
+
+
+def _bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+    if unknown := set(args.percentile_metrics.split(",")) - {"ttft", "tpot", "itl", "e2el"}:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(sorted(unknown))}")
+    card = server_model(args)
+    model = args.model or (card or {}).get("id")
+    if model is None:
+        raise SystemExit(f"bench serve: no --model and no model at {args.base_url}/v1/models")
+    tokenizer, tokenizer_id = bench_tokenizer(args, card)
+    if args.dataset_name == "multi-turn":
+        summary = bench_multi_turn(args, model, tokenizer)
+    else:
+        max_len = card.get("max_model_len") if card and card.get("id") == model else None
+        samples = get_samples(args, tokenizer, args.vocab_size, max_len)
+        outputs, duration = asyncio.run(run_load(samples, model, args))
+        metrics, percentiles = args.percentile_metrics.split(","), parse_percentiles(args)
+        summary = results.summarize(outputs, duration, metrics, percentiles)
+        if not summary["completed"]:
+            summary["first_error"] = next((r.error for r in outputs if r.error), "")
+    result = results.saved_result(args, summary, model, tokenizer_id)
+    if args.save_result:
+        results.save(result, results.result_path(args, model, result["date"]))
+    return {k: v for k, v in result.items() if k not in results.PER_REQUEST}
+
+
+def parse_percentiles(args: argparse.Namespace) -> list[float]:
+    return [float(p) for p in args.metric_percentiles.split(",")]
 
 
 def add_serve_parser(kinds: Any) -> None:
     p = kinds.add_parser("serve", help="online serving load against an OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--model", required=True, help="model name the server serves")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])  # fmt: skip
+    p.add_argument("--model", default=None, help="served model name (default: the server's first)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--vocab-size", type=int, default=32000, help="random ids are drawn below it")
-    p.add_argument("--num-prompts", type=int, default=800)
-    p.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int,
-                   default=512)  # fmt: skip
-    p.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int,
-                   default=256)  # fmt: skip
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra request headers")
+    add_dataset_args(p)
+    add_multi_turn_args(p)
+    p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        default=None,
+        help="requests in flight at most; a request's clock starts when it is sent",
+    )
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into bodies")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", "--result-file", dest="output_json", default=None)
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--save-detailed", action="store_true")
+    p.add_argument("--result-dir", default=None)
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--label", default=None)
+    p.add_argument("--metadata", nargs="*", metavar="KEY=VALUE")

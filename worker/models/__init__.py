@@ -75,12 +75,13 @@ def build_model(
     device: torch.device,
     layer_range: tuple[int, int] | None = None,
     kv_fp8: bool = False,
+    show_progress: bool = False,
 ) -> nn.Module:
     """Build the model for `config` on `device` in `dtype` and fill its weights.
 
     `layer_range` `[start, end)` is this pipeline stage's decoder layers (default: all). Weights
     come from the safetensors or GGUF file `config.model` names, or are random for
-    `load_format="dummy"`.
+    `load_format="dummy"`; `show_progress` draws a bar per shard file on a terminal.
     `config.quant` makes the linear layers FP8; `kv_fp8` gives attention FP8 cache scales.
     """
     cls = model_class(config.hf)
@@ -97,6 +98,6 @@ def build_model(
     elif config.gguf_file is not None:
         load_weights(model, iter_gguf(config.gguf_file, config.hf_dir), config.gguf_file)
     else:
-        load_weights(model, iter_checkpoint(config.model), config.model)
+        load_weights(model, iter_checkpoint(config.model, show_progress), config.model)
     after_loading(model)
     return model.eval()
