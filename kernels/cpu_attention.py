@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata, paged_attention_ref
 
 
 @dataclass
@@ -97,16 +97,27 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """`paged_attention_ref`'s contract, batched: same inputs, same outputs (to rounding)."""
+    """`paged_attention_ref`'s contract, batched: same inputs, same outputs (to rounding).
+    SDPA has no soft-capping, so Gemma 2's capped scores take the reference path. An FP8 cache's
+    scales are exact here: k_scale folds into the score scale, v_scale into the output."""
+    if logit_softcap is not None:
+        return paged_attention_ref(
+            query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale
+        )
+    scale = scale * k_scale
     groups = padded_groups(meta, query.shape[1] // kv_cache.shape[3])
     if len(groups) == 1 and groups[0].dest is None:
-        return _attend_group(query, kv_cache, groups[0], scale, sliding_window).flatten(0, 1)
-    out = torch.zeros_like(query)
-    for group in groups:
-        padded = _attend_group(query, kv_cache, group, scale, sliding_window)
-        out[group.dest] = padded.flatten(0, 1)[group.out_index]
-    return out
+        out = _attend_group(query, kv_cache, groups[0], scale, sliding_window).flatten(0, 1)
+    else:
+        out = torch.zeros_like(query)
+        for group in groups:
+            padded = _attend_group(query, kv_cache, group, scale, sliding_window)
+            out[group.dest] = padded.flatten(0, 1)[group.out_index]
+    return out if v_scale == 1.0 else out * v_scale
 
 
 def _attend_group(

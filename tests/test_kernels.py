@@ -265,3 +265,8 @@ def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dt
         torch.testing.assert_close(out, ref, **tol)
         # the layout is cached on the step's metadata: a second layer reuses it
         torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.25, window), out)
+        # an FP8 cache's scales, and soft-capping (Gemma 2), keep the reference's contract
+        for extra in ({"k_scale": 0.5, "v_scale": 2.0}, {"logit_softcap": 3.0}):
+            ref = paged_attention_ref(q, kv, meta, 0.25, window, **extra)
+            torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.25, window, **extra),
+                                       ref, **tol)  # fmt: skip

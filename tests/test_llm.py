@@ -277,9 +277,7 @@ def test_other_values_the_model_cannot_take(llama_llm):
         "logit_bias": greedy(logit_bias={vocab + 3: 1.0}),
     }
     for field, params in cases.items():
-        assert field in refusal(
-            llama_llm, AddRequest(f"v-{field}", [5], params, [], 0.0, 0, index)
-        )
+        assert field in refusal(llama_llm, AddRequest(f"v-{field}", [5], params, [], 0.0, 0, index))
     eos = AddRequest("v-eos", [5], greedy(), eos_token_ids=[vocab], client_index=index)
     assert "eos_token_ids" in refusal(llama_llm, eos)
     assert refusal(llama_llm, AddRequest("v-ok", [5], greedy(), client_index=index)) is None

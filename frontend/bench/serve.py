@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.frontend.args import _positive_int
 from pagedserve.frontend.bench import results
 from pagedserve.frontend.bench.datasets import SampleRequest, add_dataset_args, get_samples
 from pagedserve.frontend.bench.multi_turn import add_multi_turn_args, bench_multi_turn
 from pagedserve.frontend.bench.results import RequestResult
-from pagedserve.frontend.cli import _positive_int
 
 
 async def send(
