@@ -40,7 +40,7 @@ clients = st.sampled_from([0, 1, 99]) | ints  # 0: the API server that is being 
 def add_request() -> st.SearchStrategy[list]:
     return st.tuples(
         st.just("AddRequest"), st.text(max_size=300), token_lists, sampling | anything,
-        st.none() | small, st.floats(), ints, clients,
+        token_lists, st.floats(), ints, clients,
     ).map(list)  # fmt: skip
 
 

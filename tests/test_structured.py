@@ -13,7 +13,10 @@ from test_server import CPU_ARGS, Launched
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},  # bounded: the object can end
+    },
     "required": ["name", "age"],
 }
 WEATHER = {
@@ -25,7 +28,7 @@ WEATHER = {
             "type": "object",
             "properties": {
                 "city": {"type": "string", "maxLength": 10},
-                "days": {"type": "integer"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
             },
             "required": ["city", "days"],
         },
@@ -90,7 +93,7 @@ def test_json_schema_replies_validate(url):
         return await asyncio.gather(*jobs)
 
     results = run(url, go)
-    assert any(finish == "stop" for _, finish, _ in results)
+    assert any(finish == "stop" for _, finish, _ in results), results
     for text, finish, _ in results:
         if finish == "stop":
             jsonschema.validate(json.loads(text), SCHEMA)
@@ -167,7 +170,7 @@ def test_required_and_named_tool_calls_have_valid_arguments(url):
         return await asyncio.gather(*jobs)
 
     results = run(url, go)
-    assert any(f == "tool_calls" for _, f, _ in results)
+    assert any(f == "tool_calls" for _, f, _ in results), results
     for text, finish, calls in results:
         if finish != "tool_calls":
             assert finish == "length"

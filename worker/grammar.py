@@ -188,7 +188,13 @@ class RowMatcher:
 
 
 class GrammarMasks:
-    """The bitmask rows of one step's constrained samples, applied to the logits in place."""
+    """The bitmask rows of one step's constrained samples, applied to the logits in place.
+
+    On a GPU the host bitmask goes over in a non-blocking copy that runs only when the stream
+    reaches it, and the worker fills the next step's masks before that (it runs a step ahead):
+    two pinned buffers take turns, and a buffer is refilled only once its last copy is done (an
+    event, normally long passed), so a step never reads the next step's masks.
+    """
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         import xgrammar as xgr
@@ -197,15 +203,28 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self.device = device
         self._batch = xgr.BatchGrammarMatcher()
-        self.host = xgr.allocate_token_bitmask(max_rows, vocab_size)  # [R, ceil(V / 32)] int32
+        # [R, ceil(V / 32)] int32 each
+        self._hosts = [xgr.allocate_token_bitmask(max_rows, vocab_size) for _ in range(2)]
         if device.type == "cuda":
-            self.host = self.host.pin_memory()
+            self._hosts = [h.pin_memory() for h in self._hosts]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self.host = self._hosts[0]
+
+    def _next_buffer(self) -> None:
+        """Switch to the other host buffer, waiting for its previous copy to the GPU if needed."""
+        self._turn ^= 1
+        self.host = self._hosts[self._turn]
+        event = self._copied[self._turn]
+        if event is not None:
+            event.synchronize()
 
     def apply(
         self, logits: torch.Tensor, matchers: list[RowMatcher | None], outputs: list[Sequence[int]]
     ) -> None:
         """`logits [S, V]`; `matchers[j]` None for an unconstrained row. The active rows' masks
         fill in one call over xgrammar's C++ threads (a row's fill is ~0.1 ms on a CPU)."""
+        self._next_buffer()
         rows, active, filled = [], [], []
         for j, (m, out) in enumerate(zip(matchers, outputs, strict=True)):
             if m is None:
@@ -225,6 +244,8 @@ class GrammarMasks:
         bitmask = self.host[: logits.shape[0]]
         if self.device.type == "cuda":
             bitmask = bitmask.to(self.device, non_blocking=True)
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
         self._xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.vocab_size, indices=sorted(rows)
         )

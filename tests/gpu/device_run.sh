@@ -60,6 +60,8 @@ PY
     ;;
     kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     gpu-tests) $T python3 -m pytest -q -m gpu -s tests/test_gpu_equivalence.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 ;;
+    kernel-tests) $T python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_fp8.py \
+          2>&1 | tee "$OUT/kernel-tests.txt" | tail -15 ;;
     w3) $T $PS bench latency $COMMON $X --batch-size 1 --input-len 128 --output-len 256 \
           --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/$name.json" 2>&1 | tail -12 ;;
     w1) $T $PS bench throughput $COMMON $X --input-len 1024 --output-len 128 \
