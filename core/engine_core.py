@@ -90,7 +90,8 @@ class EngineCore:
             sliding_window=config.model.kv_sliding_window,
         )
         self.max_inflight = 2 if async_scheduling else pp
-        self.grammars = GrammarGate(num_sampling_ranks=config.parallel.tensor_parallel_size)
+        tp = config.parallel.tensor_parallel_size
+        self.grammars = GrammarGate(sampling_ranks=range((pp - 1) * tp, pp * tp))
         self.limits = ModelLimits(config.model.vocab_size, config.max_model_len)
         self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()

@@ -9,12 +9,15 @@ MAX_READY of them; a forgotten key only costs a cache hit on the workers).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.ipc.messages import AddRequest, CompileGrammar, GrammarCompiled
 
 MAX_READY = 4096
+logger = logging.getLogger("pagedserve.core")
 
 
 @dataclass
@@ -25,8 +28,10 @@ class _Compiling:
 
 
 class GrammarGate:
-    def __init__(self, num_sampling_ranks: int) -> None:
-        self.num_sampling_ranks = num_sampling_ranks
+    def __init__(self, sampling_ranks: Iterable[int]) -> None:
+        """`sampling_ranks`: the last pipeline stage's ranks; only their answers count, so a
+        stray or hostile `GrammarCompiled` cannot release a request early."""
+        self.sampling_ranks = frozenset(sampling_ranks)
         self._ready: OrderedDict[str, None] = OrderedDict()
         self._compiling: dict[str, _Compiling] = {}
         self._key_of: dict[str, str] = {}  # req_id -> key of the requests held here
@@ -57,9 +62,12 @@ class GrammarGate:
         compiling = self._compiling.get(msg.key)
         if compiling is None:
             return [], None
+        if msg.rank not in self.sampling_ranks:
+            logger.error("dropped a GrammarCompiled from rank %r, not a sampling rank", msg.rank)
+            return [], None
         compiling.ranks.add(msg.rank)
         compiling.error = compiling.error or msg.error
-        if len(compiling.ranks) < self.num_sampling_ranks:
+        if compiling.ranks != self.sampling_ranks:
             return [], None
         del self._compiling[msg.key]
         for req in compiling.waiting:
