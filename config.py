@@ -93,6 +93,7 @@ class ModelConfig:
     generation_config: str = "auto"
     trust_remote_code: bool = False  # the tokenizer may run the checkpoint's own Python code
     quantization: str | None = None  # "fp8": quantize a plain checkpoint's weights at load time
+    attention_backend: str = "auto"  # "auto" | "triton" | "flash" (kernels/backend.py)
     # Derived from config.json in __post_init__:
     # Derived in __post_init__: the GGUF file `model` names (None: an HF directory), the directory
     # holding config.json and the tokenizer (`model`, or the GGUF file's converted metadata), and
@@ -112,6 +113,10 @@ class ModelConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
+        if self.attention_backend not in ("auto", "triton", "flash"):
+            raise ValueError(
+                f"--attention-backend {self.attention_backend!r}: choose auto, triton or flash"
+            )
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")

@@ -108,6 +108,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
       help="plan step N+1 while step N runs (one pipeline stage only)")  # fmt: skip
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--attention-backend", default="auto", choices=["auto", "triton", "flash"],
+      help="flash: FlashAttention 4 (flash-attn-4); auto: triton, or per step kind the backend "
+      "measured faster on this GPU (kernels/attention_choice.json)")  # fmt: skip
     a(
         "--max-waiting",
         type=_non_negative_int,
@@ -199,4 +202,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         step_timeout=args.step_timeout,
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )

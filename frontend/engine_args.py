@@ -24,7 +24,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "tokenizer": None, "revision": None, "download_dir": None, "served_model_name": None,
     "trust_remote_code": False, "generation_config": "auto", "dtype": "auto",
     "max_model_len": None, "load_format": "auto", "seed": 0, "enforce_eager": False,
-    "quantization": None,
+    "quantization": None, "attention_backend": "auto",
     # KV cache
     "block_size": 16, "enable_prefix_caching": True, "gpu_memory_utilization": 0.9,
     "kv_cache_memory": None, "num_gpu_blocks_override": None, "kv_cache_dtype": "auto",
@@ -70,6 +70,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             generation_config=a["generation_config"],
             trust_remote_code=a["trust_remote_code"],
             quantization=a["quantization"],
+            attention_backend=a["attention_backend"] or "auto",
         ),
         cache=CacheConfig(
             block_size=a["block_size"],

@@ -24,7 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedserve.kernels.backend import attention_backend_name, use_triton_cache_write
+from pagedserve.kernels.backend import (
+    attention_backend_name,
+    auto_choices,
+    use_triton_cache_write,
+)
 
 QUERY_CHUNK = 1024  # query rows per score matrix in the reference
 FP8_MAX = 448.0
@@ -202,11 +206,21 @@ def _attend(
 AttentionBackend = Callable[..., torch.Tensor]
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """Pick the attention implementation once, at model build time: Triton on CUDA, the batched
-    SDPA backend on CPU, or what `PAGEDSERVE_ATTENTION_BACKEND` forces (see kernels/backend.py).
+def select_backend(
+    device: torch.device, requested: str = "auto", kv_fp8: bool = False
+) -> AttentionBackend:
+    """Pick the attention implementation once, at model build time: `--attention-backend`
+    (`requested`) or what `PAGEDSERVE_ATTENTION_BACKEND` forces (see kernels/backend.py); `auto`
+    is Triton on CUDA (or the measured faster backend per step kind), batched SDPA on CPU.
     Every backend keeps `paged_attention_ref`'s signature."""
-    name = attention_backend_name(device)
+    name = attention_backend_name(device, requested, kv_fp8)
+    if name == "auto":
+        names = auto_choices(torch.cuda.get_device_name(device), kv_fp8)
+        return per_step_kind({kind: _backend(n) for kind, n in names.items()})
+    return _backend(name)
+
+
+def _backend(name: str) -> AttentionBackend:
     if name == "sdpa":
         from pagedserve.kernels.cpu_attention import cpu_paged_attention
 
@@ -220,6 +234,26 @@ def select_backend(device: torch.device) -> AttentionBackend:
 
         return flash_paged_attention
     return paged_attention_ref
+
+
+def step_kind(meta: AttentionMetadata) -> str:
+    """`decode` (every row adds one token), `prefill` (every row adds several) or `mixed`, from
+    host values only. A mixed-step CUDA graph's metadata has no host row layout: `mixed`."""
+    if meta.max_query_len <= 1:
+        return "decode"
+    q_lens = np.diff(meta.query_start_loc_cpu)
+    return "prefill" if len(q_lens) and q_lens.min() > 1 else "mixed"
+
+
+def per_step_kind(backends: dict[str, AttentionBackend]) -> AttentionBackend:
+    """One backend that runs `backends[step_kind(meta)]` (a graph keeps the one it captured)."""
+
+    def attend(query, kv_cache, meta, scale, sliding_window=None, *args, **kwargs):
+        backend = backends[step_kind(meta)]
+        return backend(query, kv_cache, meta, scale, sliding_window, *args, **kwargs)
+
+    attend.backends = backends  # type: ignore[attr-defined]
+    return attend
 
 
 class Attention(nn.Module):

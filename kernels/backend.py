@@ -7,8 +7,13 @@ a CPU runs the batched SDPA backend (kernels/cpu_attention.py), tested against t
 Environment variables, read once per process (start-up settings, never flipped at run time):
 
 - `PAGEDSERVE_ATTENTION_BACKEND=torch|sdpa|triton|flash` forces the attention backend (and, for
-  `torch`, the reference KV-cache write too); unset means triton on CUDA (torch without Triton),
-  sdpa elsewhere.
+  `torch`, the reference KV-cache write too), over `--attention-backend`.
+
+`--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
+triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
+mixed) on this GPU model, in `attention_choice.json` beside this file (written by
+`python -m pagedserve.kernels.bench_attention --write-choice`); then each step kind runs its
+faster backend. On a CPU `auto` is sdpa, and `triton` or `flash` are refused.
 - `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
 """
 
@@ -16,11 +21,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 
 import torch
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "flash")
+REQUESTABLE_BACKENDS = ("auto", "triton", "flash")  # --attention-backend
+STEP_KINDS = ("prefill", "decode", "mixed")
+CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
 
 
 @functools.cache
@@ -32,7 +41,10 @@ def triton_available() -> bool:
 
 @functools.cache
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether FlashAttention 4 (`flash_attn.cute`) imports."""
+    from pagedserve.kernels.flash_attention import flash_attn_importable
+
+    return flash_attn_importable()
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -50,24 +62,53 @@ def forced_attention_backend() -> str | None:
     return name
 
 
-def attention_backend_name(device: torch.device | str) -> str:
-    """`torch`, `sdpa`, `triton` or `flash` for a model on `device`; a forced backend must be
-    usable (`torch` and `sdpa` run anywhere)."""
+def attention_backend_name(
+    device: torch.device | str, requested: str = "auto", kv_fp8: bool = False
+) -> str:
+    """`torch`, `sdpa`, `triton`, `flash` or `auto` (per step kind, see `auto_choices`) for a
+    model on `device`; the environment's forced backend wins over `requested`. A backend asked
+    for by name must be usable here, with a message that says why not."""
+    if requested not in REQUESTABLE_BACKENDS:
+        raise ValueError(
+            f"--attention-backend {requested!r}: choose one of {', '.join(REQUESTABLE_BACKENDS)}"
+        )
     is_cuda = torch.device(device).type == "cuda"
-    forced = forced_attention_backend()
-    if forced in ("torch", "sdpa"):
-        return forced
-    if forced is not None and not is_cuda:
-        raise ValueError(f"attention backend {forced!r} needs a CUDA device, not {device}")
-    if forced == "flash" and not flash_attn_available():
-        raise ValueError("attention backend 'flash' needs the flash-attn package")
-    if forced == "triton" and not triton_available():
+    name = forced_attention_backend() or requested
+    if name in ("torch", "sdpa"):
+        return name
+    if name != "auto" and not is_cuda:
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, not {device}")
+    if name == "flash" and not flash_attn_available():
+        raise ValueError(
+            "attention backend 'flash' needs FlashAttention 4 (`pip install --pre flash-attn-4`, "
+            "or tests/gpu/fa4_wheels.sh for a machine without network): flash_attn.cute does "
+            "not import"
+        )
+    if name == "flash" and kv_fp8:
+        raise ValueError("attention backend 'flash' does not read an FP8 KV cache; use triton")
+    if name == "triton" and not triton_available():
         raise ValueError("attention backend 'triton' needs the triton package")
-    if forced is not None:
-        return forced
+    if name != "auto":
+        return name
     if not is_cuda:
         return "sdpa"
-    return "triton" if triton_available() else "torch"
+    if not triton_available():
+        return "torch"
+    choices = auto_choices(torch.cuda.get_device_name(device), kv_fp8)
+    return "auto" if "flash" in choices.values() else "triton"
+
+
+def auto_choices(device_name: str, kv_fp8: bool = False) -> dict[str, str]:
+    """The backend `auto` runs per step kind on a GPU model: what `attention_choice.json` holds
+    for it when flash imports (and the cache is not FP8), else triton for every kind."""
+    choices = dict.fromkeys(STEP_KINDS, "triton")
+    if kv_fp8 or not flash_attn_available() or not os.path.exists(CHOICE_FILE):
+        return choices
+    with open(CHOICE_FILE) as f:
+        measured = json.load(f).get(device_name, {})
+    valid = {k: v for k, v in measured.items() if k in STEP_KINDS and v in ("triton", "flash")}
+    choices.update(valid)
+    return choices
 
 
 def use_triton_cache_write(kv_cache: torch.Tensor) -> bool:

@@ -1,20 +1,72 @@
-"""Optional paged attention through FlashAttention's `flash_attn_varlen_func(block_table=...)`.
+"""Paged attention through FlashAttention 4 (`flash_attn.cute.flash_attn_varlen_func`, the
+`flash-attn-4` package: CuTe DSL kernels compiled at run time, SM90 and SM100).
 
-Chosen only with `PAGEDSERVE_ATTENTION_BACKEND=flash` (the Triton kernel is the default). Upstream
-flash-attn 2 accepts a paged cache only when its block size is a multiple of 256, so this wrapper
-refuses smaller blocks with a clear error instead of failing inside the extension. Causal masking
-in flash-attn >= 2.1 aligns the query rows to the end of each key sequence, which is the same
-"new tokens sit at the end of the context" rule as `paged_attention_ref`.
+Chosen with `--attention-backend flash` (or by `auto`, see kernels/backend.py). Our cache layout
+`[num_blocks, 2, block_size, Hkv, D]` is FA4's paged layout as it is: `kv_cache[:, 0]` and
+`kv_cache[:, 1]` are `(num_pages, page_size, Hkv, D)` views whose strides FA4 accepts without a
+copy, the block table is its `page_table` (int32, rows contiguous), `seq_lens` its `seqused_k`
+and `query_start_loc` its `cu_seqlens_q`. Its causal mask aligns each row's queries to the end of
+the row's keys, which is `paged_attention_ref`'s "new tokens sit at the end of the context" rule.
+
+Block sizes: every size works. On an H100 (hdim 128) FA4 tiles keys 128 at a time; a page of
+exactly 128 tokens loads by TMA, any other size through its cp.async page gather (slower per key:
+`--block-size 128` is the fast layout for this backend). A sliding window becomes
+`window_size=(window - 1, 0)`; soft-capping is FA4's `softcap`; FP8 caches are refused (FA4 reads
+FP8 on SM100 only). Scales of a bf16/fp16 cache fold into the softmax scale and the output.
+
+Compiled kernels: FA4 compiles each kernel variant (a key of dtype, head dims, GQA packing, tile,
+split, varlen flags) on first use, seconds each. They are kept on disk, in
+`$PAGEDSERVE_FLASH_CACHE_DIR` (default `~/.cache/pagedserve/flash_attn`), so a second start loads
+them instead of compiling: this module turns on FA4's persistent cache before importing it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import sys
+
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels.attention import AttentionMetadata
 
-FLASH_PAGE_MULTIPLE = 256
+CACHE_DIR_ENV = "PAGEDSERVE_FLASH_CACHE_DIR"
+
+
+def flash_cache_dir() -> str:
+    default = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "flash_attn")
+    return os.environ.get(CACHE_DIR_ENV) or default
+
+
+def _add_cutlass_path() -> None:
+    """`nvidia-cutlass-dsl` puts its `cutlass` package on sys.path through a .pth file, which an
+    install with `pip --target` (the GPU machine's) never runs: do what it does."""
+    if importlib.util.find_spec("cutlass") is not None:
+        return
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "dsl_packages")
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def flash_attn_importable() -> bool:
+    """Whether FA4 can be imported here (no CUDA needed to answer)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    _add_cutlass_path()
+    return importlib.util.find_spec("flash_attn.cute") is not None
+
+
+@functools.cache
+def _varlen_func():
+    _add_cutlass_path()
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", flash_cache_dir())
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
 
 
 def flash_paged_attention(
@@ -24,33 +76,31 @@ def flash_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    *,
+    num_splits: int = 1,  # 0: FA4's heuristic (bench sweeps); graphs need a fixed choice
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
-    from flash_attn import flash_attn_varlen_func
-
+    """`paged_attention_ref`'s contract through FA4 (device tensors and host ints only)."""
     if kv_cache.dtype == torch.float8_e4m3fn:
         raise ValueError("the flash attention backend does not read an FP8 KV cache; use triton")
-
-    block_size = kv_cache.shape[2]
-    if block_size % FLASH_PAGE_MULTIPLE:
-        raise ValueError(
-            f"the flash attention backend needs a block size that is a multiple of "
-            f"{FLASH_PAGE_MULTIPLE} (got {block_size}); use the triton backend"
-        )
-    cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))  # [B + 1]
-    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-    return flash_attn_varlen_func(
+    if query.shape[0] == 0 or meta.seq_lens.shape[0] == 0:
+        return torch.empty_like(query)
+    window = (None, None) if sliding_window is None else (sliding_window - 1, 0)
+    result = _varlen_func()(
         query,
-        kv_cache[:, 0],  # [num_blocks, block_size, Hkv, D]
+        kv_cache[:, 0],  # [num_blocks, block_size, Hkv, D], strided: no copy
         kv_cache[:, 1],
         cu_seqlens_q=meta.query_start_loc,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=meta.max_query_len,
-        max_seqlen_k=meta.max_seq_len,
-        softmax_scale=scale,
+        max_seqlen_q=max(meta.max_query_len, 1),
+        max_seqlen_k=max(meta.max_seq_len, 1),
+        seqused_k=meta.seq_lens,
+        page_table=meta.block_tables,
+        softmax_scale=scale * k_scale,
         causal=True,
         window_size=window,
         softcap=logit_softcap or 0.0,
-        block_table=meta.block_tables,
+        num_splits=num_splits,
     )
+    out = result[0] if isinstance(result, tuple) else result
+    return out if v_scale == 1.0 else out * v_scale

@@ -208,12 +208,14 @@ class ModelRunner:
         return timings
 
     def _use_cuda_graphs(self) -> bool:
-        """Graphs need a capturable attention kernel (no host loops) and one stage."""
+        """Graphs need capturable attention kernels (no host loops) and one stage."""
+        model, kv_fp8 = self.config.model, self.config.cache.kv_fp8
+        backend = attention_backend_name(self.device, model.attention_backend, kv_fp8)
         return (
             self.device.type == "cuda"
-            and not self.config.model.enforce_eager
+            and not model.enforce_eager
             and self.info.pp_size == 1
-            and attention_backend_name(self.device) == "triton"
+            and backend in ("triton", "flash", "auto")
         )
 
     # ------------------------------------------------------------------ steps

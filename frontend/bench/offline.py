@@ -34,6 +34,7 @@ ENGINE_FLAGS = {
     "--device": ("device", str, "auto"),
     "--quantization": ("quantization", str, None),
     "--kv-cache-dtype": ("kv_cache_dtype", str, "auto"),
+    "--attention-backend": ("attention_backend", str, "auto"),
 }
 
 

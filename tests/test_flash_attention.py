@@ -1,0 +1,149 @@
+"""The attention backend choice (`--attention-backend`, per step kind) on CPU, and FlashAttention 4
+against the torch reference on a GPU (skipped without CUDA or without `flash_attn.cute`)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.config import ModelConfig
+from pagedserve.kernels import backend
+from pagedserve.kernels.attention import (
+    build_attention_metadata,
+    paged_attention_ref,
+    per_step_kind,
+    step_kind,
+)
+from pagedserve.kernels.flash_attention import flash_attn_importable
+
+HAS_FLASH = torch.cuda.is_available() and flash_attn_importable()
+needs_flash = pytest.mark.skipif(not HAS_FLASH, reason="needs CUDA and flash_attn.cute (FA4)")
+
+
+def _meta(computed: list[int], new: list[int]):
+    tables = [list(range(-(-(c + n) // 16))) for c, n in zip(computed, new, strict=True)]
+    return build_attention_metadata(computed, new, tables, 16)[0]
+
+
+def test_step_kind_and_dispatch():
+    assert step_kind(_meta([5, 9], [1, 1])) == "decode"
+    assert step_kind(_meta([0, 3], [7, 4])) == "prefill"
+    assert step_kind(_meta([0, 3], [7, 1])) == "mixed"
+    graph_meta = _meta([0, 3], [7, 4])
+    graph_meta.query_start_loc_cpu = np.zeros(3, dtype=np.int32)  # a mixed graph's placeholder
+    assert step_kind(graph_meta) == "mixed"
+    calls = []
+
+    def fake(name):
+        return lambda q, kv, meta, scale, window=None, **kw: calls.append((name, window, kw))
+
+    attend = per_step_kind({k: fake(k) for k in backend.STEP_KINDS})
+    attend(None, None, _meta([5], [1]), 1.0, None, k_scale=2.0)
+    attend(None, None, _meta([0, 3], [7, 1]), 1.0, 4096, logit_softcap=30.0)
+    assert calls == [("decode", None, {"k_scale": 2.0}), ("mixed", 4096, {"logit_softcap": 30.0})]
+
+
+def test_backend_names_refused_where_unusable(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
+    backend.forced_attention_backend.cache_clear()
+    assert backend.attention_backend_name("cpu") == "sdpa"
+    with pytest.raises(ValueError, match="choose one of"):
+        backend.attention_backend_name("cpu", "flash2")
+    for name in ("flash", "triton"):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            backend.attention_backend_name("cpu", name)
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: False)
+    with pytest.raises(ValueError, match="flash_attn.cute does not import"):
+        backend.attention_backend_name("cuda", "flash")
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
+    with pytest.raises(ValueError, match="FP8 KV cache"):
+        backend.attention_backend_name("cuda", "flash", kv_fp8=True)
+
+
+def test_config_refuses_unknown_backend(tmp_path):
+    hf = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1}
+    hf.update(num_attention_heads=2, vocab_size=16)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert ModelConfig(str(tmp_path)).attention_backend == "auto"
+    with pytest.raises(ValueError, match="--attention-backend 'fa3'"):
+        ModelConfig(str(tmp_path), attention_backend="fa3")
+
+
+def test_auto_reads_measured_choice(tmp_path, monkeypatch):
+    path = tmp_path / "choice.json"
+    measured = {"GPU X": {"prefill": "flash", "decode": "triton", "mixed": "bogus"}}
+    path.write_text(json.dumps(measured))
+    monkeypatch.setattr(backend, "CHOICE_FILE", str(path))
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
+    want = {"prefill": "flash", "decode": "triton", "mixed": "triton"}
+    assert backend.auto_choices("GPU X") == want
+    assert set(backend.auto_choices("GPU Y").values()) == {"triton"}  # not measured there
+    assert set(backend.auto_choices("GPU X", kv_fp8=True).values()) == {"triton"}
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: False)
+    assert set(backend.auto_choices("GPU X").values()) == {"triton"}
+
+
+# ------------------------------------------------------------------ GPU: FA4 against the reference
+CASES = {
+    "prefill": ([0, 0, 0], [300, 17, 128]),
+    "chunked prefill": ([256, 1000], [256, 77]),
+    "decode": ([0, 15, 16, 4095, 700], [1, 1, 1, 1, 1]),
+    "mixed": ([1024, 33, 0, 500], [1, 1, 200, 64]),
+}
+
+
+def _check(computed, new, hq, hkv, block_size, **kw):
+    from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.flash_attention import flash_paged_attention
+
+    q, kv, meta = random_batch(computed, new, hq, hkv, 128, block_size, torch.bfloat16, "cuda")
+    out = flash_paged_attention(q, kv, meta, 128**-0.5, **kw)
+    ref = paged_attention_ref(q, kv, meta, 128**-0.5, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (28, 4)])  # GQA 4, MHA, GQA 7 (Qwen-like)
+def test_flash_matches_reference(case, heads):
+    _check(*CASES[case], *heads, 16)
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64, 128, 256])
+def test_flash_block_sizes(block_size):
+    _check(*CASES["mixed"], 32, 8, block_size)
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_flash_window_and_softcap():
+    _check(*CASES["mixed"], 32, 8, 16, sliding_window=100)
+    _check(*CASES["prefill"], 32, 8, 16, logit_softcap=30.0)
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_flash_in_cuda_graph():
+    """A captured call replays over new metadata of the same shapes (the runner's graphs)."""
+    from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.flash_attention import flash_paged_attention
+
+    q, kv, meta = random_batch([100, 2000], [1, 1], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    meta.max_seq_len = 4096  # an upper bound, as the graphs pass
+    flash_paged_attention(q, kv, meta, 0.1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_paged_attention(q, kv, meta, 0.1)
+    meta.seq_lens.copy_(torch.tensor([2001, 50], dtype=torch.int32))
+    meta.seq_lens_cpu = np.array([2001, 50], dtype=np.int32)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, paged_attention_ref(q, kv, meta, 0.1)) < 1e-2
