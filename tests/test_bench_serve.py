@@ -104,3 +104,21 @@ def test_multi_turn_resends_the_history(server, tmp_path):
     assert second["mean_prompt_tokens"] > first["mean_prompt_tokens"] + 8
     assert first["cached_share"] < second["cached_share"]  # turn 2 finds turn 1's prompt
     assert result["per_replica_requests"] == {} and result["replica_switches"] == 0
+
+
+def test_random_prefix_is_shared():
+    """W6's `--random-prefix-len`: one prefix, then each prompt's own tokens (no server)."""
+    import argparse
+
+    from pagedserve.frontend.bench.datasets import add_dataset_args, random_samples
+
+    p = argparse.ArgumentParser()
+    add_dataset_args(p)
+    p.add_argument("--num-prompts", type=int)
+    flags = "--num-prompts 3 --random-prefix-len 20 --random-input-len 5 --random-output-len 2"
+    args = p.parse_args(flags.split())
+    samples = random_samples(args, None, 1000, np.random.default_rng(0), as_text=False)
+    assert [s.prompt_len for s in samples] == [25] * 3
+    assert all(len(s.prompt) == 25 for s in samples)
+    assert samples[0].prompt[:20] == samples[1].prompt[:20] == samples[2].prompt[:20]
+    assert samples[0].prompt[20:] != samples[1].prompt[20:]

@@ -1,7 +1,9 @@
 """The prompts `pagedserve bench serve` sends, in vLLM's dataset formats (`--dataset-name`):
 
 - `random`: prompts of exact token lengths drawn from the served model's own vocabulary (special
-  tokens left out), sent as token ids to /v1/completions and as their text to chat;
+  tokens left out), sent as token ids to /v1/completions and as their text to chat; with
+  `--random-prefix-len N` every prompt starts with the same N random tokens (vLLM's flag: the
+  prompt is N + `--random-input-len` tokens, a shared system prompt for prefix caching);
 - `sharegpt`: a JSON list of `{"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
   "value": ...}, ...]}`; the first turn is the prompt and the second's length the output length
   (or `--sharegpt-output-len`); entries with fewer than two turns are skipped;
@@ -78,11 +80,13 @@ def random_samples(
     in_lens = random_lengths(args.random_input_len, args.random_range_ratio, n, rng)
     out_lens = random_lengths(args.random_output_len, args.random_range_ratio, n, rng)
     allowed = token_pool(tokenizer, vocab_size)
+    prefix_len = args.random_prefix_len
+    prefix = rng.choice(allowed, size=prefix_len).tolist() if prefix_len else []
     samples = []
     for in_len, out_len in zip(in_lens, out_lens, strict=True):
-        ids = rng.choice(allowed, size=in_len).tolist()
+        ids = prefix + rng.choice(allowed, size=in_len).tolist()
         prompt = tokenizer.decode(ids) if as_text else ids
-        samples.append(SampleRequest(prompt, in_len, out_len))
+        samples.append(SampleRequest(prompt, prefix_len + in_len, out_len))
     return samples
 
 
@@ -170,6 +174,8 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int,
                    default=256)  # fmt: skip
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="one shared random prefix of N tokens before every prompt")  # fmt: skip
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--custom-output-len", type=int, default=256)
     p.add_argument("--custom-skip-chat-template", action="store_true")

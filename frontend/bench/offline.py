@@ -2,6 +2,7 @@
 
 Workloads use random token-id prompts of exact lengths and `ignore_eos`, as vLLM's random
 dataset does, so the numbers sit beside `vllm bench` ones (flags keep vLLM's names).
+`--random-prefix-len N` puts one shared random N-token prefix before every prompt (W6).
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     in_lens = random_lengths(args.input_len, args.random_range_ratio, args.num_prompts, rng)
     out_lens = random_lengths(args.output_len, args.random_range_ratio, args.num_prompts, rng)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(in_lens, _vocab(args.model), rng)]
+    vocab = _vocab(args.model)
+    prefix = (
+        random_prompts([args.random_prefix_len], vocab, rng)[0] if args.random_prefix_len else []
+    )
+    prompts = [{"prompt_token_ids": prefix + p} for p in random_prompts(in_lens, vocab, rng)]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
               for n in out_lens]  # fmt: skip
     with LLM(args.model, **engine_kwargs(args)) as llm:
@@ -94,11 +99,12 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         outs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    total = out_tokens + sum(in_lens)
+    total = out_tokens + sum(in_lens) + len(prefix) * len(outs)
     return {
         "elapsed_s": elapsed, "requests_per_s": len(outs) / elapsed,
         "total_tokens_per_s": total / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "num_prompts": len(outs), "input_len": args.input_len, "output_len": args.output_len,
+        "prefix_len": args.random_prefix_len,
     }  # fmt: skip
 
 
@@ -173,6 +179,8 @@ def add_bench_parser(sub: Any) -> None:
     tp.add_argument("--output-len", type=int, default=128)
     tp.add_argument("--num-prompts", type=int, default=1000)
     tp.add_argument("--random-range-ratio", type=float, default=0.0)
+    tp.add_argument("--random-prefix-len", type=int, default=0,
+                    help="one shared random prefix before every prompt (vLLM's flag)")  # fmt: skip
     lat = kinds.add_parser("latency", help="batch-N fixed lengths, end-to-end latency")
     add_engine_flags(lat)
     lat.add_argument("--batch-size", type=int, default=1)
