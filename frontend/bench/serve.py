@@ -250,3 +250,4 @@ def add_serve_parser(kinds: Any) -> None:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--label", default=None)
     p.add_argument("--metadata", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--output-json", default=None, help="the summary as JSON (device_run.sh)")

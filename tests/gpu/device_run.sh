@@ -15,6 +15,12 @@
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
 # and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
 # through .git/info/exclude); name `.whl` and `.gpucarry` in the device call's `carry`.
+# Issue 18: `fa4-install` installs FlashAttention 4 from the parts tests/gpu/fa4_wheels.sh made
+# (its header lists the device calls that stash them in /tmp/fa4parts); `fa4-tests` checks FA4
+# against the torch reference, `attn-bench` times Triton vs FA4 per layer (prefill, decode, mixed;
+# writes $OUT/attention_choice.json for kernels/), and `w5`, `w6`, `w6-online` run the long-context
+# and shared-prefix workloads with `--attention-backend ${ATTN:-auto}`:
+#   STEPS="fa4-install fa4-tests attn-bench w5 w6 w6-online" ATTN=flash bash tests/gpu/device_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -24,9 +30,21 @@ fi
 # The repo root is the package `pagedserve`: expose it under that name without installing.
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
+# FA4 (once `fa4-install` ran in this or an earlier call of a warm machine) and its kernel cache.
+[ -d /tmp/fa4site ] && export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+export PAGEDSERVE_FLASH_CACHE_DIR=${PAGEDSERVE_FLASH_CACHE_DIR:-/tmp/fa4cache}
+ATTN_FLAG="--attention-backend ${ATTN:-auto}"
 PS="python3 -m pagedserve.frontend.cli"
 M=/tmp/m8b
 [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
+M32=/tmp/m8b-32k  # W5: the same model allowing 32k positions
+if [ ! -d $M32 ]; then
+  cp -r $M $M32 && python3 - $M32/config.json <<'PY'
+import json, sys
+cfg = json.load(open(sys.argv[1])); cfg["max_position_embeddings"] = 32768
+json.dump(cfg, open(sys.argv[1], "w"), indent=1)
+PY
+fi
 COMMON="--model $M --load-format dummy --dtype bfloat16"
 STEPS=${STEPS:-"kernels gpu-tests w3 w1 w4 w2 profile"}
 summary=()
@@ -71,6 +89,33 @@ PY
           $T $PS bench latency $COMMON --tp $tp --batch-size $bs --input-len 128 --output-len 256 \
             --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/tp$tp-bs$bs.json" 2>&1 | tail -3
         done; done ;;
+    fa4-install) if ! python3 -c "import flash_attn.cute" 2>/dev/null; then
+          ( set -e; cd /tmp/fa4parts; cat fa4.tar.part* > fa4.tar; sha256sum -c SHA256SUMS
+            rm -rf w && mkdir w && tar -xf fa4.tar -C w
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+              --target /tmp/fa4site w/*.whl )
+          export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+        fi
+        python3 -c "import flash_attn.cute, cutlass; print('fa4 ok, cutlass', cutlass.__version__)" \
+          2>&1 | tail -3 | tee "$OUT/fa4-install.txt" ;;
+    fa4-tests) $T python3 -m pytest -q -m gpu -s tests/test_flash_attention.py 2>&1 \
+          | tee "$OUT/fa4-tests.txt" | tail -25 ;;
+    attn-bench) $T python3 -m pagedserve.kernels.bench_attention --json "$OUT/attn-bench.json" \
+          --write-choice "$OUT/attention_choice.json" 2>&1 | tee "$OUT/attn-bench.txt" ;;
+    w5) $T $PS bench throughput --model $M32 --load-format dummy --dtype bfloat16 $ATTN_FLAG \
+          --input-len 16384 --output-len 256 --num-prompts ${W5_PROMPTS:-64} ${W5_FLAGS:-} \
+          --output-json "$OUT/$name.json" 2>&1 | tail -14 ;;
+    w6) $T $PS bench throughput $COMMON $ATTN_FLAG --random-prefix-len 2048 --input-len 128 \
+          --output-len 128 --num-prompts ${W6_PROMPTS:-2000} ${W6_FLAGS:-} \
+          --output-json "$OUT/$name.json" 2>&1 | tail -14 ;;
+    w6-online) $PS launch $COMMON $ATTN_FLAG --port 8013 --host 127.0.0.1 > "$OUT/$name-server.log" 2>&1 &
+        srv=$!
+        for _ in $(seq 600); do curl -sf localhost:8013/health >/dev/null && break; sleep 0.2; done
+        $T $PS bench serve --base-url http://127.0.0.1:8013 --model $M --vocab-size 128000 \
+          --num-prompts ${W6_PROMPTS:-2000} --random-prefix-len 2048 --random-input-len 128 \
+          --random-output-len 128 --request-rate 30 --ignore-eos \
+          --output-json "$OUT/$name.json" 2>&1 | tail -25
+        kill -TERM $srv; wait $srv ;;
     w4) $T $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
           $COMMON 2>&1 | tail -6 ;;
     w1big) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 --num-prompts 1000 \
