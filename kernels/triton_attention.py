@@ -59,8 +59,19 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 
 
 # Batch sizes change every step: left unspecialized (Triton would otherwise compile a variant per
-# "== 1" / "multiple of 16" case, each a second-long stall in the middle of serving).
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+# "== 1" / "multiple of 16" case, each a second-long stall in the middle of serving). So are the
+# metadata pointers and the block-table row stride: a mixed-step graph reads them from one int32
+# buffer at offsets that are not 16-byte aligned while an eager step's are, and an eager step's
+# table width (its longest row's block count) is a multiple of 16 or not from step to step; each
+# combination was its own compile, and the eager one with a width that is a multiple of 16 was
+# first met while serving (a long prompt's chunk). Scalar and gathered loads gain nothing from
+# the alignment hints.
+@triton.jit(
+    do_not_specialize=[
+        "num_seqs", "num_tokens", "num_splits", "query_start_loc_ptr", "seq_lens_ptr",
+        "block_tables_ptr", "stride_bt",
+    ]
+)  # fmt: skip
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -266,6 +267,32 @@ def test_gpu_decode_cuda_graph():
     meta.seq_lens_cpu[:] = [50, 4096, 1, 300]
     graph.replay()
     assert relative_error(out, paged_attention_ref(q, kv, meta, 0.1)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_one_attention_variant_for_eager_and_graph_layouts():
+    """A step's table width and its metadata's alignment do not pick a new compile: an eager
+    prefill chunk with a width that is a multiple of 16 reuses what a graph's layout (metadata at
+    unaligned offsets of one buffer) compiled, so no compile waits for a long prompt mid-serving."""
+    from pagedserve.kernels.triton_attention import _paged_attention_kernel
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in _paged_attention_kernel.device_caches.values())
+
+    q, kv, meta = random_batch([40, 0], [1, 300], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    ref = triton_paged_attention(q, kv, meta, 0.1)  # width 19
+    before = compiled()
+    buf = torch.zeros(1 + 3 + 2 + 2 * 32, dtype=torch.int32, device="cuda")
+    qsl, seq_lens = buf[1:4], buf[4:6]  # 4-byte offsets: not 16-byte aligned
+    tables = buf[6:].view(2, 32)  # width 32
+    qsl.copy_(meta.query_start_loc)
+    seq_lens.copy_(meta.seq_lens)
+    tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+    eager = replace(meta, block_tables=torch.nn.functional.pad(meta.block_tables, (0, 13)))
+    graph = replace(meta, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables)
+    for m in (eager, graph):
+        torch.testing.assert_close(triton_paged_attention(q, kv, m, 0.1), ref)
+    assert compiled() == before
 
 
 @pytest.mark.gpu
