@@ -13,6 +13,8 @@ exactly 128 tokens loads by TMA, any other size through its cp.async page gather
 `--block-size 128` is the fast layout for this backend). A sliding window becomes
 `window_size=(window - 1, 0)`; soft-capping is FA4's `softcap`; FP8 caches are refused (FA4 reads
 FP8 on SM100 only). Scales of a bf16/fp16 cache fold into the softmax scale and the output.
+Key splits (flash-decoding) are FA4's own choice from the host bounds (`max_seqlen_k`: in a CUDA
+graph the longest context, so a captured graph keeps one choice) and per row on the device.
 
 Compiled kernels: FA4 compiles each kernel variant (a key of dtype, head dims, GQA packing, tile,
 split, varlen flags) on first use, seconds each. They are kept on disk, in
@@ -77,7 +79,7 @@ def flash_paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     *,
-    num_splits: int = 1,  # 0: FA4's heuristic (bench sweeps); graphs need a fixed choice
+    num_splits: int = 0,  # 0: FA4's heuristic (splits keys for decodes of few rows)
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
