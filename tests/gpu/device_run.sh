@@ -98,9 +98,9 @@ PY
         fi
         python3 -c "import flash_attn.cute, cutlass; print('fa4 ok, cutlass', cutlass.__version__)" \
           2>&1 | tail -3 | tee "$OUT/fa4-install.txt" ;;
-    fa4-tests) $T python3 -m pytest -q -m gpu -s tests/test_flash_attention.py 2>&1 \
+    fa4-tests) timeout ${FA4_TIMEOUT:-480} python3 -m pytest -q -m gpu -s tests/test_flash_attention.py 2>&1 \
           | tee "$OUT/fa4-tests.txt" | tail -25 ;;
-    attn-bench) $T python3 -m pagedserve.kernels.bench_attention --json "$OUT/attn-bench.json" \
+    attn-bench) timeout ${FA4_TIMEOUT:-480} python3 -m pagedserve.kernels.bench_attention --json "$OUT/attn-bench.json" \
           --write-choice "$OUT/attention_choice.json" 2>&1 | tee "$OUT/attn-bench.txt" ;;
     w5) $T $PS bench throughput --model $M32 --load-format dummy --dtype bfloat16 $ATTN_FLAG \
           --input-len 16384 --output-len 256 --num-prompts ${W5_PROMPTS:-64} ${W5_FLAGS:-} \
