@@ -13,8 +13,9 @@ exactly 128 tokens loads by TMA, any other size through its cp.async page gather
 `--block-size 128` is the fast layout for this backend). A sliding window becomes
 `window_size=(window - 1, 0)`; soft-capping is FA4's `softcap`; FP8 caches are refused (FA4 reads
 FP8 on SM100 only). Scales of a bf16/fp16 cache fold into the softmax scale and the output.
-Key splits (flash-decoding) are FA4's own choice from the host bounds (`max_seqlen_k`: in a CUDA
-graph the longest context, so a captured graph keeps one choice) and per row on the device.
+Key splits (flash-decoding) are FA4's own choice for decode steps, from the host bounds
+(`max_seqlen_k`: in a CUDA graph the longest context, so a captured graph keeps one choice); steps
+with prompts never split (their query tiles fill the GPU, and one choice keeps one variant).
 
 Compiled kernels: FA4 compiles each kernel variant (a key of dtype, head dims, GQA packing, tile,
 split, varlen flags) on first use, seconds each. They are kept on disk, in
@@ -79,7 +80,7 @@ def flash_paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     *,
-    num_splits: int = 0,  # 0: FA4's heuristic (splits keys for decodes of few rows)
+    num_splits: int | None = None,  # None: FA4's heuristic (0) for decodes, else 1
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
@@ -88,6 +89,8 @@ def flash_paged_attention(
         raise ValueError("the flash attention backend does not read an FP8 KV cache; use triton")
     if query.shape[0] == 0 or meta.seq_lens.shape[0] == 0:
         return torch.empty_like(query)
+    if num_splits is None:  # a prompt's query tiles fill the GPU: one variant for them all
+        num_splits = 0 if meta.max_query_len <= 1 else 1
     window = (None, None) if sliding_window is None else (sliding_window - 1, 0)
     result = _varlen_func()(
         query,

@@ -153,3 +153,28 @@ def test_flash_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(out, paged_attention_ref(q, kv, meta, 0.1)) < 1e-2
+
+
+def test_warm_up_runs_each_layer_configuration_once():
+    from pagedserve.kernels.attention import Attention, warm_up_attention
+
+    calls = []
+
+    def backend(q, kv, meta, scale, window=None, **kw):
+        calls.append((q.shape, meta.max_query_len, window, kw.get("logit_softcap")))
+        return paged_attention_ref(q, kv, meta, scale, window, kw.get("logit_softcap"))
+
+    layers = [
+        Attention(4, 2, 8, 0.3, None, backend),
+        Attention(4, 2, 8, 0.3, None, backend),
+        Attention(4, 2, 8, 0.3, 16, backend),
+        Attention(4, 2, 8, 0.3, None, backend, logit_softcap=50.0),
+    ]
+    kv = torch.zeros(16, 2, 16, 2, 8)
+    assert warm_up_attention(layers, kv, torch.float32) == 3
+    prefill, mixed = ((128, 4, 8), 64), ((65, 4, 8), 64)
+    assert calls == [
+        (*prefill, None, None), (*mixed, None, None), (*prefill, 16, None), (*mixed, 16, None),
+        (*prefill, None, 50.0), (*mixed, None, 50.0),
+    ]  # fmt: skip
+    assert warm_up_attention(layers, torch.zeros(8, 2, 16, 2, 8), torch.float32) == 0  # too small
