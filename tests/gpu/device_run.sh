@@ -19,8 +19,9 @@
 # (its header lists the device calls that stash them in /tmp/fa4parts); `fa4-tests` checks FA4
 # against the torch reference, `attn-bench` times Triton vs FA4 per layer (prefill, decode, mixed;
 # writes $OUT/attention_choice.json for kernels/), and `w5`, `w6`, `w6-online` run the long-context
-# and shared-prefix workloads with `--attention-backend ${ATTN:-auto}`:
-#   STEPS="fa4-install fa4-tests attn-bench w5 w6 w6-online" ATTN=flash bash tests/gpu/device_run.sh
+# and shared-prefix workloads with `--attention-backend ${ATTN:-auto}`, or the backend a step
+# name carries after `@` (`w5@flash`); W5_FLAGS / W6_FLAGS add engine flags (`--block-size 128`):
+#   STEPS="fa4-install w5@triton w5@flash w6@triton w6@flash w6-online@flash" bash tests/gpu/device_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -33,7 +34,6 @@ export PYTHONUNBUFFERED=1
 # FA4 (once `fa4-install` ran in this or an earlier call of a warm machine) and its kernel cache.
 [ -d /tmp/fa4site ] && export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 export PAGEDSERVE_FLASH_CACHE_DIR=${PAGEDSERVE_FLASH_CACHE_DIR:-/tmp/fa4cache}
-ATTN_FLAG="--attention-backend ${ATTN:-auto}"
 PS="python3 -m pagedserve.frontend.cli"
 M=/tmp/m8b
 [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
@@ -52,7 +52,8 @@ FP8="--quantization fp8 --kv-cache-dtype fp8"
 for step in $STEPS; do
   t0=$(date +%s)
   T="timeout ${STEP_TIMEOUT:-240}"
-  X=""; name=$step
+  X=""; name=$step; ATTN_FLAG="--attention-backend ${ATTN:-auto}"
+  case $step in *@*) ATTN_FLAG="--attention-backend ${step#*@}"; step=${step%@*} ;; esac
   case $step in *-fp8) X=$FP8; step=${step%-fp8} ;; esac
   case $step in
     profile) $T python3 tests/gpu/profile_step.py $M ${X:+--fp8} 2>&1 | tee "$OUT/$name.txt" | tail -60 ;;
