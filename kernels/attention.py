@@ -214,10 +214,14 @@ def select_backend(
     is Triton on CUDA (or the measured faster backend per step kind), batched SDPA on CPU.
     Every backend keeps `paged_attention_ref`'s signature."""
     name = attention_backend_name(device, requested, kv_fp8)
-    if name == "auto":
-        names = auto_choices(torch.cuda.get_device_name(device), kv_fp8)
-        return per_step_kind({kind: _backend(n) for kind, n in names.items()})
-    return _backend(name)
+    if torch.device(device).type != "cuda" or name in ("torch", "sdpa"):
+        return _backend(name)
+    from pagedserve.kernels.attention_dispatch import per_step_kind
+
+    names = auto_choices(torch.cuda.get_device_name(device), kv_fp8)
+    if name != "auto":
+        names = dict.fromkeys(names, name)
+    return per_step_kind({kind: _backend(n) for kind, n in names.items()})
 
 
 def _backend(name: str) -> AttentionBackend:
@@ -234,26 +238,6 @@ def _backend(name: str) -> AttentionBackend:
 
         return flash_paged_attention
     return paged_attention_ref
-
-
-def step_kind(meta: AttentionMetadata) -> str:
-    """`decode` (every row adds one token), `prefill` (every row adds several) or `mixed`, from
-    host values only. A mixed-step CUDA graph's metadata has no host row layout: `mixed`."""
-    if meta.max_query_len <= 1:
-        return "decode"
-    q_lens = np.diff(meta.query_start_loc_cpu)
-    return "prefill" if len(q_lens) and q_lens.min() > 1 else "mixed"
-
-
-def per_step_kind(backends: dict[str, AttentionBackend]) -> AttentionBackend:
-    """One backend that runs `backends[step_kind(meta)]` (a graph keeps the one it captured)."""
-
-    def attend(query, kv_cache, meta, scale, sliding_window=None, *args, **kwargs):
-        backend = backends[step_kind(meta)]
-        return backend(query, kv_cache, meta, scale, sliding_window, *args, **kwargs)
-
-    attend.backends = backends  # type: ignore[attr-defined]
-    return attend
 
 
 class Attention(nn.Module):
@@ -319,46 +303,6 @@ class Attention(nn.Module):
             **self.backend_kwargs,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
-
-
-WARM_UP_TOKENS = 64  # per prompt row: past the "whole prompt in one query tile" layouts
-
-
-@torch.inference_mode()
-def warm_up_attention(layers: list[Attention], kv_cache: torch.Tensor, dtype: torch.dtype) -> int:
-    """Run each distinct attention layer configuration on an eager prefill step (two prompts of
-    WARM_UP_TOKENS) and an eager mixed one (a prompt and a decode), over blocks of `kv_cache`
-    (read only), so the first long prompt while serving finds its kernels compiled: the memory
-    profile's rows are shorter (another FA4 variant) and graphs cover small steps only. How many
-    configurations ran."""
-    n, block_size = WARM_UP_TOKENS, kv_cache.shape[2]
-    blocks = -(-(n + 1) // block_size)
-    if 2 * blocks > kv_cache.shape[0]:
-        return 0
-    tables = [list(range(blocks)), list(range(blocks, 2 * blocks))]
-    device = kv_cache.device
-    metas = [
-        build_attention_metadata([0, 0], [n, n], tables, block_size, device)[0],  # prefill
-        build_attention_metadata([0, n], [n, 1], tables, block_size, device)[0],  # mixed
-    ]
-    seen = set()
-    for layer in layers:
-        kwargs = tuple(sorted(layer.backend_kwargs.items()))
-        key = (layer.backend, layer.sliding_window, kwargs, layer.num_heads, layer.head_dim)
-        if key in seen:
-            continue
-        seen.add(key)
-        k_scale, v_scale = layer.kv_scales
-        for meta in metas:
-            num_tokens = int(meta.query_start_loc_cpu[-1])
-            query = torch.zeros(
-                num_tokens, layer.num_heads, layer.head_dim, dtype=dtype, device=device
-            )
-            layer.backend(
-                query, kv_cache, meta, layer.scale, layer.sliding_window,
-                k_scale=k_scale, v_scale=v_scale, **layer.backend_kwargs,
-            )  # fmt: skip
-    return len(seen)
 
 
 def _scale_param() -> nn.Parameter:

@@ -11,12 +11,8 @@ import torch
 
 from pagedserve.config import ModelConfig
 from pagedserve.kernels import backend
-from pagedserve.kernels.attention import (
-    build_attention_metadata,
-    paged_attention_ref,
-    per_step_kind,
-    step_kind,
-)
+from pagedserve.kernels.attention import build_attention_metadata, paged_attention_ref
+from pagedserve.kernels.attention_dispatch import per_step_kind, step_kind
 from pagedserve.kernels.flash_attention import flash_attn_importable
 
 HAS_FLASH = torch.cuda.is_available() and flash_attn_importable()
@@ -156,7 +152,8 @@ def test_flash_in_cuda_graph():
 
 
 def test_warm_up_runs_each_layer_configuration_once():
-    from pagedserve.kernels.attention import Attention, warm_up_attention
+    from pagedserve.kernels.attention import Attention
+    from pagedserve.kernels.attention_dispatch import warm_up_attention
 
     calls = []
 
@@ -178,3 +175,30 @@ def test_warm_up_runs_each_layer_configuration_once():
         (*prefill, None, 50.0), (*mixed, None, 50.0),
     ]  # fmt: skip
     assert warm_up_attention(layers, torch.zeros(8, 2, 16, 2, 8), torch.float32) == 0  # too small
+
+
+@pytest.mark.parametrize(
+    "computed,new",
+    [([5, 0, 40, 17], [1, 9, 1, 6]), ([30, 31, 0, 3], [1, 1, 12, 5])],  # interleaved, consecutive
+)
+def test_mixed_step_runs_as_decode_and_prompt_parts(computed, new):
+    from pagedserve.kernels.bench_kernels import random_batch
+
+    q, kv, meta = random_batch(computed, new, 4, 2, 8, 16, torch.float32, "cpu")
+    seen = []
+
+    def recording(kind):
+        def run(q, kv, meta, scale, window=None, **kw):
+            seen.append((kind, meta.max_query_len, meta.seq_lens.tolist(), q.shape[0]))
+            return paged_attention_ref(q, kv, meta, scale, window, **kw)
+
+        return run
+
+    attend = per_step_kind({k: recording(k) for k in backend.STEP_KINDS}, min_split_tokens=1)
+    out = attend(q, kv, meta, 0.3, None)
+    torch.testing.assert_close(out, paged_attention_ref(q, kv, meta, 0.3))
+    lens = [c + n for c, n in zip(computed, new, strict=True)]
+    decodes = [s for s, n in zip(lens, new, strict=True) if n == 1]
+    prompts = [s for s, n in zip(lens, new, strict=True) if n > 1]
+    assert seen == [("decode", 1, decodes, 2), ("prefill", max(new), prompts, sum(new) - 2)]
+    assert "split_rows" in meta.scratch  # built once per step, shared by every layer

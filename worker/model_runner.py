@@ -20,7 +20,8 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
-from pagedserve.kernels.attention import Attention, AttentionMetadata, warm_up_attention
+from pagedserve.kernels.attention import Attention, AttentionMetadata
+from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
