@@ -14,6 +14,7 @@ and runs the `mixed` backend on the whole batch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +26,8 @@ from pagedserve.kernels.attention import (
     build_attention_metadata,
 )
 
-SPLIT_MIN_TOKENS = 1024  # below this a second launch and the gathers cost more than they save
+# Below this a second launch and the gathers cost more than they save; 0 turns the split off.
+SPLIT_MIN_TOKENS = int(os.environ.get("PAGEDSERVE_MIXED_SPLIT_TOKENS", "1024"))
 WARM_UP_TOKENS = 64  # per prompt row: past the "whole prompt in one query tile" layouts
 
 Backend = Callable[..., torch.Tensor]
@@ -84,7 +86,8 @@ def split_rows(meta: AttentionMetadata, min_tokens: int) -> list | None:
         qsl = meta.query_start_loc_cpu
         q_lens = np.diff(qsl)
         split = None
-        if len(q_lens) and qsl[-1] >= min_tokens and (q_lens == 1).any() and (q_lens > 1).any():
+        big = min_tokens > 0 and len(q_lens) and qsl[-1] >= min_tokens
+        if big and (q_lens == 1).any() and (q_lens > 1).any():
             split = [_sub_meta(meta, np.nonzero(q_lens == 1)[0])]
             split.append(_sub_meta(meta, np.nonzero(q_lens > 1)[0]))
         meta.scratch["split_rows"] = split

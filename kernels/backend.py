@@ -8,13 +8,15 @@ Environment variables, read once per process (start-up settings, never flipped a
 
 - `PAGEDSERVE_ATTENTION_BACKEND=torch|sdpa|triton|flash` forces the attention backend (and, for
   `torch`, the reference KV-cache write too), over `--attention-backend`.
+- `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
+- `PAGEDSERVE_MIXED_SPLIT_TOKENS=N` (default 1024; 0: never): eager mixed steps of at least N
+  tokens attend as a decode part and a prompt part (kernels/attention_dispatch.py).
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
 mixed) on this GPU model, in `attention_choice.json` beside this file (written by
 `python -m pagedserve.kernels.bench_attention --write-choice`); then each step kind runs its
 faster backend. On a CPU `auto` is sdpa, and `triton` or `flash` are refused.
-- `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
 """
 
 from __future__ import annotations
