@@ -138,20 +138,26 @@ def _w8a8_block_kernel(
 
 
 @functools.cache
-def _configs() -> dict[str, list[list]]:
-    with open(CONFIG_FILE) as f:
+def _config_table(path: str) -> dict[str, list[list]]:
+    with open(path) as f:
         return json.load(f)
 
 
-def block_config(m: int, n: int, k: int) -> dict[str, int]:
-    """The stored launch config for this (N, K) (else the default) and the smallest M bound
-    that fits m. Entries are `[max_m, {BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages}]`."""
-    table = _configs()
+def pick_config(path: str, m: int, n: int, k: int) -> dict[str, int]:
+    """From a stored table of launch configs (`{"N,K" or "default": [[max_m, config], ...]}`):
+    the entries for (N, K), else the default ones, and of those the first whose M bound fits m
+    (the last one past every bound)."""
+    table = _config_table(path)
     entries = table.get(f"{n},{k}") or table["default"]
     for max_m, config in entries:
         if m <= max_m:
             return dict(config)
     return dict(entries[-1][1])
+
+
+def block_config(m: int, n: int, k: int) -> dict[str, int]:
+    """The block GEMM's launch config: `{BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages}`."""
+    return pick_config(CONFIG_FILE, m, n, k)
 
 
 def triton_w8a8_block_matmul(
