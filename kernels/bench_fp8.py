@@ -158,15 +158,16 @@ GEMV_BUCKETS = (1, 4, 16)  # each M bucket is timed at its bound
 
 def gemv_candidates(m: int, n: int) -> list[dict[str, int]]:
     """Launch configs worth timing at this M bound: element-wise ones (USE_DOT 0) that keep
-    <= 64 float32 accumulators per thread, tl.dot ones from M = 4; K split in 4 only for an N
-    small enough that N alone gives few programs per SM."""
+    <= 64 float32 accumulators per thread and load >= 16 weight bytes per thread per K step,
+    tl.dot ones from M = 4; K split in 4 only for an N small enough that N alone gives few
+    programs per SM."""
     block_m = triton.next_power_of_2(m)
     splits = (1, 2, 4) if n <= 2048 else (1, 2)
     out = []
     for bn, bk, w, sk, st in itertools.product(
         (8, 16, 32), (128, 256, 512, 1024), (4, 8), splits, (1, 3)
     ):
-        if block_m * bn * bk <= 64 * 32 * w and (bk > 128 or m > 1):
+        if block_m * bn * bk <= 64 * 32 * w and bn * bk >= 16 * 32 * w:
             out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, USE_DOT=0, num_warps=w,
                             num_stages=st))  # fmt: skip
     if m >= 4:
