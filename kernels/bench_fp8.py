@@ -1,8 +1,9 @@
-"""Time FP8 GEMMs at Llama-3-8B shapes on a GPU, and sweep the block GEMM's launch configs.
+"""Time FP8 GEMMs at Llama-3-8B shapes on a GPU, and sweep our Triton kernels' launch configs.
 
 `python -m pagedserve.kernels.bench_fp8` prints, per (M, N, K), the median time of the bf16
-matmul, `fp8_linear` per channel (activation quantization + `torch._scaled_mm`) and per 128-block
-(quantization + our Triton GEMM), with the weight-streaming bandwidth and TFLOP/s.
+matmul, `fp8_linear` per channel (activation quantization + `torch._scaled_mm`; at M <= 16 the
+weight-only kernel) and per 128-block (quantization + our Triton GEMM; at M <= 16 the same
+weight-only kernel), with the weight-streaming bandwidth and TFLOP/s.
 `--sweep` times every candidate config of the block GEMM per shape and M bucket and prints
 JSON in the form of `fp8_block_configs.json` (the fastest per bucket).
 
