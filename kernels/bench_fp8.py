@@ -158,23 +158,23 @@ GEMV_BUCKETS = (1, 4, 16)  # each M bucket is timed at its bound
 
 
 def gemv_candidates(m: int, n: int) -> list[dict[str, int]]:
-    """Launch configs worth timing at this M bound: element-wise ones (USE_DOT 0) that keep
-    <= 64 float32 accumulators per thread and load >= 16 weight bytes per thread per K step,
-    tl.dot ones from M = 4; K split in 4 only for an N small enough that N alone gives few
-    programs per SM."""
+    """Launch configs worth timing at this M bound: element-wise ones (USE_DOT 0, with and
+    without PREFETCH; num_stages does not matter to them) that keep <= 64 float32 accumulators
+    per thread and load >= 16 weight bytes per thread per K step, tl.dot ones from M = 4; K
+    split in 4 only for an N small enough that N alone gives few programs per SM."""
     block_m = triton.next_power_of_2(m)
     splits = (1, 2, 4) if n <= 2048 else (1, 2)
     out = []
-    for bn, bk, w, sk, st in itertools.product(
-        (8, 16, 32), (128, 256, 512, 1024), (4, 8), splits, (1, 3)
+    for bn, bk, w, sk, pf in itertools.product(
+        (8, 16, 32), (128, 256, 512, 1024), (4, 8), splits, (0, 1)
     ):
         if block_m * bn * bk <= 64 * 32 * w and bn * bk >= 16 * 32 * w:
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, USE_DOT=0, num_warps=w,
-                            num_stages=st))  # fmt: skip
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, USE_DOT=0, PREFETCH=pf,
+                            num_warps=w, num_stages=1))  # fmt: skip
     if m >= 4:
         for bn, bk, st, sk in itertools.product((16, 32, 64), (128, 256), (2, 4), splits[:2]):
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, USE_DOT=1, num_warps=4,
-                            num_stages=st))  # fmt: skip
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, USE_DOT=1, PREFETCH=0,
+                            num_warps=4, num_stages=st))  # fmt: skip
     return out
 
 
@@ -205,8 +205,18 @@ def sweep_gemv(out_path: str | None) -> None:
         del copies
         if out_path:  # after every shape: a sweep cut short still leaves what it found
             with open(out_path, "w") as f:
-                f.write(json.dumps(table, indent=1) + "\n")
-    print(json.dumps(table, indent=1))
+                f.write(config_json(table))
+    print(config_json(table))
+
+
+def config_json(table: dict) -> str:
+    """A config table as JSON with one `[max_m, config]` entry per line."""
+    lines = [f" {json.dumps('_doc')}: {json.dumps(table['_doc'])}"]
+    for key, entries in table.items():
+        if key != "_doc":
+            rows = ",\n".join(f"  {json.dumps(e)}" for e in entries)
+            lines.append(f" {json.dumps(key)}: [\n{rows}\n ]")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 if __name__ == "__main__":

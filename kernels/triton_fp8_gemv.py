@@ -8,7 +8,9 @@ the end, 128 x 128 block scales (row-expanded `[N, K/G]`, see kernels/fp8.py) on
 Two inner forms, picked per launch config:
 
 - `USE_DOT=False` (M of 1 to 4): `acc[BM, BN, BK] += x * w` element-wise and one reduction over
-  K after the loop, so the K loop has no cross-thread reduction, only loads and FMAs.
+  K after the loop, so the K loop has no cross-thread reduction, only loads and FMAs. Triton
+  does not software-pipeline loads that feed no tl.dot (num_stages has no effect here), so
+  `PREFETCH` issues the next weight tile's load by hand before the current tile's FMAs.
 - `USE_DOT=True` (M up to 16): `tl.dot` of the activation tile and the converted weight tile.
 
 Programs split N; with `SPLIT_K > 1` (for a small N that would leave SMs idle) they also split K
@@ -33,55 +35,98 @@ CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fp8_gemv_configs.json")
 
 
 @triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_om,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+def _elementwise_acc(
+    x_ptr, w_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_sn, pid_n, pid_k,
+    GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """`[BM, BN]` partial sums over this program's K steps, without tl.dot. Tiles are loaded
+    3-D (x `[BM, 1, BK]`, w `[1, BN, BK]`) so the weight load's layout is the accumulator's and
+    only the small activation tile is rearranged."""
+    rm = (tl.arange(0, BLOCK_M) % M)[:, None, None]
+    rn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)[None, :, None]
+    rk = tl.arange(0, BLOCK_K)[None, None, :]
+    x_ptrs = x_ptr + rm * stride_xm + pid_k * BLOCK_K + rk  # [BM, 1, BK]
+    w_ptrs = w_ptr + rn * stride_wn + pid_k * BLOCK_K + rk  # [1, BN, BK]
+    step = BLOCK_K * SPLIT_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:
+        w_next = tl.load(w_ptrs, mask=pid_k * BLOCK_K + rk < K, other=0.0)
+    for k0 in range(pid_k * BLOCK_K, K, step):
+        if PREFETCH:  # the next tile's load is issued before this one's FMAs (Triton does not
+            w = w_next  # pipeline loads that feed no tl.dot)
+            w_next = tl.load(w_ptrs + step, mask=k0 + step + rk < K, other=0.0)
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k0 + rk < K, other=0.0)
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=k0 + rk < K, other=0.0)
+        wf = w.to(tl.float32)
+        if GROUP:
+            wf *= tl.load(s_ptr + rn * stride_sn + k0 // GROUP)  # [1, BN, 1]
+        acc += x.to(tl.float32) * wf
+        x_ptrs += step
+        w_ptrs += step
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def _dot_acc(
+    x_ptr, w_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_sn, pid_n, pid_k,
+    GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """`[BM, BN]` partial sums over this program's K steps: tl.dot of x and the converted w."""
+    rm = tl.arange(0, BLOCK_M) % M
+    rn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = rm < M, rn < N
-    rn_load = (rn % N).to(tl.int64)  # rows past N re-read rows < N: unmasked, vectorized loads
-    x_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + pid_k * BLOCK_K + rk[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + rn_load[:, None] * stride_wn + pid_k * BLOCK_K + rk[None, :]  # [BN, BK]
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + pid_k * BLOCK_K + rk[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + pid_k * BLOCK_K + rk[None, :]  # [BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
-            k_ok = k0 + rk < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        if USE_DOT:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))  # [BM, BN] float32
-            if GROUP:
-                part *= tl.load(s_ptr + rn_load * stride_sn + k0 // GROUP)[None, :]
-            acc += part
-        else:
-            wf = w.to(tl.float32)
-            if GROUP:
-                wf *= tl.load(s_ptr + rn_load * stride_sn + k0 // GROUP)[:, None]
-            acc3 += x.to(tl.float32)[:, None, :] * wf[None, :, :]
+            x = tl.load(x_ptrs, mask=k0 + rk[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=k0 + rk[None, :] < K, other=0.0)
+        part = tl.dot(x, tl.trans(w.to(x.dtype)))  # [BM, BN] float32
+        if GROUP:
+            part *= tl.load(s_ptr + rn * stride_sn + k0 // GROUP)[None, :]
+        acc += part
         x_ptrs += BLOCK_K * SPLIT_K
         w_ptrs += BLOCK_K * SPLIT_K
-    if not USE_DOT:
-        acc = tl.sum(acc3, 2)
+    return acc
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    args = (x_ptr, w_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_sn, pid_n, pid_k)
+    if USE_DOT:
+        acc = _dot_acc(*args, GROUP, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
+    else:
+        acc = _elementwise_acc(*args, GROUP, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_load = rn % N  # rows past N re-read rows < N (unmasked, vectorized loads); not stored
     if not GROUP:
         acc *= tl.load(s_ptr + rn_load * stride_sn)[None, :]
     if HAS_BIAS:  # added by the first K split only
         bias = tl.load(bias_ptr + rn_load).to(tl.float32)
         acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
@@ -90,7 +135,7 @@ def _fp8_gemv_kernel(
 
 def gemv_config(m: int, n: int, k: int) -> dict[str, int]:
     """The stored launch config for this (N, K) (else the default) and the smallest M bound
-    that fits m: `{BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, num_warps, num_stages}`."""
+    that fits m: `{BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, PREFETCH, num_warps, num_stages}`."""
     return pick_config(CONFIG_FILE, m, n, k)
 
 
@@ -125,7 +170,7 @@ def triton_fp8_gemv(
     block_n, block_k, split_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     if group is not None:
         block_k = min(block_k, group)  # one block scale per K step
-    use_dot = bool(cfg.pop("USE_DOT"))
+    use_dot, prefetch = bool(cfg.pop("USE_DOT")), bool(cfg.pop("PREFETCH"))
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     if split_k > 1:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
@@ -139,6 +184,6 @@ def triton_fp8_gemv(
         x.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         GROUP=group or 0, HAS_BIAS=bias is not None, EVEN_K=k % (block_k * split_k) == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
-        **cfg,
+        PREFETCH=prefetch, **cfg,
     )  # fmt: skip
     return out if split_k == 1 else out.to(x.dtype)

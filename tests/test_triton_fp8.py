@@ -89,8 +89,10 @@ def test_block_configs_cover_every_m():
 
 # Llama-3-8B's (N, K) scaled down 32x (qkv, o, gate_up, down), and an odd one.
 GEMV_SHAPES = [(192, 128), (128, 128), (896, 128), (128, 448), (70, 300)]
-ELEMENTWISE_SPLIT = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, USE_DOT=0, num_warps=4, num_stages=1)
-DOT = dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, USE_DOT=1, num_warps=4, num_stages=2)
+ELEMENTWISE_SPLIT = dict(  # the hand-prefetched loop, K split in 2 (atomics)
+    BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, USE_DOT=0, PREFETCH=1, num_warps=4, num_stages=1
+)
+DOT = dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, USE_DOT=1, PREFETCH=0, num_warps=4, num_stages=2)
 
 
 def gemv_case(m: int, n: int, k: int, group: int | None, dtype: torch.dtype, seed: int = 0):
@@ -105,7 +107,8 @@ def gemv_case(m: int, n: int, k: int, group: int | None, dtype: torch.dtype, see
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("group", [None, 128])
 def test_fp8_gemv_matches_weight_only_reference(m, group):
-    """Stored configs, a K split (atomics) and the tl.dot form, per channel and per block."""
+    """Stored configs (element-wise without prefetch up to M = 4), a prefetching K split
+    (atomics) and the tl.dot form, per channel and per block."""
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     tol = 1e-2 if HAS_CUDA else 1e-5
     for n, k in GEMV_SHAPES:
@@ -125,7 +128,7 @@ def test_gemv_configs_cover_every_small_m():
     SMALL_M has one for the 8B shapes and for unknown ones."""
     with open(GEMV_CONFIGS) as f:
         table = {key: v for key, v in json.load(f).items() if key != "_doc"}
-    keys = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "num_warps", "num_stages"}
+    keys = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "PREFETCH", "num_warps", "num_stages"}
     for entries in table.values():
         assert entries[-1][0] >= fp8.SMALL_M and [e[0] for e in entries] == sorted(
             e[0] for e in entries
