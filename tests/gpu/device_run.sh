@@ -47,7 +47,7 @@ for step in $STEPS; do
     fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40
         $T python3 -m pagedserve.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;
     fp8-sweep) $T python3 -m pagedserve.kernels.bench_fp8 --sweep > "$OUT/fp8_block_configs.json" ;;
-    fp8-gemv) $T python3 -m pytest -q -m gpu -s -k "gemv or linear_paths" tests/test_triton_fp8.py \
+    fp8-gemv) $T python3 -m pytest -q -s -k "gemv or linear_paths" tests/test_triton_fp8.py \
           2>&1 | tee "$OUT/fp8-gemv-tests.txt" | tail -8
         $T python3 -m pagedserve.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv.json" 2>&1 \
           | tee "$OUT/fp8-gemv.txt" ;;
