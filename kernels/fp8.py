@@ -16,13 +16,16 @@ per-channel weights or our Triton block GEMM for block weights. Elsewhere the re
 depends on that row alone, so a CPU run is batch-invariant (the engine tests compare a batched
 run with a one-sequence one token for token); the GPU gives that up at M = SMALL_M for decode
 speed, as GPU GEMMs already do by picking tiles by M. `fp8_weight_only_ref` is what the small-M
-kernel is tested against.
+kernel is tested against. `fp8_silu_mul_linear` is a gated MLP's down projection: above
+SMALL_M on CUDA with per-token activations, `silu(gate) * up` is quantized in the same kernel
+that computes it (one pass over the gate/up product, no model-dtype intermediate).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import use_triton
 
 FP8 = torch.float8_e4m3fn
@@ -121,6 +124,23 @@ def fp8_linear(
         out = triton_w8a8_block_matmul(xq, x_scale, weight, weight_scale, group, x.dtype)
     else:
         out = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
+    return out + bias if bias is not None else out
+
+
+def fp8_silu_mul_linear(
+    gate_up: torch.Tensor,  # [M, 2I]
+    weight: torch.Tensor,  # [N, I] fp8
+    weight_scale: torch.Tensor,  # [N, 1] or [N, I/G] float32
+    bias: torch.Tensor | None = None,
+    group: int | None = None,
+) -> torch.Tensor:  # [M, N]
+    """`fp8_linear(silu_and_mul(gate_up), ...)`, fused where that pays (see the module doc)."""
+    if group is not None or gate_up.shape[0] <= SMALL_M or not use_triton(gate_up):
+        return fp8_linear(silu_and_mul(gate_up), weight, weight_scale, bias, group)
+    from pagedserve.kernels.triton_fp8 import triton_silu_mul_quantize
+
+    xq, x_scale = triton_silu_mul_quantize(gate_up)
+    out = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, gate_up.dtype)
     return out + bias if bias is not None else out
 
 

@@ -33,11 +33,13 @@ if HAS_TRITON:
     from pagedserve.kernels import fp8, triton_fp8
     from pagedserve.kernels.attention import paged_attention_ref, write_kv_cache_ref
     from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.triton_activation import triton_silu_and_mul
     from pagedserve.kernels.triton_attention import triton_paged_attention
     from pagedserve.kernels.triton_cache import triton_write_kv_cache
     from pagedserve.kernels.triton_fp8 import (
         block_config,
         triton_quantize_rows,
+        triton_silu_mul_quantize,
         triton_w8a8_block_matmul,
     )
     from pagedserve.kernels.triton_fp8_gemv import CONFIG_FILE as GEMV_CONFIGS
@@ -66,6 +68,23 @@ def test_quantize_rows(group, monkeypatch):
     q_ref, scale_ref = fp8.quantize_rows(x, group)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     same_fp8(q, q_ref)
+
+
+@tiny
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_silu_mul_quantize_is_silu_and_mul_then_quantize(one_pass, monkeypatch):
+    """The fused kernel writes what silu_and_mul followed by the per-token quantizer writes,
+    bit for bit, in one pass over the row or in chunks (rows wider than ONE_PASS_COLS)."""
+    if not one_pass:
+        monkeypatch.setattr(triton_fp8, "ONE_PASS_COLS", 128)
+    gate_up = (torch.randn(7, 600, device=DEV) * 3).to(torch.bfloat16)
+    q, scale = triton_silu_mul_quantize(gate_up)
+    q_ref, scale_ref = triton_quantize_rows(triton_silu_and_mul(gate_up))
+    assert q.shape == (7, 300) and scale.shape == (7, 1)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+    assert relative_error(fp8.dequantize(q, scale, None), triton_silu_and_mul(gate_up)) < 0.1
+    with pytest.raises(ValueError, match="gate/up"):
+        triton_silu_mul_quantize(gate_up[:, :-1])
 
 
 @tiny
@@ -195,6 +214,21 @@ def test_gpu_fp8_linear_paths(m):
             assert relative_error(out, ref) < 1e-2, (m, n, k, group)
             if small:  # and not what activation quantization would give (~3% off)
                 assert relative_error(out, fp8.fp8_linear_ref(x, wq, ws, None, group)) > 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 512])
+def test_gpu_fp8_silu_mul_linear_is_unfused(m):
+    """The down projection with silu fused into its input quantization (M > SMALL_M) gives
+    exactly the unfused result, per channel and per block."""
+    from pagedserve.kernels.activation import silu_and_mul
+
+    gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 14336, device="cuda") * 0.02
+    for group in (None, 128):
+        wq, ws = fp8.quantize_rows(w, group)
+        fused = fp8.fp8_silu_mul_linear(gate_up, wq, ws, None, group)
+        assert torch.equal(fused, fp8.fp8_linear(silu_and_mul(gate_up), wq, ws, None, group))
 
 
 @pytest.mark.gpu
