@@ -9,6 +9,11 @@ then sharded with the same loader as its weight, so TP shards scales exactly lik
 
 With `--quantization fp8` on a plain checkpoint the weight loads in the model dtype and
 `after_loading` replaces it by fp8 with per-channel scales.
+
+`matmul` of an FP8 layer is `fp8_linear`: on a GPU, up to `SMALL_M` rows (decode batches) the
+weight-only Triton kernel (no activation quantization; CUDA-graph safe), above that per-token
+activation quantization and `torch._scaled_mm` (or the block GEMM). `matmul_silu_mul` is the
+same for a gated MLP's down projection, with silu(gate) * up fused into the quantization.
 """
 
 from __future__ import annotations
