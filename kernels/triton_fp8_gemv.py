@@ -4,7 +4,8 @@ At small M a linear layer is a stream over its weight, so the kernel's only job 
 fp8 `[N, K]` weight at the memory's bandwidth. No activation is quantized: each program loads
 `BLOCK_N x BLOCK_K` fp8 tiles (16-byte vector loads along K), converts them in registers and
 multiplies them by the model-dtype activations; per-output-channel scales are applied once at
-the end, 128 x 128 block scales (row-expanded `[N, K/G]`, see kernels/fp8.py) once per K step.
+the end, 128 x 128 block scales (row-expanded `[N, K/G]`, see kernels/fp8.py) once per group
+of a K step.
 Two inner forms, picked per launch config:
 
 - `USE_DOT=False` (M of 1 to 4): `acc[BM, BN, BK] += x * w` element-wise and one reduction over
@@ -41,15 +42,19 @@ def _elementwise_acc(
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """`[BM, BN]` partial sums over this program's K steps, without tl.dot. Tiles are loaded
-    3-D (x `[BM, 1, BK]`, w `[1, BN, BK]`) so the weight load's layout is the accumulator's and
-    only the small activation tile is rearranged."""
-    rm = (tl.arange(0, BLOCK_M) % M)[:, None, None]
-    rn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)[None, :, None]
-    rk = tl.arange(0, BLOCK_K)[None, None, :]
-    x_ptrs = x_ptr + rm * stride_xm + pid_k * BLOCK_K + rk  # [BM, 1, BK]
-    w_ptrs = w_ptr + rn * stride_wn + pid_k * BLOCK_K + rk  # [1, BN, BK]
+    4-D (x `[BM, 1, S, BK/S]`, w `[1, BN, S, BK/S]`, S = the K step's scale groups, 1 per
+    channel) so the weight load's layout is the accumulator's, only the small activation tile
+    is rearranged, and a block scale is loaded once per group, not once per element."""
+    SUB: tl.constexpr = BLOCK_K if GROUP == 0 or GROUP >= BLOCK_K else GROUP
+    SUBS: tl.constexpr = BLOCK_K // SUB
+    rm = (tl.arange(0, BLOCK_M) % M)[:, None, None, None]
+    rn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)[None, :, None, None]
+    rs = tl.arange(0, SUBS)[None, None, :, None]
+    rk = rs * SUB + tl.arange(0, SUB)[None, None, None, :]  # [1, 1, S, BK/S]: 0 .. BK-1
+    x_ptrs = x_ptr + rm * stride_xm + pid_k * BLOCK_K + rk  # [BM, 1, S, BK/S]
+    w_ptrs = w_ptr + rn * stride_wn + pid_k * BLOCK_K + rk  # [1, BN, S, BK/S]
     step = BLOCK_K * SPLIT_K
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, SUBS, SUB], dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(w_ptrs, mask=pid_k * BLOCK_K + rk < K, other=0.0)
     for k0 in range(pid_k * BLOCK_K, K, step):
@@ -65,12 +70,13 @@ def _elementwise_acc(
         else:
             x = tl.load(x_ptrs, mask=k0 + rk < K, other=0.0)
         wf = w.to(tl.float32)
-        if GROUP:
-            wf *= tl.load(s_ptr + rn * stride_sn + k0 // GROUP)  # [1, BN, 1]
+        if GROUP:  # [1, BN, S, 1]
+            s_ok = k0 + rs * SUB < K
+            wf *= tl.load(s_ptr + rn * stride_sn + k0 // GROUP + rs, mask=s_ok, other=0.0)
         acc += x.to(tl.float32) * wf
         x_ptrs += step
         w_ptrs += step
-    return tl.sum(acc, 2)
+    return tl.sum(tl.sum(acc, 3), 2)
 
 
 @triton.jit
@@ -152,6 +158,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: in
         raise ValueError("fp8 GEMV needs activations and weight with contiguous rows")
     if group is not None and (group & (group - 1) or group < 16):
         raise ValueError(f"fp8 GEMV: scale group {group} must be a power of two >= 16")
+    # (a K step wider than a group holds whole groups: BLOCK_K and group are powers of two)
 
 
 def triton_fp8_gemv(
@@ -168,9 +175,9 @@ def triton_fp8_gemv(
     n = weight.shape[0]
     cfg = dict(config or gemv_config(m, n, k))
     block_n, block_k, split_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
-    if group is not None:
-        block_k = min(block_k, group)  # one block scale per K step
     use_dot, prefetch = bool(cfg.pop("USE_DOT")), bool(cfg.pop("PREFETCH"))
+    if group is not None and use_dot:
+        block_k = min(block_k, group)  # tl.dot: one block scale per K step
     block_m = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     if split_k > 1:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
