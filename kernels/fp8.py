@@ -7,20 +7,31 @@ q/k/v or gate/up parts and TP shards need no alignment of their row counts to th
 Activations are quantized per token (`[M, 1]`), or per token and G-column group (`[M, K/G]`)
 for block weights. `w = w_fp8 * scale`: scales are dequantization factors.
 
-`fp8_linear` is the one entry: on CUDA, `torch._scaled_mm` (row-wise scales) for
-per-channel weights and our Triton block GEMM for block weights; elsewhere the reference
-(dequantize, then matmul in float32) that the fast paths are tested against.
+`fp8_linear` is the one entry. Up to `SMALL_M` rows (decode) a linear layer only streams its
+weight, so activations are not quantized: the weight is dequantized inside our Triton kernel
+(kernels/triton_fp8_gemv.py) and multiplied by the model-dtype activations. Above that, on CUDA,
+activations are quantized per token and the GEMM is `torch._scaled_mm` (row-wise scales) for
+per-channel weights or our Triton block GEMM for block weights. Elsewhere the reference
+(quantize activations, dequantize both, matmul in float32) at every M: each row's result then
+depends on that row alone, so a CPU run is batch-invariant (the engine tests compare a batched
+run with a one-sequence one token for token); the GPU gives that up at M = SMALL_M for decode
+speed, as GPU GEMMs already do by picking tiles by M. `fp8_weight_only_ref` is what the small-M
+kernel is tested against. `fp8_silu_mul_linear` is a gated MLP's down projection: above
+SMALL_M on CUDA with per-token activations, `silu(gate) * up` is quantized in the same kernel
+that computes it (one pass over the gate/up product, no model-dtype intermediate).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
+SMALL_M = 16  # up to this many rows: weight-only (no activation quantization)
 
 
 def require_fp8_device(device: torch.device | str, what: str) -> None:
@@ -79,6 +90,20 @@ def fp8_linear_ref(
     return out.to(x.dtype)
 
 
+def fp8_weight_only_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] or [N, K/G] float32
+    bias: torch.Tensor | None,
+    group: int | None,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """The small-M reference: dequantize the weight, matmul with unquantized activations."""
+    out = x.float() @ dequantize(weight, weight_scale, group).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] fp8
@@ -88,6 +113,10 @@ def fp8_linear(
 ) -> torch.Tensor:  # [M, N]
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
+    if x.shape[0] <= SMALL_M:
+        from pagedserve.kernels.triton_fp8_gemv import triton_fp8_gemv
+
+        return triton_fp8_gemv(x, weight, weight_scale, bias, group)
     from pagedserve.kernels.triton_fp8 import triton_quantize_rows, triton_w8a8_block_matmul
 
     xq, x_scale = triton_quantize_rows(x, group)
@@ -95,6 +124,23 @@ def fp8_linear(
         out = triton_w8a8_block_matmul(xq, x_scale, weight, weight_scale, group, x.dtype)
     else:
         out = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
+    return out + bias if bias is not None else out
+
+
+def fp8_silu_mul_linear(
+    gate_up: torch.Tensor,  # [M, 2I]
+    weight: torch.Tensor,  # [N, I] fp8
+    weight_scale: torch.Tensor,  # [N, 1] or [N, I/G] float32
+    bias: torch.Tensor | None = None,
+    group: int | None = None,
+) -> torch.Tensor:  # [M, N]
+    """`fp8_linear(silu_and_mul(gate_up), ...)`, fused where that pays (see the module doc)."""
+    if group is not None or gate_up.shape[0] <= SMALL_M or not use_triton(gate_up):
+        return fp8_linear(silu_and_mul(gate_up), weight, weight_scale, bias, group)
+    from pagedserve.kernels.triton_fp8 import triton_silu_mul_quantize
+
+    xq, x_scale = triton_silu_mul_quantize(gate_up)
+    out = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, gate_up.dtype)
     return out + bias if bias is not None else out
 
 

@@ -14,6 +14,14 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """`silu(gate) * up` in float32, silu rounded to the inputs' dtype first (as the reference)."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return silu * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -22,9 +30,7 @@ def _silu_and_mul_kernel(
     ok = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    out = silu * up.to(tl.float32)
+    out = silu_mul(gate, up)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 

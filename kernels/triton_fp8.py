@@ -3,6 +3,9 @@
 Quantization: program (row, column chunk) reads `GROUPS x GROUP` elements of one row, takes each
 group's absolute max, and writes the fp8 values and one float32 scale per group (per token: one
 group as wide as the row, held in registers up to 16384 columns, else walked twice in chunks).
+Per token it can also take a gated MLP's `[M, 2I]` gate/up product and quantize
+`silu(gate) * up` (rounded to the model dtype, as `silu_and_mul` writes it) without writing it:
+one pass over the gate/up halves instead of silu_and_mul's write and the quantizer's read.
 
 Block GEMM (the design DeepSeek-V3 and vLLM use for 128 x 128 block weights): `C[M, N] = sum_g
 (A_g @ B_g^T) * a_scale[:, g] * b_scale[:, g]` where g runs over K in steps of the block width
@@ -23,6 +26,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.kernels.triton_activation import silu_mul
 
 FP8_MAX = tl.constexpr(448.0)  # a constexpr: kernels may read it
 ONE_PASS_COLS = 16384  # rows up to this width are quantized from registers in one read
@@ -46,30 +51,67 @@ def _quant_groups_kernel(
 
 
 @triton.jit
+def _row_chunk(x_ptr, row_off, start, cols, num_cols, GATED: tl.constexpr):
+    """Columns `start + cols` of one row as float32: the row itself, or for GATED rows
+    `silu(gate) * up` of its two halves, rounded to the input dtype."""
+    ok = start + cols < num_cols
+    x = tl.load(x_ptr + row_off + start + cols, mask=ok, other=0.0)
+    if GATED:
+        up = tl.load(x_ptr + row_off + num_cols + start + cols, mask=ok, other=0.0)
+        x = silu_mul(x, up).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _quant_token_kernel(
-    x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
+    x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q,
+    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    x_off, q_off = row * stride_x, row * stride_q
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:  # the whole row in registers: one read (decode latency is what matters here)
-        ok = cols < num_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        x = _row_chunk(x_ptr, x_off, 0, cols, num_cols, GATED)
         scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
         q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + q_off + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
         for start in range(0, num_cols, BLOCK):
-            ok = start + cols < num_cols
-            x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(_row_chunk(x_ptr, x_off, start, cols, num_cols, GATED)))
         scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
         for start in range(0, num_cols, BLOCK):
-            ok = start + cols < num_cols
-            x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+            x = _row_chunk(x_ptr, x_off, start, cols, num_cols, GATED)
             q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+            ok = start + cols < num_cols
+            tl.store(q_ptr + q_off + start + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row, scale)
+
+
+def _quantize_tokens(
+    x: torch.Tensor, num_cols: int, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m = x.shape[0]
+    q = torch.empty((m, num_cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(triton.next_power_of_2(num_cols), ONE_PASS_COLS)
+        warps = max(1, min(16, block // 1024))  # <= 32 fp32 values per thread
+        _quant_token_kernel[(m,)](
+            x, q, scale, num_cols, x.stride(0), q.stride(0),
+            BLOCK=block, ONE_PASS=num_cols <= block, GATED=gated, num_warps=warps,
+        )  # fmt: skip
+    return q, scale
+
+
+def triton_silu_mul_quantize(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(silu_and_mul(gate_up))` in one kernel: `[M, 2I] -> (fp8 [M, I],
+    float32 [M, 1])`, gate half first."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        raise ValueError(
+            f"expected a [M, 2I] gate/up tensor with contiguous rows, got {tuple(gate_up.shape)}"
+        )
+    return _quantize_tokens(gate_up, gate_up.shape[1] // 2, gated=True)
 
 
 def triton_quantize_rows(
@@ -78,16 +120,10 @@ def triton_quantize_rows(
     """`quantize_rows`' contract: `[M, K] -> (fp8 [M, K], float32 [M, 1] or [M, K/group])`."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"expected a [M, K] tensor with contiguous rows, got {tuple(x.shape)}")
+    if group is None:
+        return _quantize_tokens(x, x.shape[1], gated=False)
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    if group is None:
-        scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        if m:
-            block = min(triton.next_power_of_2(k), ONE_PASS_COLS)
-            warps = max(1, min(16, block // 1024))  # <= 32 fp32 values per thread
-            _quant_token_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
-                                      ONE_PASS=k <= block, num_warps=warps)  # fmt: skip
-        return q, scale
     if group & (group - 1):
         raise ValueError(f"activation group {group} must be a power of two")
     num_groups = triton.cdiv(k, group)
@@ -138,20 +174,26 @@ def _w8a8_block_kernel(
 
 
 @functools.cache
-def _configs() -> dict[str, list[list]]:
-    with open(CONFIG_FILE) as f:
+def _config_table(path: str) -> dict[str, list[list]]:
+    with open(path) as f:
         return json.load(f)
 
 
-def block_config(m: int, n: int, k: int) -> dict[str, int]:
-    """The stored launch config for this (N, K) (else the default) and the smallest M bound
-    that fits m. Entries are `[max_m, {BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages}]`."""
-    table = _configs()
+def pick_config(path: str, m: int, n: int, k: int) -> dict[str, int]:
+    """From a stored table of launch configs (`{"N,K" or "default": [[max_m, config], ...]}`):
+    the entries for (N, K), else the default ones, and of those the first whose M bound fits m
+    (the last one past every bound)."""
+    table = _config_table(path)
     entries = table.get(f"{n},{k}") or table["default"]
     for max_m, config in entries:
         if m <= max_m:
             return dict(config)
     return dict(entries[-1][1])
+
+
+def block_config(m: int, n: int, k: int) -> dict[str, int]:
+    """The block GEMM's launch config: `{BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages}`."""
+    return pick_config(CONFIG_FILE, m, n, k)
 
 
 def triton_w8a8_block_matmul(

@@ -243,7 +243,13 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, narrow(scale, 1, tp_rank() * param.shape[1], param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        y = self.matmul(x, None)
+        return self._reduce(self.matmul(x, None))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 in / tp]
+        """`forward(silu_and_mul(gate_up))`: a gated MLP's down projection (fused under FP8)."""
+        return self._reduce(self.matmul_silu_mul(gate_up, None))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:  # [T, out] partial -> [T, out]
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

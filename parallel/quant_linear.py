@@ -9,6 +9,11 @@ then sharded with the same loader as its weight, so TP shards scales exactly lik
 
 With `--quantization fp8` on a plain checkpoint the weight loads in the model dtype and
 `after_loading` replaces it by fp8 with per-channel scales.
+
+`matmul` of an FP8 layer is `fp8_linear`: on a GPU, up to `SMALL_M` rows (decode batches) the
+weight-only Triton kernel (no activation quantization; CUDA-graph safe), above that per-token
+activation quantization and `torch._scaled_mm` (or the block GEMM). `matmul_silu_mul` is the
+same for a gated MLP's down projection, with silu(gate) * up fused into the quantization.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.fp8 import FP8, expand_block_scales, fp8_linear, quantize_rows
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.fp8 import (
+    FP8,
+    expand_block_scales,
+    fp8_linear,
+    fp8_silu_mul_linear,
+    quantize_rows,
+)
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
 
@@ -75,6 +87,14 @@ class LinearBase(nn.Module):
             return F.linear(x, self.weight, bias)
         group = self.quant.act_group if self.quant is not None else None
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
+
+    def matmul_silu_mul(self, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`matmul(silu_and_mul(gate_up), bias)`; FP8 layers may fuse the activation into
+        their input quantization."""
+        if self.weight_scale is None:
+            return F.linear(silu_and_mul(gate_up), self.weight, bias)
+        group = self.quant.act_group if self.quant is not None else None
+        return fp8_silu_mul_linear(gate_up, self.weight, self.weight_scale, bias, group)
 
     def after_loading(self) -> None:
         """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales."""

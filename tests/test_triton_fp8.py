@@ -1,6 +1,7 @@
 """FP8 Triton kernels against their torch references: activation quantization, the w8a8
-block-FP8 GEMM, the FP8 cache write and attention over an FP8 cache; on a GPU also torch's
-row-wise FP8 GEMM (`torch._scaled_mm`) and Llama-3-8B sizes.
+block-FP8 GEMM, the small-M weight-only kernel, the FP8 cache write and attention over an FP8
+cache; on a GPU also torch's row-wise FP8 GEMM (`torch._scaled_mm`), Llama-3-8B sizes and CUDA
+graph capture of the small-M kernel.
 
 Without a GPU the kernels run under the Triton interpreter, as in test_triton_kernels.py. The
 interpreter reads FP8 exactly but rounds float32 -> e4m3 wrongly where rounding carries into
@@ -11,6 +12,7 @@ write FP8 are held to their scales and to all but those elements; on a GPU, to e
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -31,13 +33,17 @@ if HAS_TRITON:
     from pagedserve.kernels import fp8, triton_fp8
     from pagedserve.kernels.attention import paged_attention_ref, write_kv_cache_ref
     from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.triton_activation import triton_silu_and_mul
     from pagedserve.kernels.triton_attention import triton_paged_attention
     from pagedserve.kernels.triton_cache import triton_write_kv_cache
     from pagedserve.kernels.triton_fp8 import (
         block_config,
         triton_quantize_rows,
+        triton_silu_mul_quantize,
         triton_w8a8_block_matmul,
     )
+    from pagedserve.kernels.triton_fp8_gemv import CONFIG_FILE as GEMV_CONFIGS
+    from pagedserve.kernels.triton_fp8_gemv import gemv_config, triton_fp8_gemv
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -65,6 +71,23 @@ def test_quantize_rows(group, monkeypatch):
 
 
 @tiny
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_silu_mul_quantize_is_silu_and_mul_then_quantize(one_pass, monkeypatch):
+    """The fused kernel writes what silu_and_mul followed by the per-token quantizer writes,
+    bit for bit, in one pass over the row or in chunks (rows wider than ONE_PASS_COLS)."""
+    if not one_pass:
+        monkeypatch.setattr(triton_fp8, "ONE_PASS_COLS", 128)
+    gate_up = (torch.randn(7, 600, device=DEV) * 3).to(torch.bfloat16)
+    q, scale = triton_silu_mul_quantize(gate_up)
+    q_ref, scale_ref = triton_quantize_rows(triton_silu_and_mul(gate_up))
+    assert q.shape == (7, 300) and scale.shape == (7, 1)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+    assert relative_error(fp8.dequantize(q, scale, None), triton_silu_and_mul(gate_up)) < 0.1
+    with pytest.raises(ValueError, match="gate/up"):
+        triton_silu_mul_quantize(gate_up[:, :-1])
+
+
+@tiny
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 70, 300), (33, 64, 256), (5, 200, 128)])
 def test_w8a8_block_matmul(m, n, k):
     gen = torch.Generator(device=DEV).manual_seed(m)
@@ -81,6 +104,60 @@ def test_w8a8_block_matmul(m, n, k):
 def test_block_configs_cover_every_m():
     assert block_config(1, 4096, 4096)["BLOCK_M"] == 16
     assert block_config(10**6, 1, 1)["BLOCK_M"] >= 64  # unknown shape: the default table
+
+
+# Llama-3-8B's (N, K) scaled down 32x (qkv, o, gate_up, down), and an odd one.
+GEMV_SHAPES = [(192, 128), (128, 128), (896, 128), (128, 448), (70, 300)]
+ELEMENTWISE_SPLIT = dict(  # the hand-prefetched loop, K split in 2 (atomics)
+    BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, USE_DOT=0, PREFETCH=1, num_warps=4, num_stages=1
+)
+DOT = dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, USE_DOT=1, PREFETCH=0, num_warps=4, num_stages=2)
+
+
+def gemv_case(m: int, n: int, k: int, group: int | None, dtype: torch.dtype, seed: int = 0):
+    """(x, fp8 weight, scales, bias) as a checkpoint would have them: weight ~0.02, bias small."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=DEV).to(dtype)
+    wq, ws = fp8.quantize_rows(torch.randn(n, k, generator=gen, device=DEV) * 0.02, group)
+    return x, wq, ws, (torch.randn(n, generator=gen, device=DEV) * 0.1).to(dtype)
+
+
+@tiny
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("group", [None, 128])
+def test_fp8_gemv_matches_weight_only_reference(m, group):
+    """Stored configs (element-wise without prefetch up to M = 4), a prefetching K split
+    (atomics) and the tl.dot form, per channel and per block."""
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    tol = 1e-2 if HAS_CUDA else 1e-5
+    for n, k in GEMV_SHAPES:
+        x, wq, ws, bias = gemv_case(m, n, k, group, dtype, seed=n + k)
+        ref = fp8.fp8_weight_only_ref(x, wq, ws, bias, group)
+        for config in (None, ELEMENTWISE_SPLIT, DOT) if n in (70, 128) else (None,):
+            out = triton_fp8_gemv(x, wq, ws, bias, group, config=config)
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert relative_error(out, ref) < tol, (n, k, config)
+    x, wq, ws, _ = gemv_case(m, 96, 512, group, torch.bfloat16)  # bf16, element-wise form
+    got = triton_fp8_gemv(x, wq, ws, None, group, config=ELEMENTWISE_SPLIT)
+    assert relative_error(got, fp8.fp8_weight_only_ref(x, wq, ws, None, group)) < 1e-2
+
+
+def test_gemv_configs_cover_every_small_m():
+    """Every stored config is launchable (tl.dot needs 16-wide tiles) and every M up to
+    SMALL_M has one for the 8B shapes and for unknown ones."""
+    with open(GEMV_CONFIGS) as f:
+        table = {key: v for key, v in json.load(f).items() if key != "_doc"}
+    keys = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "PREFETCH", "num_warps", "num_stages"}
+    for entries in table.values():
+        assert entries[-1][0] >= fp8.SMALL_M and [e[0] for e in entries] == sorted(
+            e[0] for e in entries
+        )
+        for _, cfg in entries:
+            assert set(cfg) == keys and cfg["BLOCK_K"] >= 16, cfg
+            assert not cfg["USE_DOT"] or cfg["BLOCK_N"] >= 16, cfg
+    assert set(gemv_config(16, 10**6, 1)) == keys
+    with pytest.raises(ValueError, match="M <= 16"):
+        triton_fp8_gemv(*gemv_case(17, 16, 32, None, torch.float32)[:3])
 
 
 @tiny
@@ -120,18 +197,56 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 64, 2048])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 2048])
 def test_gpu_fp8_linear_paths(m):
-    """`fp8_linear`'s GPU paths (scaled_mm per channel, Triton per block) against the reference."""
+    """`fp8_linear`'s GPU paths against their references: up to SMALL_M rows the weight-only
+    kernel, above it activation quantization and scaled_mm (per channel) or Triton (per block)."""
+    small = m <= fp8.SMALL_M
+    ref_fn = fp8.fp8_weight_only_ref if small else fp8.fp8_linear_ref
     for n, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda") * 0.02
         for group in (None, 128):
             wq, ws = fp8.quantize_rows(w, group)
             out = fp8.fp8_linear(x, wq, ws, None, group)
-            ref = fp8.fp8_linear_ref(x, wq, ws, None, group)
+            ref = ref_fn(x, wq, ws, None, group)
             assert out.dtype == torch.bfloat16
             assert relative_error(out, ref) < 1e-2, (m, n, k, group)
+            if small:  # and not what activation quantization would give (~3% off)
+                assert relative_error(out, fp8.fp8_linear_ref(x, wq, ws, None, group)) > 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 512])
+def test_gpu_fp8_silu_mul_linear_is_unfused(m):
+    """The down projection with silu fused into its input quantization (M > SMALL_M) gives
+    exactly the unfused result, per channel and per block."""
+    from pagedserve.kernels.activation import silu_and_mul
+
+    gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 14336, device="cuda") * 0.02
+    for group in (None, 128):
+        wq, ws = fp8.quantize_rows(w, group)
+        fused = fp8.fp8_silu_mul_linear(gate_up, wq, ws, None, group)
+        assert torch.equal(fused, fp8.fp8_linear(silu_and_mul(gate_up), wq, ws, None, group))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, ELEMENTWISE_SPLIT, DOT])
+def test_gpu_fp8_gemv_in_cuda_graph(config):
+    """Captured once, replayed on new activations: the eager result (a K split's zeroed
+    float32 buffer and cast are captured too)."""
+    for m in (1, 8):
+        x, wq, ws, bias = gemv_case(m, 4096, 4096, None, torch.bfloat16)
+        triton_fp8_gemv(x, wq, ws, bias, None, config)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = triton_fp8_gemv(x, wq, ws, bias, None, config)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = triton_fp8_gemv(x, wq, ws, bias, None, config)
+        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+        assert relative_error(out, fp8.fp8_weight_only_ref(x, wq, ws, bias, None)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -7,6 +7,12 @@
 # (w1-fp8, w2-fp8, w3-fp8, profile-fp8) runs that step with `--quantization fp8 --kv-cache-dtype
 # fp8`; `table` prints W1/W2/W3 of bf16 and fp8 side by side from the JSON files:
 #   STEPS="fp8-tests w3 w3-fp8 w1 w1-fp8 w2 w2-fp8 table" bash tests/gpu/device_run.sh
+# `fp8-gemv`: GPU tests of the small-M weight-only FP8 kernel (incl. CUDA graph capture) and of
+# the fused silu+quantization, then the kernel's GB/s per (N, K) at M = 1, 4, 16 against
+# per-token quantization + _scaled_mm and bf16 matmul (fp8-gemv.json); `fp8-gemv-sweep`: its launch-config sweep -> $OUT/fp8_gemv_configs.json,
+# installed into kernels/ so later steps of the same run use it, then the GB/s table again
+# (fp8-gemv-tuned.json). Commit $OUT/fp8_gemv_configs.json as kernels/fp8_gemv_configs.json.
+#   STEPS="fp8-gemv fp8-gemv-sweep w3-fp8 profile-fp8" bash tests/gpu/device_run.sh
 # From a helper's worktree: the device call sends the session's checkout, not the worktree, so
 # copy the branch (`git archive HEAD | tar -x -C CHECKOUT/.mycarry/pagedserve`, plus .whl and
 # .gpucarry inside it), list `.mycarry/` in .git/info/exclude, carry it, `cd` there first.
@@ -60,6 +66,15 @@ for step in $STEPS; do
     fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40
         $T python3 -m pagedserve.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;
     fp8-sweep) $T python3 -m pagedserve.kernels.bench_fp8 --sweep > "$OUT/fp8_block_configs.json" ;;
+    fp8-gemv) $T python3 -m pytest -q -s -k "gemv or linear_paths or silu" tests/test_triton_fp8.py \
+          2>&1 | tee "$OUT/fp8-gemv-tests.txt" | tail -8
+        $T python3 -m pagedserve.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv.json" 2>&1 \
+          | tee "$OUT/fp8-gemv.txt" ;;
+    fp8-gemv-sweep) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_fp8 \
+          --sweep-gemv --out "$OUT/fp8_gemv_configs.json" 2>&1 >/dev/null \
+          | tee "$OUT/fp8-gemv-sweep.txt" | grep "M<="
+        [ -s "$OUT/fp8_gemv_configs.json" ] && cp "$OUT/fp8_gemv_configs.json" kernels/
+        $T python3 -m pagedserve.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv-tuned.json" ;;
     table) python3 - "$OUT" <<'PY'
 import json, os, sys
 def get(name, key):

@@ -1,13 +1,14 @@
 """Where a decode step's time goes, on a GPU: the model runner alone (no processes, no ipc).
 
-    python -m pagedserve.tests.gpu.profile_step MODEL_DIR [--batch 1 64 256] [--ctx 128]
+    python -m pagedserve.tests.gpu.profile_step MODEL_DIR [--batch 1 64 256] [--ctx 128] [--fp8]
 
 For each batch size: GPU time of one decode-graph replay (CUDA events), host time of a full
 `ModelRunner.execute` (input prep, replay, logits, sampling, the one device->host copy), host
 time per step when each step starts before the last one finished (the worker's loop under async
 scheduling: the host work hides behind the device's), and the top kernels of one step from the
-torch profiler. Compared with `bench latency`'s ms/token, the difference is the cost of the
-engine loop around the runner (scheduler, ipc).
+torch profiler, also summed by kind (`step_kinds`: FP8 GEMV, activation quantization, GEMMs,
+attention, ...) so that one line says where a step's time goes. Compared with `bench latency`'s
+ms/token, the difference is the cost of the engine loop around the runner (scheduler, ipc).
 """
 
 from __future__ import annotations
@@ -21,6 +22,34 @@ from pagedserve.frontend.llm import build_engine_config
 from pagedserve.ipc.messages import CachedDelta, NewRequest, SamplingParams, StepPlan
 from pagedserve.parallel.groups import rank_info
 from pagedserve.worker.model_runner import ModelRunner
+
+KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("fp8 gemv", ("fp8_gemv",)),
+    ("act quant", ("quant_token", "quant_groups")),
+    ("fp8 block gemm", ("w8a8_block",)),
+    ("gemm", ("gemm", "sm90", "sm80", "cutlass", "xmma", "nvjet", "scaled_mm")),
+    ("attention", ("attention", "attn", "flash", "_reduce_kernel")),
+    ("kv write", ("cache",)),
+    ("norm", ("norm",)),
+    ("rotary", ("rotary", "rope")),
+    ("silu", ("silu", "act_and_mul")),
+)
+
+
+def step_kinds(prof: torch.profiler.profile) -> str:
+    """`kind us (share)` of a profiled step's CUDA time, largest first, one line."""
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = event.device_time_total
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, subs in KINDS if any(s in name for s in subs)), "other")
+        totals[kind] = totals.get(kind, 0.0) + us
+    whole = sum(totals.values()) or 1.0
+    parts = sorted(totals.items(), key=lambda kv: -kv[1])
+    shares = ", ".join(f"{kind} {us:.0f} ({100 * us / whole:.0f}%)" for kind, us in parts)
+    return f"{whole:.0f} us: {shares}"
 
 
 def prefill_plan(batch: int, ctx: int, block_size: int) -> StepPlan:
@@ -69,6 +98,7 @@ def profile_batch(runner: ModelRunner, batch: int, ctx: int) -> dict[str, float]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.execute(decode_plan(99, batch, ctx + 36 + n))
         torch.cuda.synchronize()
+    print(f"--- batch {batch}: one decode step by kind: {step_kinds(prof)}")
     print(f"--- batch {batch}: top CUDA kernels of one step")
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
@@ -102,6 +132,7 @@ def profile_prefill(runner: ModelRunner, num_seqs: int, prompt_len: int) -> None
     runner.execute(StepPlan(403, [], [], finished_ids=plan.scheduled_ids))
     print(f"--- prefill step: {num_seqs} x {prompt_len} tokens: {ms:.1f} ms, "
           f"{tflops:.0f} TFLOP/s of layer matmuls")  # fmt: skip
+    print(f"--- prefill step by kind: {step_kinds(prof)}")
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
     )

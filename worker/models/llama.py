@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from pagedserve.config import layer_sliding_window
-from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import RMSNorm
 from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
@@ -158,7 +157,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
