@@ -10,6 +10,12 @@ Environment variables, read once per process (start-up settings, never flipped a
   `torch`, the reference KV-cache write too); unset means triton on CUDA (torch without Triton),
   sdpa elsewhere.
 - `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
+- `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single decode-latency fusions on CUDA, to
+  measure each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV
+  for <= 8 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
+  projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
+  and argmax inside small decode graphs), `short-splits` (decode graphs without split-KV for
+  short contexts); `all` turns off every one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import torch
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "flash")
+FUSIONS = ("gemv", "gated-gemv", "rope-cache", "graph-head", "short-splits")
 
 
 @functools.cache
@@ -33,6 +40,25 @@ def triton_available() -> bool:
 @functools.cache
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def disabled_fusions() -> frozenset[str]:
+    raw = os.environ.get("PAGEDSERVE_DISABLE_FUSIONS") or ""
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    unknown = names - {*FUSIONS, "all"}
+    if unknown:
+        raise ValueError(
+            f"PAGEDSERVE_DISABLE_FUSIONS names {', '.join(sorted(unknown))}: not one of "
+            f"{', '.join(FUSIONS)}, all"
+        )
+    return frozenset(FUSIONS if "all" in names else names)
+
+
+def fusion_enabled(name: str) -> bool:
+    """Whether the decode fusion `name` (one of FUSIONS) is on (the default)."""
+    assert name in FUSIONS, name
+    return name not in disabled_fusions()
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.fp8 import FP8, expand_block_scales, fp8_linear, quantize_rows
+from pagedserve.kernels.linear import gated_linear, linear
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
 
@@ -70,9 +71,14 @@ class LinearBase(nn.Module):
         """Column-parallel layers shard scale rows exactly as weight rows."""
         self.weight_loader(param, scale, shard_id)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    ) -> torch.Tensor:
+        """`x W^T + b`; `gated`: x is a merged gate/up output and `silu_and_mul(x)` goes in."""
         if self.weight_scale is None:
-            return F.linear(x, self.weight, bias)
+            return (gated_linear if gated else linear)(x, self.weight, bias)
+        if gated:
+            x = silu_and_mul(x)
         group = self.quant.act_group if self.quant is not None else None
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
 
