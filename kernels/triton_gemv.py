@@ -29,7 +29,7 @@ GEMV_MAX_M = 8  # rows up to this take the GEMV; more go to cuBLAS (a real GEMM)
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,7 +49,10 @@ def _gemv_kernel(
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if EVEN:  # N and K whole tiles (every 8B shape): unmasked, fully vectorized loads
+            w = tl.load(w_ptrs)  # [BN, BK]
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -93,6 +96,7 @@ def triton_gemv(
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=16, **cfg,
+        HAS_BIAS=bias is not None, GATED=gated,
+        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0, BLOCK_M=16, **cfg,
     )  # fmt: skip
     return out
