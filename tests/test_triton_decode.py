@@ -123,6 +123,64 @@ def test_rope_and_cache(partial, dtype):
     assert torch.equal(qkv_d[:, 64:96], k_before)  # keys go to the cache only
 
 
+TINY_LLAMA = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+    num_hidden_layers=2, vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=256,
+    rope_theta=10000.0, model_type="llama",
+)  # fmt: skip
+
+
+def _decode_logits(monkeypatch, fast: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A tiny fp16 Llama prefills three prompts, then decodes one token each (3 rows: GEMV
+    sizes); with `fast` every op takes its Triton path (on a CPU, interpreted)."""
+    from pagedserve.kernels import activation, attention, linear, norm, rotary
+    from pagedserve.kernels.attention import build_attention_metadata, paged_attention_ref
+    from pagedserve.kernels.triton_attention import triton_paged_attention
+    from pagedserve.worker.models import _default_dtype
+    from pagedserve.worker.models.llama import LlamaForCausalLM
+
+    for module in (norm, rotary, activation, linear):
+        monkeypatch.setattr(module, "use_triton", lambda x: fast)
+    monkeypatch.setattr(attention, "use_triton_cache_write", lambda kv: fast)
+    torch.manual_seed(0)
+    backend = triton_paged_attention if fast else paged_attention_ref
+    with _default_dtype(torch.float16), torch.device(DEV):  # as build_model makes it
+        model = LlamaForCausalLM(TINY_LLAMA, backend)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    tables = [[0, 1], [2], [3, 4, 5]]
+    kv = [torch.zeros(8, 2, 16, 2, 16, dtype=torch.float16, device=DEV) for _ in range(2)]
+    meta, pos = build_attention_metadata([0, 0, 0], [7, 9, 30], tables, 16, DEV)
+    model(torch.arange(46, device=DEV) + 3, pos, kv, meta)
+    meta, pos = build_attention_metadata([7, 9, 30], [1, 1, 1], tables, 16, DEV)
+    hidden = model(torch.tensor([5, 6, 7], device=DEV), pos, kv, meta)
+    return model.compute_logits(hidden), kv
+
+
+@tiny
+def test_decoder_through_fused_kernels(monkeypatch):
+    """The whole decoder with rotary fused into the cache write, the GEMV for every projection
+    and the LM head, silu_and_mul inside the down projection: the torch reference's logits and
+    cache."""
+    from pagedserve.kernels import triton_gemv, triton_rope_cache
+
+    calls: list[str] = []
+    for module, name in (
+        (triton_gemv, "triton_gemv"),
+        (triton_rope_cache, "triton_rope_and_cache"),
+    ):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fn=fn, name=name, **k: (
+            calls.append(name + ("-gated" if k.get("gated") else "")), fn(*a, **k))[1])  # fmt: skip
+    want_logits, want_kv = _decode_logits(monkeypatch, fast=False)
+    assert not calls
+    logits, kv = _decode_logits(monkeypatch, fast=True)
+    assert sorted(set(calls)) == ["triton_gemv", "triton_gemv-gated", "triton_rope_and_cache"]
+    torch.testing.assert_close(logits, want_logits, atol=1e-2, rtol=1e-2)
+    for got, want in zip(kv, want_kv, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
 def test_fusion_switches(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "gemv, rope-cache")
     backend.disabled_fusions.cache_clear()
