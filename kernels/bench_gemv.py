@@ -1,6 +1,7 @@
 """The small-batch GEMV (kernels/triton_gemv.py) against `torch.matmul` (cuBLAS) at Llama-3-8B's
 weight shapes, bf16, on a GPU: GB/s of weight read (the figure of merit at M <= 8; the H100's
-copy ceiling is ~3000 GB/s) for M = 1, 2, 4, 8, both timed replaying a CUDA graph.
+copy ceiling is ~3000 GB/s) for M = 1, 2, 4, 8, both timed replaying a CUDA graph, and which one
+the model's dispatch (kernels/linear.py, which measures both itself) picks.
 
     python -m pagedserve.kernels.bench_gemv [--sweep] [--json PATH]
 
@@ -43,6 +44,7 @@ def candidates() -> list[dict[str, int]]:
 
 def compare() -> list[dict[str, float]]:
     from pagedserve.kernels.bench_kernels import relative_error
+    from pagedserve.kernels.linear import GEMV_WINS, linear
     from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
 
     rows = []
@@ -59,7 +61,9 @@ def compare() -> list[dict[str, float]]:
             rows.append({"shape": name, "n": n, "k": k, "m": m, "gemv_us": ours * 1e3,
                          "cublas_us": theirs * 1e3, "gemv_gbps": gb / ours,
                          "cublas_gbps": gb / theirs, "rel_err": err})  # fmt: skip
-            flag = f"  !! rel_err {err:.1e}" if err > 1e-2 else ""
+            linear(x, w, None)  # what the model's dispatch picks, by its own measurement
+            picked = "gemv" if GEMV_WINS[(m, n, k, False, x.dtype, x.device)] else "cublas"
+            flag = f"  picks {picked}" + (f"  !! rel_err {err:.1e}" if err > 1e-2 else "")
             print(f"{name:<8} {n:>6}x{k:<6} {m:>2} {ours * 1e3:8.1f} {gb / ours:6.0f} "
                   f"{theirs * 1e3:9.1f} {gb / theirs:6.0f} {theirs / ours:6.2f}x  "
                   f"{gemv_config(n, k)}{flag}")  # fmt: skip
