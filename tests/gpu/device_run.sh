@@ -65,8 +65,9 @@ PY
     kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
           2>&1 | tee "$OUT/kernels-b1.txt" ;;
-    decode-tests) $T python3 -m pytest -q -m gpu -s tests/test_triton_decode.py \
-          tests/test_gpu_equivalence.py -k "gemv or rope or graph" 2>&1 | tee "$OUT/decode-tests.txt" | tail -15 ;;
+    decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py
+          $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k "graph or bf16"; } \
+          2>&1 | tee "$OUT/decode-tests.txt" | tail -20 ;;
     w3-ablate)  # W3 with each decode fusion off in turn (kernels/backend.py: PAGEDSERVE_DISABLE_FUSIONS)
         for off in none gemv gated-gemv rope-cache graph-head short-splits all; do
           [ $off = none ] && fus="" || fus=$off
