@@ -27,8 +27,10 @@ from torch import nn
 from pagedserve.kernels.backend import (
     attention_backend_name,
     auto_choices,
+    fusion_enabled,
     use_triton_cache_write,
 )
+from pagedserve.kernels.rotary import RotaryEmbedding
 
 QUERY_CHUNK = 1024  # query rows per score matrix in the reference
 FP8_MAX = 448.0
@@ -116,6 +118,13 @@ def write_kv_cache(
         triton_write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     else:
         write_kv_cache_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+def fuse_rope_and_cache(rotary: RotaryEmbedding, kv_cache: torch.Tensor) -> bool:
+    """Whether rotary and the cache write run as one Triton kernel (CUDA, unless turned off)."""
+    return (
+        rotary.rotary_dim > 0 and use_triton_cache_write(kv_cache) and fusion_enabled("rope-cache")
+    )
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -285,13 +294,27 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, Hkv * D]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
+        rotary: RotaryEmbedding | None = None,
+        positions: torch.Tensor | None = None,  # [T], with `rotary`
     ) -> torch.Tensor:  # [T, Hq * D]
+        """Attention of q, k, v ([T, heads * D] each); with `rotary`, q and k rotate first (on
+        CUDA in the same kernel that writes the cache)."""
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_scale, v_scale = self.kv_scales
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        if rotary is not None and fuse_rope_and_cache(rotary, kv_cache):
+            from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
+
+            q = triton_rope_and_cache(
+                positions, q, k, v, kv_cache, meta.slot_mapping, rotary.cos_sin_cache,
+                k_scale, v_scale,
+            )  # fmt: skip
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
         out = self.backend(
             q,
             kv_cache,

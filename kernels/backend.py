@@ -11,6 +11,12 @@ Environment variables, read once per process (start-up settings, never flipped a
 - `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
 - `PAGEDSERVE_MIXED_SPLIT_TOKENS=N` (default 1024; 0: never): eager mixed steps of at least N
   tokens attend as a decode part and a prompt part (kernels/attention_dispatch.py).
+- `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single decode-latency fusions on CUDA, to
+  measure each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV
+  for <= 8 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
+  projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
+  and argmax inside small decode graphs), `short-splits` (decode graphs without split-KV for
+  short contexts); `all` turns off every one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -32,6 +38,7 @@ ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "flash")
 REQUESTABLE_BACKENDS = ("auto", "triton", "flash")  # --attention-backend
 STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
+FUSIONS = ("gemv", "gated-gemv", "rope-cache", "graph-head", "short-splits")
 
 
 @functools.cache
@@ -47,6 +54,25 @@ def flash_attn_available() -> bool:
     from pagedserve.kernels.flash_attention import flash_attn_importable
 
     return flash_attn_importable()
+
+
+@functools.cache
+def disabled_fusions() -> frozenset[str]:
+    raw = os.environ.get("PAGEDSERVE_DISABLE_FUSIONS") or ""
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    unknown = names - {*FUSIONS, "all"}
+    if unknown:
+        raise ValueError(
+            f"PAGEDSERVE_DISABLE_FUSIONS names {', '.join(sorted(unknown))}: not one of "
+            f"{', '.join(FUSIONS)}, all"
+        )
+    return frozenset(FUSIONS if "all" in names else names)
+
+
+def fusion_enabled(name: str) -> bool:
+    """Whether the decode fusion `name` (one of FUSIONS) is on (the default)."""
+    assert name in FUSIONS, name
+    return name not in disabled_fusions()
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.linear import linear
 from pagedserve.parallel.quant_linear import LinearBase, make_param
 from pagedserve.parallel.state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
 from pagedserve.quant_config import Fp8Scheme
@@ -242,14 +243,9 @@ class RowParallelLinear(LinearBase):
             )
         _copy(param.data, narrow(scale, 1, tp_rank() * param.shape[1], param.shape[1]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        return self._reduce(self.matmul(x, None))
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 in / tp]
-        """`forward(silu_and_mul(gate_up))`: a gated MLP's down projection (fused under FP8)."""
-        return self._reduce(self.matmul_silu_mul(gate_up, None))
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:  # [T, out] partial -> [T, out]
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """[T, in / tp] -> [T, out]; `gated`: x is [T, 2 in / tp], gate | up, activated here."""
+        y = self.matmul(x, None, gated)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -285,7 +281,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     parameter when embeddings are tied; logits are all-gathered so every rank holds all of them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        return tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        return tp_all_gather(linear(hidden, self.weight, None), dim=-1)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -12,8 +12,8 @@ With `--quantization fp8` on a plain checkpoint the weight loads in the model dt
 
 `matmul` of an FP8 layer is `fp8_linear`: on a GPU, up to `SMALL_M` rows (decode batches) the
 weight-only Triton kernel (no activation quantization; CUDA-graph safe), above that per-token
-activation quantization and `torch._scaled_mm` (or the block GEMM). `matmul_silu_mul` is the
-same for a gated MLP's down projection, with silu(gate) * up fused into the quantization.
+activation quantization and `torch._scaled_mm` (or the block GEMM). With `gated` it is
+the same for a gated MLP's down projection, silu(gate) * up fused into the quantization.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.fp8 import (
     FP8,
     expand_block_scales,
@@ -32,6 +30,7 @@ from pagedserve.kernels.fp8 import (
     fp8_silu_mul_linear,
     quantize_rows,
 )
+from pagedserve.kernels.linear import gated_linear, linear
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
 
@@ -82,19 +81,17 @@ class LinearBase(nn.Module):
         """Column-parallel layers shard scale rows exactly as weight rows."""
         self.weight_loader(param, scale, shard_id)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    ) -> torch.Tensor:
+        """`x W^T + b`; `gated`: x is a merged gate/up output and `silu_and_mul(x)` goes in
+        (fused into the GEMV, or into an FP8 layer's input quantization)."""
         if self.weight_scale is None:
-            return F.linear(x, self.weight, bias)
+            return (gated_linear if gated else linear)(x, self.weight, bias)
         group = self.quant.act_group if self.quant is not None else None
+        if gated:
+            return fp8_silu_mul_linear(x, self.weight, self.weight_scale, bias, group)
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
-
-    def matmul_silu_mul(self, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`matmul(silu_and_mul(gate_up), bias)`; FP8 layers may fuse the activation into
-        their input quantization."""
-        if self.weight_scale is None:
-            return F.linear(silu_and_mul(gate_up), self.weight, bias)
-        group = self.quant.act_group if self.quant is not None else None
-        return fp8_silu_mul_linear(gate_up, self.weight, self.weight_scale, bias, group)
 
     def after_loading(self) -> None:
         """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales."""

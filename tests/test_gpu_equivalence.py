@@ -127,3 +127,17 @@ def test_graphs_equal_eager_on_mixed_steps():
         with LLM(path, enforce_eager=eager, max_num_batched_tokens=48, **kw) as llm:
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
+
+
+def test_decode_graph_variants_equal_eager():
+    """Batch-1 decodes through the short-context graph, then, past its 511 tokens, the long one
+    (LM head and argmax inside both): the eager tokens, fp32."""
+    path = os.path.join(os.path.dirname(pagedserve.frontend.__file__), "default_model")
+    prompt = {"prompt_token_ids": [100 + i % 200 for i in range(500)]}
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    runs = []
+    for eager in (True, False):
+        kw = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.3)
+        with LLM(path, enforce_eager=eager, **kw) as llm:
+            runs.append(llm.generate(prompt, params)[0].outputs[0].token_ids)
+    assert runs[0] == runs[1]

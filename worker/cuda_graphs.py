@@ -14,6 +14,12 @@ cuBLAS launches eagerly, which takes the host longer (~28 ms for 48 decodes and 
 prompt on an H100 host) than the GPU takes to run them (~13 ms); replayed, 1.3 ms. Its graphs
 have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that owns the
 padding tokens (they write nowhere and attend among themselves over block 0).
+
+Two decode-graph refinements for small batches (batch-1 latency): a bucket up to
+`HEAD_MAX_BATCH` rows also runs the LM head and the greedy argmax inside its graph (`head`), and
+a bucket up to `SHORT_MAX_BATCH` rows gets a second graph captured for contexts up to
+`SHORT_CONTEXT` tokens, where attention runs without split-KV (no partials, no reduce kernel);
+the long graph keeps the splits a long context needs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ from pagedserve.worker.input_batch import StepInputs
 # serving's typical step: a decode batch plus a prompt of a few hundred tokens), coarser above.
 MIXED_TOKEN_SIZES = (3072, 2560, 2048, 1792, 1536, 1280, *range(1024, 0, -128), 64)
 MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
+HEAD_MAX_BATCH = 8  # decode buckets up to this run the LM head and argmax in their graph
+SHORT_MAX_BATCH = 16  # decode buckets up to this (8 KV heads: < 132 SMs' programs) split KV
+# The longest context for which the Triton attention picks one split (2 x its 256 tokens per
+# split, less one): a short-context graph is captured with this as its max_seq_len.
+SHORT_CONTEXT = 511
+
+GraphOutputs = tuple[torch.Tensor, ...]  # hidden [n, H], then (head) logits [n, V], ids [n]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -74,12 +87,19 @@ class _GraphSet:
         self._flip = 0
         self.input_ids, self.positions, self.slot_mapping = self.dev64
         self.slot_mapping.fill_(-1)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}  # by key (see _variants)
+        self.outputs: dict[object, GraphOutputs] = {}
         self.pool = None
 
     def _meta(self, size: int) -> AttentionMetadata:
         raise NotImplementedError
+
+    def _variants(self) -> list[tuple[object, int, AttentionMetadata]]:
+        """(key, bucket size, metadata) of every graph to capture, largest first."""
+        return [(size, size, self._meta(size)) for size in self.sizes]
+
+    def _graph_forward(self, key: object, *args: object) -> GraphOutputs:
+        return (self.forward(*args),)
 
     def _metadata(
         self, num_tokens: int, num_seqs: int, max_query_len: int, query_start_loc_cpu: np.ndarray
@@ -107,17 +127,16 @@ class _GraphSet:
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into `pool` (shared with other graph sets)."""
         self.pool = pool
-        for size in self.sizes:
-            meta = self._meta(size)
+        for key, size, meta in self._variants():
             args = (self.input_ids[:size], self.positions[:size], meta)
-            self.forward(*args)  # warm-up: autotuning and lazy init stay out of the graph
+            self._graph_forward(key, *args)  # warm-up: autotuning, lazy init out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self.forward(*args)
+                self.outputs[key] = self._graph_forward(key, *args)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def _host_buffers(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -130,24 +149,29 @@ class _GraphSet:
 
     def _replay(
         self,
+        key: object,
         size: int,
         num_tokens: int,
         int32_end: int,
         fill: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
+    ) -> GraphOutputs:
         """Copy the staged host set (tokens up to the bucket, int32 up to `int32_end`), fill
-        the tokens only on the device, replay; the real tokens' hidden states."""
+        the tokens only on the device, replay graph `key`; its outputs for the real tokens
+        (static buffers: valid until the next replay of that graph)."""
         h64, h32 = self.host64[self._flip], self.host32[self._flip]
         self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
         self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
-        self.graphs[size].replay()
-        return self.outputs[size][:num_tokens]
+        self.graphs[key].replay()
+        return tuple(out[:num_tokens] for out in self.outputs[key])
 
 
 class DecodeGraphs(_GraphSet):
-    """Decode-only steps, one graph per batch-size bucket; int32 = [seq_lens | block_tables]."""
+    """Decode-only steps, one graph per batch-size bucket (small buckets: two, by context
+    length); int32 = [seq_lens | block_tables]. `head`: hidden [n, H] -> (logits [n, V] float32,
+    argmax ids [n]), run inside the graphs of buckets up to HEAD_MAX_BATCH; `short`: capture the
+    short-context graphs."""
 
     def __init__(
         self,
@@ -157,7 +181,11 @@ class DecodeGraphs(_GraphSet):
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        short: bool = False,
     ) -> None:
+        self.head = head
+        self.short = short and max_model_len > SHORT_CONTEXT
         sizes = capture_sizes(max_batch)
         b = sizes[0]
         super().__init__(
@@ -168,20 +196,48 @@ class DecodeGraphs(_GraphSet):
         self.block_tables = self.dev32[b:].view(b, max_blocks)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        return self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
+    def _meta(self, size: int, max_seq_len: int | None = None) -> AttentionMetadata:
+        meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
+        if max_seq_len is not None:  # the kernels size their split-KV from this bound
+            meta.max_seq_len = max_seq_len
+            meta.seq_lens_cpu[:] = max_seq_len
+        return meta
+
+    def _variants(self) -> list[tuple[object, int, AttentionMetadata]]:
+        """Key (size, short) per graph: every bucket long; small ones short as well."""
+        variants: list[tuple[object, int, AttentionMetadata]] = []
+        for size in self.sizes:
+            variants.append(((size, False), size, self._meta(size)))
+            if self.short and size <= SHORT_MAX_BATCH:
+                variants.append(((size, True), size, self._meta(size, SHORT_CONTEXT)))
+        return variants
+
+    def _graph_forward(self, key: object, *args: object) -> GraphOutputs:
+        hidden = self.forward(*args)
+        if self.head is None or key[0] > HEAD_MAX_BATCH:  # type: ignore[index]
+            return (hidden,)
+        return (hidden, *self.head(hidden))
 
     def bucket(self, num_seqs: int) -> int | None:
         return self._smallest_fit(num_seqs)
+
+    def graph_for(self, size: int, max_seq_len: int) -> torch.cuda.CUDAGraph:
+        """The graph a batch of bucket `size` whose longest context is `max_seq_len` replays."""
+        return self.graphs[self._key(size, max_seq_len)]
+
+    def _key(self, size: int, max_seq_len: int) -> tuple[int, bool]:
+        short = (size, True) in self.graphs and max_seq_len <= SHORT_CONTEXT
+        return (size, short)
 
     def run(
         self,
         inputs: StepInputs,
         size: int,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Copy a decode batch into the static buffers, replay; hidden states [n, H]. `fill`:
-        (token indices, ids) of input tokens that are only on the device."""
+    ) -> GraphOutputs:
+        """Copy a decode batch into the static buffers, replay; hidden states [n, H] (and with
+        the head, logits [n, V] and argmax ids [n]). `fill`: (token indices, ids) of input
+        tokens that are only on the device."""
         n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
         a64, a32 = self._host_buffers(inputs)
         a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
@@ -189,7 +245,8 @@ class DecodeGraphs(_GraphSet):
         tables = a32[b : b + size * self.max_blocks].reshape(size, self.max_blocks)
         tables[:n, :width] = inputs.block_tables
         tables[n:size, 0] = 0
-        return self._replay(size, n, b + size * self.max_blocks, fill)
+        key = self._key(size, int(inputs.seq_lens.max()))
+        return self._replay(key, size, n, b + size * self.max_blocks, fill)
 
 
 class MixedGraphs(_GraphSet):
@@ -236,7 +293,7 @@ class MixedGraphs(_GraphSet):
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay(size, len(inputs.input_ids), end, fill)
+        return self._replay(size, size, len(inputs.input_ids), end, fill)[0]
 
 
 def mixed_bucket(

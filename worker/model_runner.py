@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.kernels.attention import Attention, AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
-from pagedserve.kernels.backend import attention_backend_name
+from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.grammar import GrammarCompiler, GrammarMasks, RowMatcher
@@ -61,11 +62,13 @@ def set_cpu_threads(ranks_per_node: int) -> int:
 
 @dataclass
 class StartedStep:
-    """A plan whose forward is queued: logits [S, V] on the last stage when it samples."""
+    """A plan whose forward is queued: logits [S, V] on the last stage when it samples (and
+    their argmax [S] when a decode graph computed it)."""
 
     plan: StepPlan
     inputs: StepInputs | None
     logits: torch.Tensor | None
+    argmax: torch.Tensor | None = None
 
 
 @dataclass
@@ -208,10 +211,24 @@ class ModelRunner:
                 forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
             )
             self.mixed_graphs.capture()  # the largest activations first: one pool for all
-            self.graphs = DecodeGraphs(forward, max_batch=min(sched.max_num_seqs, 512), **shape)
+            self.graphs = DecodeGraphs(
+                forward, max_batch=min(sched.max_num_seqs, 512), head=self._graph_head(),
+                short=fusion_enabled("short-splits"), **shape,
+            )  # fmt: skip
             self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         return timings
+
+    def _graph_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """LM head and greedy argmax for small decode graphs (one rank: no collective inside)."""
+        if not fusion_enabled("graph-head") or self.info.tp_size > 1:
+            return None
+
+        def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.model.compute_logits(hidden)  # [n, V] float32
+            return logits, logits.argmax(dim=-1)
+
+        return head
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need capturable attention kernels (no host loops) and one stage."""
@@ -280,7 +297,9 @@ class ModelRunner:
         bucket = self._graph_bucket(inputs)
         mixed = self._mixed_bucket(inputs) if bucket is None else None
         if bucket is not None:
-            hidden = self.graphs.run(inputs, bucket, fill)  # [T, H]
+            hidden, *head = self.graphs.run(inputs, bucket, fill)  # [T, H], logits, ids
+            if head and inputs.sample_rows:
+                return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
         elif mixed is not None:
             hidden = self.mixed_graphs.run(inputs, mixed, fill)  # [T, H]
         else:
@@ -293,6 +312,15 @@ class ModelRunner:
         logits_idx = to_device(inputs.logits_indices, self.device)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
         return StartedStep(plan, inputs, logits)
+
+    def _sampled_rows(
+        self, inputs: StepInputs, logits: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A head graph's logits [n, V] and ids [n] of every row -> those of the sampling rows."""
+        if len(inputs.sample_rows) == len(ids):
+            return logits, ids
+        idx = to_device(inputs.logits_indices, self.device)
+        return logits[idx], ids[idx]
 
     def _device_fill(
         self, inputs: StepInputs, prev: PendingStep | None
@@ -320,7 +348,8 @@ class ModelRunner:
         rows = [self._sampling_row(req_id) for req_id in sample_ids]
         if self.matchers:
             self._apply_grammars(step.logits, sample_ids, rows)
-        token_ids = self.sampler.sample_ids(step.logits, rows)  # [S] on the device
+        argmax = None if self.matchers else step.argmax  # grammar masks change the logits
+        token_ids = self.sampler.sample_ids(step.logits, rows, argmax)  # [S] on the device
         logprobs = None
         if self.info.is_driver and any(r.params.logprobs is not None for r in rows):
             logprobs = compute_logprobs(step.logits, token_ids, rows)  # waits for the device

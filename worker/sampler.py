@@ -69,12 +69,15 @@ class Sampler:
         token_ids = self.sample_ids(logits, rows)
         return SamplerOutput(token_ids.tolist(), compute_logprobs(logits, token_ids, rows))
 
-    def sample_ids(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The sampled ids [N] on the logits' device; greedy-only batches never touch the host."""
+    def sample_ids(
+        self, logits: torch.Tensor, rows: list[SamplingRow], argmax: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The sampled ids [N] on the logits' device; greedy-only batches never touch the host.
+        `argmax`: `logits.argmax(-1)` when already computed (inside a decode CUDA graph)."""
         assert logits.shape[0] == len(rows), "one logits row per sampling row"
         if any(r.needs_processing for r in rows):
             return self._sample_processed(logits.clone(), rows)  # [N]
-        return logits.argmax(dim=-1)  # [N]
+        return logits.argmax(dim=-1) if argmax is None else argmax  # [N]
 
     def _sample_processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         apply_logit_bias(logits, rows)

@@ -16,6 +16,10 @@
 # From a helper's worktree: the device call sends the session's checkout, not the worktree, so
 # copy the branch (`git archive HEAD | tar -x -C CHECKOUT/.mycarry/pagedserve`, plus .whl and
 # .gpucarry inside it), list `.mycarry/` in .git/info/exclude, carry it, `cd` there first.
+# Decode latency (issue 18): `kernels-b1` times the small-batch GEMV against cuBLAS at the 8B
+# weight shapes and sweeps its launch configs; `decode-tests` runs the fused kernels' GPU tests;
+# `w3-ablate` runs W3 once with every fusion on, then with each one off, then all off:
+#   STEPS="decode-tests kernels-b1 w3-ablate w3 w1" bash tests/gpu/device_run.sh
 # (`tp`: tp=2 vs tp=1 greedy equality and decode latency; needs two GPUs, e.g. nvidia-h200-x2)
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
@@ -93,6 +97,20 @@ for label, step, key in rows:
 PY
     ;;
     kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
+    kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
+          2>&1 | tee "$OUT/kernels-b1.txt" ;;
+    decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py
+          $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k "graph or bf16"; } \
+          2>&1 | tee "$OUT/decode-tests.txt" | tail -20 ;;
+    w3-ablate)  # W3 with each decode fusion off in turn (kernels/backend.py: PAGEDSERVE_DISABLE_FUSIONS)
+        for off in none gemv gated-gemv rope-cache graph-head short-splits all; do
+          [ $off = none ] && fus="" || fus=$off
+          PAGEDSERVE_DISABLE_FUSIONS=$fus timeout 60 $PS bench latency $COMMON --batch-size 1 \
+            --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \
+            --output-json "$OUT/w3-off-$off.json" > "$OUT/w3-off-$off.txt" 2>&1
+          python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(f'W3 off={sys.argv[2]:<13} {d[\"ms_per_output_token\"]:.3f} ms/token')" \
+            "$OUT/w3-off-$off.json" $off 2>/dev/null || { echo "W3 off=$off failed:"; tail -5 "$OUT/w3-off-$off.txt"; }
+        done | tee "$OUT/w3-ablate.txt" ;;
     gpu-tests) $T python3 -m pytest -q -m gpu -s tests/test_gpu_equivalence.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25 ;;
     kernel-tests) $T python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_triton_fp8.py \
           2>&1 | tee "$OUT/kernel-tests.txt" | tail -15 ;;

@@ -81,8 +81,7 @@ class GemmaAttention(nn.Module):
         if self.is_gemma3:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, self.rotary_emb, positions))
 
 
 class GemmaMLP(nn.Module):

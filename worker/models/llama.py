@@ -140,8 +140,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, self.rotary_emb, positions))
 
 
 class LlamaMLP(nn.Module):
@@ -157,7 +156,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu_and_mul inside
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,114 @@
+"""The small-batch GEMV (kernels/triton_gemv.py) against `torch.matmul` (cuBLAS) at Llama-3-8B's
+weight shapes, bf16, on a GPU: GB/s of weight read (the figure of merit at M <= 8; the H100's
+copy ceiling is ~3000 GB/s) for M = 1, 2, 4, 8, both timed replaying a CUDA graph, and which one
+the model's dispatch (kernels/linear.py, which measures both itself) picks.
+
+    python -m pagedserve.kernels.bench_gemv [--sweep] [--json PATH]
+
+`--sweep` also times every candidate launch configuration per shape at M = 1 and prints the best
+(what `gemv_config` should return). Each row checks the GEMV against F.linear first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K)
+    "o_proj": (4096, 4096),
+    "qkv": (6144, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def _ms(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, return_mode="median")
+
+
+def candidates() -> list[dict[str, int]]:
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+    return [
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+        for n, k, w, s in grid
+        if n * k <= 32768 and not (w == 8 and n == 16)
+    ]
+
+
+def compare() -> list[dict[str, float]]:
+    from pagedserve.kernels.bench_kernels import relative_error
+    from pagedserve.kernels.linear import GEMV_WINS, linear
+    from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
+
+    rows = []
+    print(f"{'shape':<8} {'N x K':>13} {'M':>2} {'gemv us':>8} {'GB/s':>6} {'cublas us':>9} "
+          f"{'GB/s':>6} {'speedup':>7}  config")  # fmt: skip
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            err = relative_error(triton_gemv(x, w), F.linear(x, w))
+            ours = _ms(lambda x=x, w=w: triton_gemv(x, w))
+            theirs = _ms(lambda x=x, w=w: torch.matmul(x, w.t()))
+            gb = n * k * 2 / 1e6
+            rows.append({"shape": name, "n": n, "k": k, "m": m, "gemv_us": ours * 1e3,
+                         "cublas_us": theirs * 1e3, "gemv_gbps": gb / ours,
+                         "cublas_gbps": gb / theirs, "rel_err": err})  # fmt: skip
+            linear(x, w, None)  # what the model's dispatch picks, by its own measurement
+            picked = "gemv" if GEMV_WINS[(m, n, k, False, x.dtype, x.device)] else "cublas"
+            flag = f"  picks {picked}" + (f"  !! rel_err {err:.1e}" if err > 1e-2 else "")
+            print(f"{name:<8} {n:>6}x{k:<6} {m:>2} {ours * 1e3:8.1f} {gb / ours:6.0f} "
+                  f"{theirs * 1e3:9.1f} {gb / theirs:6.0f} {theirs / ours:6.2f}x  "
+                  f"{gemv_config(n, k)}{flag}")  # fmt: skip
+    total = {k: sum(r[k] for r in rows if r["m"] == 1) for k in ("gemv_us", "cublas_us")}
+    print(f"M=1, one each of the five: gemv {total['gemv_us']:.1f} us, cuBLAS "
+          f"{total['cublas_us']:.1f} us")  # fmt: skip
+    return rows
+
+
+def sweep() -> dict[str, dict[str, int]]:
+    from pagedserve.kernels.triton_gemv import triton_gemv
+
+    best = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        timed = []
+        for cfg in candidates():
+            try:
+                fn = lambda x=x, w=w, cfg=cfg: triton_gemv(x, w, config=cfg)  # noqa: E731
+                timed.append((_ms(fn), cfg))
+            except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
+                print(f"  {name} {cfg}: {type(exc).__name__}")
+        ms, cfg = min(timed, key=lambda t: t[0])
+        best[name] = cfg
+        print(f"{name:<8} best {ms * 1e3:7.1f} us {n * k * 2 / ms / 1e6:6.0f} GB/s {cfg}")
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemv needs a CUDA device")
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "bf16 GEMV vs cuBLAS, Llama-3-8B weight shapes")
+    result = {"compare": compare()}
+    if args.sweep:
+        result["sweep"] = sweep()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

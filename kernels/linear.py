@@ -1,0 +1,90 @@
+"""The model-dtype matmul of every linear layer and the LM head: `F.linear`, except that on CUDA
+a few rows (a decode batch of <= 8) may take the Triton GEMV (kernels/triton_gemv.py), which reads
+the weight once without cuBLAS' split-K reduce kernel.
+
+Which one runs is measured, not assumed: the first call for a (rows, N, K, gated) key outside a
+CUDA-graph capture times both (a few runs each, CUDA events) and keeps the faster for the rest of
+the process, so the GEMV only replaces cuBLAS where it wins on this GPU. Decode graphs warm up
+before they capture, so every choice they hold is made then; an eager step meeting a new key
+pays one short synchronizing measurement. The row count is a host int, fixed per graph bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.backend import fusion_enabled, use_triton
+
+GEMV_MAX_M = 8  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
+TIMING_RUNS = 5
+# (rows, N, K, gated, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it)
+GEMV_WINS: dict[tuple[object, ...], bool] = {}
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_M
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and use_triton(x)
+        and fusion_enabled("gemv")
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: x [M, K], weight [N, K] -> [M, N]."""
+    if use_gemv(x, weight):
+        from pagedserve.kernels.triton_gemv import triton_gemv
+
+        fast = lambda: triton_gemv(x, weight, bias)  # noqa: E731
+        if _gemv_wins(x, weight, False, fast, lambda: F.linear(x, weight, bias)):
+            return fast()
+    return F.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(silu_and_mul(x), weight, bias)`: x [M, 2K] (gate | up) -> [M, N]; at GEMV sizes
+    the activation may happen inside the GEMV's loads (one kernel instead of two)."""
+    if use_gemv(x, weight) and fusion_enabled("gated-gemv"):
+        from pagedserve.kernels.triton_gemv import triton_gemv
+
+        fast = lambda: triton_gemv(x, weight, bias, gated=True)  # noqa: E731
+        slow = lambda: linear(silu_and_mul(x), weight, bias)  # noqa: E731
+        return fast() if _gemv_wins(x, weight, True, fast, slow) else slow()
+    return linear(silu_and_mul(x), weight, bias)
+
+
+def _gemv_wins(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool,
+    fast: Callable[[], torch.Tensor],
+    slow: Callable[[], torch.Tensor],
+) -> bool:
+    key = (x.shape[0], *weight.shape, gated, x.dtype, x.device)
+    won = GEMV_WINS.get(key)
+    if won is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return True  # nothing to time against here (the interpreter; a capture's first call)
+        won = GEMV_WINS[key] = _median_ms(fast) <= _median_ms(slow)
+    return won
+
+
+def _median_ms(fn: Callable[[], torch.Tensor]) -> float:
+    fn()  # compile / cuBLAS heuristics outside the timing
+    times = []
+    for _ in range(TIMING_RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):  # a few back to back, as a graph runs them
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,102 @@
+"""`x @ W^T (+ b)` for a few rows of bf16/fp16 (decode at batch <= 8), in Triton.
+
+Why: at batch 1 a decode step is bound by reading the weights once, and cuBLAS' heuristics pick
+split-K kernels for these shapes, which add a reduce kernel per matmul (four per layer, 128
+launches per token of Llama-3-8B). Here each program owns `BLOCK_N` output features and streams
+their whole `[BLOCK_N, K]` slice of the weight, `BLOCK_K` columns at a time, into one `tl.dot`
+per step with the rows of `x` padded to 16 (the smallest dot; the padding rows are never
+loaded). The dot lets Triton's pipeliner keep `num_stages` weight tiles in flight, and no program
+shares an output, so there is no reduce. The weight is `[N, K]` row-major (the checkpoint's
+layout), read transposed.
+
+`GATED`: the input is a merged gate/up output `[M, 2K]` and the kernel applies
+`silu(gate) * up` (rounded to the model dtype like `silu_and_mul_ref`) while loading it, so the
+MLP's down projection needs no separate activation kernel at small batches.
+
+Launch configurations per weight shape come from `gemv_config`; `python -m
+pagedserve.kernels.bench_gemv --sweep` times the candidates on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 8  # rows up to this take the GEMV; more go to cuBLAS (a real GEMM)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = rk < K - k * BLOCK_K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BM, BK]
+        if GATED:  # silu(gate) * up, each rounded to the model dtype as torch does
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        if EVEN:  # N and K whole tiles (every 8B shape): unmasked, fully vectorized loads
+            w = tl.load(w_ptrs)  # [BN, BK]
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv_config(n: int, k: int) -> dict[str, int]:
+    """BLOCK_N, BLOCK_K, warps and stages for an `[n, k]` weight. Narrow output tiles keep enough
+    programs for 132 SMs at n = 4096 (256 of 16 features) without splitting K; wide layers
+    (gate/up, the LM head) take 32-feature tiles, halving the programs that reload `x`."""
+    block_n = 16 if n <= 8192 else 32
+    return {"BLOCK_N": block_n, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+
+
+def triton_gemv(
+    x: torch.Tensor,  # [M, K] (GATED: [M, 2K]), M <= GEMV_MAX_M
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    gated: bool = False,
+    config: dict[str, int] | None = None,  # bench sweeps
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """`F.linear(x, weight, bias)`, or with `gated` `F.linear(silu_and_mul(x), weight, bias)`."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"expected x [M, K] and weight [N, K], got {x.shape}, {weight.shape}")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    if m > GEMV_MAX_M:
+        raise ValueError(f"the GEMV takes at most {GEMV_MAX_M} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError("x and weight need one dtype and contiguous rows")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or gemv_config(n, k)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    _gemv_kernel[grid](
+        x, weight, bias if bias is not None else out, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated,
+        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0, BLOCK_M=16, **cfg,
+    )  # fmt: skip
+    return out

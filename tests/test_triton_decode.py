@@ -1,0 +1,256 @@
+"""The decode-latency kernels against their torch references: the small-batch GEMV (plain, with a
+bias, with silu_and_mul folded in) and rotary fused with the KV-cache write; plus the switches
+that turn each fusion off (`PAGEDSERVE_DISABLE_FUSIONS`).
+
+Without a GPU the kernels run under the Triton interpreter, as in test_triton_kernels.py, in
+float32 and float16 (the interpreter's bfloat16 `tl.dot` returns garbage); with one, the same
+tiny tests run compiled and the `gpu`-marked tests add Llama-3-8B shapes in bf16 and a CUDA-graph
+capture.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see test_triton_kernels)
+RUNNABLE = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+tiny = pytest.mark.skipif(not RUNNABLE, reason="triton already imported without the interpreter")
+
+from pagedserve.kernels import backend  # noqa: E402
+from pagedserve.kernels.activation import silu_and_mul_ref  # noqa: E402
+from pagedserve.kernels.attention import write_kv_cache_ref  # noqa: E402
+from pagedserve.kernels.linear import gated_linear, linear  # noqa: E402
+from pagedserve.kernels.rotary import RotaryEmbedding, rope_config  # noqa: E402
+
+if HAS_TRITON:
+    from pagedserve.kernels.triton_gemv import triton_gemv
+    from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+SMALL = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)  # several K steps at tiny sizes
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.float32:
+        return dict(atol=2e-2, rtol=2e-2) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)
+    return dict(atol=3e-2, rtol=2e-2)
+
+
+@tiny
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 200), (3, 64, 128), (8, 33, 130)])
+def test_gemv(dtype, m, n, k):
+    """Rows 1-8, N not a multiple of the tile, K with a ragged last step; bias; gated input."""
+    gen = torch.Generator().manual_seed(m * n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
+    b, xg = torch.randn(n, generator=gen), torch.randn(m, 2 * k, generator=gen)
+    x, w, b, xg = (t.to(DEV, dtype) for t in (x, w, b, xg))
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(triton_gemv(x, w, b, config=SMALL).float(), want, **_tol(dtype))
+    want = F.linear(silu_and_mul_ref(xg).float(), w.float())
+    got = triton_gemv(xg, w, None, gated=True, config=SMALL).float()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    strided = torch.randn(m, k + 8, generator=gen).to(DEV, dtype)[:, 8:]  # a row stride
+    torch.testing.assert_close(
+        triton_gemv(strided, w).float(), F.linear(strided.float(), w.float()), **_tol(dtype)
+    )
+
+
+@tiny
+def test_gemv_rejects_bad_inputs():
+    w = torch.randn(16, 32, device=DEV)
+    with pytest.raises(ValueError, match="at most"):
+        triton_gemv(torch.randn(9, 32, device=DEV), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        triton_gemv(torch.randn(2, 32, device=DEV), w, gated=True)
+
+
+def test_linear_dispatch_on_cpu():
+    """CPU keeps the torch reference: `linear` is F.linear, `gated_linear` the unfused pair."""
+    x, w = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w, None), F.linear(x, w))
+    xg = torch.randn(2, 16, dtype=torch.bfloat16)
+    assert torch.equal(gated_linear(xg, w, None), F.linear(silu_and_mul_ref(xg), w))
+
+
+def _rope_case(partial: float, cache_dtype: torch.dtype, model_dtype: torch.dtype):
+    cfg = rope_config({"rope_theta": 10000.0, "partial_rotary_factor": partial})
+    rope = RotaryEmbedding(16, 64, cfg)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=gen).to(model_dtype)
+    positions = torch.randint(0, 64, (5,), generator=gen)
+    slots = torch.tensor([3, -1, 40, 63, 17])  # -1: CUDA-graph padding, writes nowhere
+    kv = torch.randn(4, 2, 16, 2, 16, generator=gen).to(cache_dtype)
+    return rope, qkv, positions, slots, kv
+
+
+def _rope_reference(rope, qkv, positions, slots, kv, scales=(1.0, 1.0)):
+    """Rotary on the CPU, then the reference cache write: the unfused pair."""
+    q, k = rope(positions, qkv[:, :64], qkv[:, 64:96])
+    kv = kv.clone()
+    v = qkv[:, 96:]
+    write_kv_cache_ref(k.view(5, 2, 16), v.reshape(5, 2, 16), kv, slots, *scales)
+    return q, kv
+
+
+@tiny
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_and_cache(partial, dtype):
+    rope, qkv, positions, slots, kv = _rope_case(partial, dtype, dtype)
+    want_q, want_kv = _rope_reference(rope, qkv, positions, slots, kv)
+    qkv_d, kv_d = qkv.to(DEV), kv.to(DEV)
+    k_before = qkv_d[:, 64:96].clone()
+    q = triton_rope_and_cache(
+        positions.to(DEV), qkv_d[:, :64], qkv_d[:, 64:96], qkv_d[:, 96:], kv_d, slots.to(DEV),
+        rope.cos_sin_cache.to(DEV),
+    )  # fmt: skip
+    assert q.data_ptr() == qkv_d.data_ptr()  # rotated in place
+    torch.testing.assert_close(q.cpu(), want_q, **_tol(dtype))
+    torch.testing.assert_close(kv_d.cpu(), want_kv, **_tol(dtype))
+    assert torch.equal(qkv_d[:, 64:96], k_before)  # keys go to the cache only
+
+
+TINY_LLAMA = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+    num_hidden_layers=2, vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=256,
+    rope_theta=10000.0, model_type="llama",
+)  # fmt: skip
+
+
+def _decode_logits(monkeypatch, fast: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A tiny fp16 Llama prefills three prompts, then decodes one token each (3 rows: GEMV
+    sizes); with `fast` every op takes its Triton path (on a CPU, interpreted)."""
+    from pagedserve.kernels import activation, attention, linear, norm, rotary
+    from pagedserve.kernels.attention import build_attention_metadata, paged_attention_ref
+    from pagedserve.kernels.triton_attention import triton_paged_attention
+    from pagedserve.worker.models import _default_dtype
+    from pagedserve.worker.models.llama import LlamaForCausalLM
+
+    for module in (norm, rotary, activation, linear):
+        monkeypatch.setattr(module, "use_triton", lambda x: fast)
+    monkeypatch.setattr(attention, "use_triton_cache_write", lambda kv: fast)
+    torch.manual_seed(0)
+    backend = triton_paged_attention if fast else paged_attention_ref
+    with _default_dtype(torch.float16), torch.device(DEV):  # as build_model makes it
+        model = LlamaForCausalLM(TINY_LLAMA, backend)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    tables = [[0, 1], [2], [3, 4, 5]]
+    kv = [torch.zeros(8, 2, 16, 2, 16, dtype=torch.float16, device=DEV) for _ in range(2)]
+    meta, pos = build_attention_metadata([0, 0, 0], [7, 9, 30], tables, 16, DEV)
+    model(torch.arange(46, device=DEV) + 3, pos, kv, meta)
+    meta, pos = build_attention_metadata([7, 9, 30], [1, 1, 1], tables, 16, DEV)
+    hidden = model(torch.tensor([5, 6, 7], device=DEV), pos, kv, meta)
+    return model.compute_logits(hidden), kv
+
+
+@tiny
+def test_decoder_through_fused_kernels(monkeypatch):
+    """The whole decoder with rotary fused into the cache write, the GEMV for every projection
+    and the LM head, silu_and_mul inside the down projection: the torch reference's logits and
+    cache."""
+    from pagedserve.kernels import triton_gemv, triton_rope_cache
+
+    calls: list[str] = []
+    for module, name in (
+        (triton_gemv, "triton_gemv"),
+        (triton_rope_cache, "triton_rope_and_cache"),
+    ):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fn=fn, name=name, **k: (
+            calls.append(name + ("-gated" if k.get("gated") else "")), fn(*a, **k))[1])  # fmt: skip
+    want_logits, want_kv = _decode_logits(monkeypatch, fast=False)
+    assert not calls
+    logits, kv = _decode_logits(monkeypatch, fast=True)
+    assert sorted(set(calls)) == ["triton_gemv", "triton_gemv-gated", "triton_rope_and_cache"]
+    torch.testing.assert_close(logits, want_logits, atol=1e-2, rtol=1e-2)
+    for got, want in zip(kv, want_kv, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_fusion_switches(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "gemv, rope-cache")
+    backend.disabled_fusions.cache_clear()
+    try:
+        assert not backend.fusion_enabled("gemv") and backend.fusion_enabled("graph-head")
+        monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "all")
+        backend.disabled_fusions.cache_clear()
+        assert not any(backend.fusion_enabled(name) for name in backend.FUSIONS)
+        monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "gemv,rotary")
+        backend.disabled_fusions.cache_clear()
+        with pytest.raises(ValueError, match="rotary"):
+            backend.fusion_enabled("gemv")
+    finally:
+        monkeypatch.delenv("PAGEDSERVE_DISABLE_FUSIONS")
+        backend.disabled_fusions.cache_clear()
+
+
+@pytest.mark.skipif(RUNNABLE or not HAS_TRITON, reason="the tiny tests ran in this process")
+def test_rerun_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# GPU: Llama-3-8B shapes, bf16.
+SHAPES_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), SHAPES_8B)
+def test_gpu_gemv_8b_shapes(n, k):
+    from pagedserve.kernels.bench_kernels import relative_error
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    for m in (1, 2, 4, 8):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        assert relative_error(triton_gemv(x, w), F.linear(x, w)) < 1e-2
+    xg = torch.randn(3, 2 * k, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(silu_and_mul_ref(xg), w)
+    assert relative_error(triton_gemv(xg, w, gated=True), ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_cuda_graph():
+    """Captured once, replayed on new inputs: the GEMV reads its operands through the graph."""
+    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    linear(x, w, None)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(x, w, None)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, F.linear(x, w), atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_rope_and_cache(cache_dtype):
+    rope, qkv, positions, slots, kv = _rope_case(1.0, torch.float32, torch.bfloat16)
+    kv = kv.to(cache_dtype)
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    want_q, want_kv = _rope_reference(rope.cuda(), qkv.cuda(), positions.cuda(), slots.cuda(),
+                                      kv.cuda(), scales)  # fmt: skip
+    qkv_d, kv_d = qkv.cuda(), kv.cuda()
+    q = triton_rope_and_cache(
+        positions.cuda(), qkv_d[:, :64], qkv_d[:, 64:96], qkv_d[:, 96:], kv_d, slots.cuda(),
+        rope.cos_sin_cache.cuda(), *scales,
+    )  # fmt: skip
+    torch.testing.assert_close(q, want_q)
+    assert torch.equal(kv_d.float(), want_kv.float())
