@@ -167,9 +167,8 @@ class KVCacheManager:
     ) -> bool:
         num_needed = self._num_blocks_needed(req, num_new_tokens, new_computed_blocks)
         # A hit nobody owns sits in the free queue: touching it takes it out of the free pool.
-        num_revived = sum(
-            1 for hits in new_computed_blocks for b in hits if b is not SKIPPED_BLOCK and b.ref_cnt == 0
-        )
+        revived = (b for hits in new_computed_blocks for b in hits if b is not SKIPPED_BLOCK)
+        num_revived = sum(1 for b in revived if b.ref_cnt == 0)
         return num_needed * self.num_groups + num_revived <= self.pool.num_free
 
     def _num_blocks_needed(

@@ -68,13 +68,14 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             group_windows or [None],
         )  # fmt: skip
-        need = self.kv.max_blocks_per_request(max_model_len, scheduler_config.max_num_batched_tokens)
+        budget = scheduler_config.max_num_batched_tokens
+        need = self.kv.max_blocks_per_request(max_model_len, budget)
         if need > num_blocks:
+            groups = f" over {self.kv.num_groups} KV cache groups" if self.kv.num_groups > 1 else ""
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {cache_config.block_size} tokens, fewer "
                 f"than the {need} blocks one request of max_model_len={max_model_len} can need"
-                f"{'' if self.kv.num_groups == 1 else f' over {self.kv.num_groups} KV cache groups'}"
-                ": lower --max-model-len or give the KV cache more memory"
+                f"{groups}: lower --max-model-len or give the KV cache more memory"
             )
         self.config = scheduler_config
         self.block_size = cache_config.block_size
