@@ -24,6 +24,9 @@ NUM_NEW = 8
 # One engine run per model code path (MoE + window, Gemma, Phi-3): each costs an engine start.
 # Qwen3-MoE and Gemma 2 differ from Mixtral and Gemma 3 in what the logits test checks.
 ENGINE_KINDS = ["mixtral", "gemma3", "phi3"]
+# Gemma's two KV cache groups (windowed, global) share each KV tensor: a block is half the bytes,
+# and one request may hold a window's worth of blocks more.
+NUM_BLOCKS = {"gemma3": 24}
 
 
 @pytest.fixture(scope="module", params=FAMILY_KINDS)
@@ -58,7 +61,8 @@ def test_engine_tp2_prefix_cache_equals_transformers(kind, tmp_path_factory):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(
         path, device="cpu", dtype="float32", tensor_parallel_size=2, block_size=4,
-        max_num_batched_tokens=16, num_gpu_blocks_override=16, max_model_len=64,
+        max_num_batched_tokens=16, num_gpu_blocks_override=NUM_BLOCKS.get(kind, 16),
+        max_model_len=64,
     ) as llm:  # fmt: skip
         first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
         rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
