@@ -124,14 +124,7 @@ class KVCacheManager:
         num_hit = len(hashes)
         for g, window in enumerate(self.windows):
             if window is None:  # a prefix run, the bound for the windowed groups
-                num_hit = next(
-                    (
-                        i
-                        for i, h in enumerate(hashes[:num_hit])
-                        if self.pool.lookup(self._key(h, g)) is None
-                    ),
-                    num_hit,
-                )
+                num_hit = self._prefix_run(hashes[:num_hit], g)
         valid = [True] * (num_hit + 1)  # valid[k]: every windowed group can serve a hit of k
         for g, window in enumerate(self.windows):
             if window is not None:
@@ -147,6 +140,13 @@ class KVCacheManager:
             assert all(b is not None for b in found)
             hits.append([SKIPPED_BLOCK] * skip + found)
         return hits, num_hit * self.block_size
+
+    def _prefix_run(self, hashes: list[bytes], group: int) -> int:
+        """How many blocks from the start are cached in `group`."""
+        for i, h in enumerate(hashes):
+            if self.pool.lookup(self._key(h, group)) is None:
+                return i
+        return len(hashes)
 
     def _window_hits(self, hashes: list[bytes], group: int, window: int) -> list[bool]:
         """[k]: the blocks a token at position `k * block_size` reads in `group` are cached."""
