@@ -205,12 +205,14 @@ class KVCacheManager:
         if not req.blocks:
             req.blocks = [[] for _ in self.windows]
             req.num_skipped_blocks = [0] * self.num_groups
-        for g, blocks in enumerate(req.blocks):
-            group_hits = hits[g] if hits else []
+        # Every group's hits leave the free queue before any group pops new blocks: popping
+        # first could evict (and hand to another group) a block that a later group hits.
+        for g, group_hits in enumerate(hits):
             held = [b for b in group_hits if b is not SKIPPED_BLOCK]
             self.pool.touch(held)
-            blocks.extend(group_hits)
+            req.blocks[g].extend(group_hits)
             req.num_skipped_blocks[g] += len(group_hits) - len(held)  # they lead the list
+        for blocks in req.blocks:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         req.num_hashed_blocks += num_hits
         self._cache_full_blocks(req, min(num_tokens, req.num_tokens) // self.block_size)

@@ -101,3 +101,17 @@ def test_too_small_a_cache_for_the_groups_is_refused():
     with pytest.raises(ValueError, match="over 2 KV cache groups"):
         make(num_blocks=16, block_size=4, budget=16, max_model_len=64, windows=[None, 8])
     make(num_blocks=16 + 7, block_size=4, budget=16, max_model_len=64, windows=[None, 8])
+
+
+def test_every_groups_hits_are_taken_before_any_group_pops_new_blocks():
+    """A full pool of cached blocks, the global group's first (LRU order): the new block the
+    global group pops must not be one the windowed group is about to hit (found by the state
+    machine; the invariants catch a block in two groups)."""
+    s = make(num_blocks=12, block_size=4, max_model_len=24, windows=[None, 8])
+    add(s, "a", range(10, 27), max_tokens=1)  # 17 tokens: 5 blocks per group, then freed
+    step(s)
+    add(s, "c", range(100, 107), max_tokens=5)  # takes the 4 uncached blocks
+    step(s)
+    add(s, "b", [*range(10, 27), 50, 51, 52])  # hits 4 blocks: [0-3] and [skip, skip, 2, 3]
+    plan, _ = step(s)
+    assert plan.new_requests[0].num_computed_tokens == 16 and s.kv.num_free_blocks == 0
