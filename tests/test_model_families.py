@@ -159,3 +159,25 @@ def test_sharded_moe_checkpoint_and_clear_errors(tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match=r"\['DeepseekV3ForCausalLM'\] is not supported"):
         build_model(ModelConfig(model=str(odd)), torch.float32, "cpu")
+
+
+def test_gemma_groups_share_kv_tensors_so_a_block_costs_one_slot(tmp_path_factory):
+    """Gemma's windowed and global layers are two KV cache groups of one layer each: both layers
+    use one KV tensor (a block id belongs to one group at a time), so a block costs one layer's
+    bytes and the same memory holds twice the blocks of a model whose layers share one table."""
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    path = make_tiny_model("gemma3", str(tmp_path_factory.getbasetemp() / "gemma3"))
+    memory = 1 << 20
+    config = build_engine_config(
+        path, device="cpu", dtype="float32", block_size=4, kv_cache_memory=memory
+    )
+    assert config.model.kv_group_windows == [None, 8]
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    per_layer = 2 * 4 * runner.model.num_kv_heads_per_rank * runner.model.head_dim * 4
+    assert runner.profile_num_blocks() == memory // per_layer
+    runner.init_cache(8)
+    assert runner.kv_caches[0] is runner.kv_caches[1] and runner.kv_caches[0].shape[0] == 8
+    assert runner.batch.block_tables.shape[0] == 2 and not runner._use_cuda_graphs()
