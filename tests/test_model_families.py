@@ -3,9 +3,10 @@
 Per family, on a tiny random model (tests/tiny_models.py `FAMILY_KINDS`): logits through the paged
 KV cache with chunked prefill and decodes in one batch (fp32, CPU, 8-token blocks); then the
 engine at tp=2 with 4-token blocks, a 16-token step budget, prefix-cache hits and a KV cache of 16
-blocks (Mixtral's window frees blocks behind it, which others then reuse; the other families
-preempt), greedy token for token against transformers' `generate` (so tp=2 equals tp=1, which
-equals transformers)."""
+blocks (Mixtral's window frees blocks behind it, which others then reuse; Gemma's windowed KV cache
+group does the same while its global group keeps every block, and its prefix hits skip the
+windowed blocks behind the window; the other families preempt), greedy token for token against
+transformers' `generate` (so tp=2 equals tp=1, which equals transformers)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from pagedserve.worker.models import build_model
 from tiny_models import FAMILY_KINDS, make_tiny_model
 
 NUM_NEW = 8
-# One engine run per model code path (MoE + window, Gemma, Phi-3): each costs an engine start.
-# Qwen3-MoE and Gemma 2 differ from Mixtral and Gemma 3 in what the logits test checks.
-ENGINE_KINDS = ["mixtral", "gemma3", "phi3"]
+# One engine run per model code path (MoE + window, Gemma 2 and 3 with their two KV cache groups,
+# Phi-3): each costs an engine start. Qwen3-MoE differs from Mixtral in what the logits test checks.
+ENGINE_KINDS = ["mixtral", "gemma2", "gemma3", "phi3"]
 # Gemma's two KV cache groups (windowed, global) share each KV tensor: a block is half the bytes,
 # and one request may hold a window's worth of blocks more.
-NUM_BLOCKS = {"gemma3": 24}
+NUM_BLOCKS = {"gemma2": 24, "gemma3": 24}
 
 
 @pytest.fixture(scope="module", params=FAMILY_KINDS)
