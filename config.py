@@ -16,6 +16,7 @@ from typing import Any
 from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")  # FP8 expert weights are not implemented
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -79,6 +80,45 @@ def layer_sliding_window(hf: dict[str, Any], layer_idx: int) -> int | None:
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request: same window (None: global attention).
+
+    A model whose layers all attend alike has one group. One that mixes windowed and global layers
+    (Gemma 2/3) has several, as in vLLM: each kind's layers split into groups of `size` layers
+    (the smallest kind's count), so layer `i` of every group can share one KV tensor (`slot`) and
+    a block is the same number of bytes whichever group owns it. The core then keeps a windowed
+    group's blocks to its window while the global groups keep every block."""
+
+    window: int | None
+    layer_ids: tuple[int, ...]
+
+
+def kv_cache_groups(hf: dict[str, Any]) -> list[KVCacheGroup]:
+    """The model's KV cache groups, in a fixed order (global kinds first, then by window)."""
+    num_layers = int(hf["num_hidden_layers"])
+    kinds: dict[int | None, list[int]] = {}
+    for i in range(num_layers):
+        kinds.setdefault(layer_sliding_window(hf, i), []).append(i)
+    if len(kinds) == 1:
+        ((window, layer_ids),) = kinds.items()
+        return [KVCacheGroup(window, tuple(layer_ids))]
+    size = min(len(ids) for ids in kinds.values())
+    groups = []
+    for window in sorted(kinds, key=lambda w: -1 if w is None else w):
+        ids = kinds[window]
+        groups += [KVCacheGroup(window, tuple(ids[j : j + size])) for j in range(0, len(ids), size)]
+    return groups
+
+
+def layer_kv_slot(hf: dict[str, Any], layer_idx: int) -> tuple[int, int]:
+    """(group, slot) of a layer: which block table it reads and which shared KV tensor it uses."""
+    for g, group in enumerate(kv_cache_groups(hf)):
+        if layer_idx in group.layer_ids:
+            return g, group.layer_ids.index(layer_idx)
+    raise ValueError(f"layer {layer_idx} is not in the model's {hf['num_hidden_layers']} layers")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str
     dtype: str = "auto"
@@ -118,6 +158,12 @@ class ModelConfig:
                 f"--attention-backend {self.attention_backend!r}: choose auto, triton or flash"
             )
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
+        if self.quant is not None and self.hf.get("model_type") in MOE_MODEL_TYPES:
+            source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
+            raise ValueError(
+                f"{source}: FP8 weights are not supported for MoE models "
+                f"({self.hf['model_type']}) yet; serve the bf16 checkpoint"
+            )
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
         if self.load_format == "gguf" and gguf_file is None:
@@ -208,11 +254,9 @@ class ModelConfig:
         return out
 
     @property
-    def kv_sliding_window(self) -> int | None:
-        """The window shared by every layer, so the core may free KV blocks that fall wholly
-        behind it; None when any layer attends to the whole context (Gemma's global layers)."""
-        windows = {layer_sliding_window(self.hf, i) for i in range(self.num_layers)}
-        return windows.pop() if len(windows) == 1 else None
+    def kv_group_windows(self) -> list[int | None]:
+        """Each KV cache group's window (None: global), what the core keeps block accounts by."""
+        return [group.window for group in kv_cache_groups(self.hf)]
 
     @property
     def eos_token_ids(self) -> list[int]:

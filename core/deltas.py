@@ -13,11 +13,14 @@ from pagedserve.ipc.messages import CachedDelta, NewRequest, RequestDelta, Token
 
 
 def new_request(req: Request) -> NewRequest:
-    assert req.num_skipped_blocks == 0, "a request joins the batch before any block is skipped"
+    """A windowed group's blocks skipped at a prefix hit travel as block 0: the workers need some
+    valid id there, and attention masks every position behind the window."""
+    block_ids = [[max(i, 0) for i in ids] for ids in req.block_ids]
     return NewRequest(
         req_id=req.req_id,
         prompt_token_ids=req.prompt_token_ids,
-        block_ids=req.block_ids,
+        block_ids=block_ids[0],
+        group_block_ids=block_ids[1:],
         sampling=req.sampling,
         num_computed_tokens=req.num_computed_tokens,
         output_token_ids=list(req.output_token_ids),
@@ -29,12 +32,14 @@ def cached_delta(req: Request, with_tokens: bool = True) -> CachedDelta:
     """`with_tokens=False` where every rank that embeds tokens also samples them (one pipeline
     stage): the workers already hold each sampled token, so it need not travel back. Blocks
     skipped behind the sliding window were sent before: the workers keep their (masked) ids."""
-    assert req.num_skipped_blocks <= req.num_blocks_sent
+    assert all(n <= req.num_blocks_sent for n in req.num_skipped_blocks)
+    new_ids = [[b.block_id for b in blocks[req.num_blocks_sent :]] for blocks in req.blocks]
     return CachedDelta(
         req_id=req.req_id,
         new_token_ids=req.all_token_ids[req.num_tokens_sent :] if with_tokens else [],
-        new_block_ids=[b.block_id for b in req.blocks[req.num_blocks_sent :]],
+        new_block_ids=new_ids[0],
         num_computed_tokens=req.num_computed_tokens,
+        new_group_block_ids=new_ids[1:] if any(new_ids[1:]) else [],
     )
 
 

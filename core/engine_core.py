@@ -87,7 +87,7 @@ class EngineCore:
             num_blocks,
             async_scheduling=async_scheduling,
             workers_keep_samples=pp == 1,
-            sliding_window=config.model.kv_sliding_window,
+            group_windows=config.model.kv_group_windows,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size

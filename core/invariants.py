@@ -19,28 +19,39 @@ def check_invariants(sched: Scheduler) -> None:
       twice by one request never), and a block is free exactly when its ref_cnt is 0;
     - free + used == total;
     - every running request holds blocks for its computed tokens; waiting ones hold none;
-    - skipped blocks are exactly a request's first `num_skipped_blocks`, all wholly behind the
-      sliding window of its next token;
+    - a running request holds one block list per KV cache group, all of one length; a block
+      belongs to one group only;
+    - skipped blocks are exactly a group's first `num_skipped_blocks[g]`, all wholly behind the
+      group's sliding window of the request's next token;
     - the hash map and the blocks' hashes agree, both ways;
     - `running` and the waiting queue partition the unfinished requests.
     """
-    pool = sched.kv.pool
+    pool, kv = sched.kv.pool, sched.kv
     owners: Counter[int] = Counter()
+    group_of: dict[int, int] = {}  # block id -> the KV cache group that owns it
     for req in sched.running:
         assert req.status == RequestStatus.RUNNING, req
-        skipped = req.blocks[: req.num_skipped_blocks]
-        ids = [b.block_id for b in req.blocks[req.num_skipped_blocks :]]
-        assert all(b is SKIPPED_BLOCK for b in skipped) and -1 not in ids, req
-        if skipped:
-            window = sched.kv.sliding_window
-            assert window is not None, req
-            assert len(skipped) * sched.block_size <= req.num_computed_tokens - window + 1, req
+        assert len(req.blocks) == len(req.num_skipped_blocks) == kv.num_groups, req
+        assert len({len(blocks) for blocks in req.blocks}) == 1, f"{req}: groups out of step"
+        ids = []
+        for g, blocks in enumerate(req.blocks):
+            num_skipped = req.num_skipped_blocks[g]
+            group_ids = [b.block_id for b in blocks[num_skipped:]]
+            assert all(b is SKIPPED_BLOCK for b in blocks[:num_skipped]), req
+            assert -1 not in group_ids, req
+            if num_skipped:
+                window = kv.windows[g]
+                assert window is not None, req
+                assert num_skipped * sched.block_size <= req.num_computed_tokens - window + 1, req
+            for i in group_ids:
+                assert group_of.setdefault(i, g) == g, f"block {i} is in two KV cache groups"
+            ids += group_ids
         assert len(set(ids)) == len(ids), f"{req} holds a block twice"
         owners.update(ids)
-        assert len(req.blocks) * sched.block_size >= req.num_computed_tokens, req
+        assert req.num_blocks * sched.block_size >= req.num_computed_tokens, req
         assert req.num_placeholders >= 0, req
         assert req.num_computed_tokens <= req.num_tokens + req.num_placeholders, req
-        assert req.num_hashed_blocks <= len(req.blocks), req
+        assert req.num_hashed_blocks <= req.num_blocks, req
     for block in pool.blocks:
         assert block.ref_cnt == owners[block.block_id], f"{block}: {owners[block.block_id]} owners"
         assert (block in pool.free_queue) == (block.ref_cnt == 0), block

@@ -10,14 +10,25 @@ registered block, or skipped). A block whose last token is a placeholder (sample
 in flight) is registered by a later allocation, once the core knows that token, or when the
 request leaves.
 
-Sliding window (every layer attends only to the last `sliding_window` positions): the next token
-to compute, at position `num_computed_tokens`, reads keys from `num_computed_tokens - window + 1`
-on, and later tokens from further on. Blocks wholly before that are freed at the request's next
-allocation and replaced by `SKIPPED_BLOCK`, so a long sequence holds about `window / block_size`
-blocks. A freed block keeps its hash: it stays in the prefix cache (evictable) for requests that
-share the prefix. The workers' block tables keep the freed block's id; attention masks those
-positions, so whatever a new owner writes there is never weighed. The block is reused only by a
-later plan than the ones that read it, and plans execute in order.
+KV cache groups (config.kv_cache_groups): a model whose layers all attend alike has one group; one
+that mixes windowed and global layers (Gemma 2/3) has several, and a request holds one block list
+per group in `req.blocks`. Every group's list has the same length (a block per `block_size`
+positions) and grows in step with the others; blocks come from one shared pool, each owned by one
+group (its prefix-cache key names the group), so the memory profile stays one number of blocks.
+
+Sliding window: the next token to compute, at position `num_computed_tokens`, reads keys from
+`num_computed_tokens - window + 1` on, and later tokens from further on. In a windowed group the
+blocks wholly before that are freed at the request's next allocation and replaced by
+`SKIPPED_BLOCK`, so a long sequence holds about `window / block_size` blocks there. A freed block
+keeps its hash: it stays in the prefix cache (evictable) for requests that share the prefix. The
+workers' block tables keep the freed block's id; attention masks those positions, so whatever a
+new owner writes there is never weighed. The block is reused only by a later plan than the ones
+that read it, and plans execute in order.
+
+Prefix hits with groups: a hit of `k` blocks needs, in a global group, every block `0..k-1`
+cached; in a windowed group only the blocks that the first token to compute (position
+`k * block_size`) reads, the ones before stay skipped (never allocated). The hit is the largest `k`
+that every group can serve.
 """
 
 from __future__ import annotations
@@ -45,15 +56,19 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
-        sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> None:
-        assert sliding_window is None or sliding_window >= 1
+        self.windows = list(group_windows or [None])  # per KV cache group (None: global)
+        assert all(w is None or w >= 1 for w in self.windows) and len(self.windows) < 256
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_queries = 0  # cumulative, in tokens
         self.prefix_cache_hits = 0  # cumulative, in tokens
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def usage(self) -> float:
@@ -62,6 +77,16 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def max_blocks_per_request(self, max_model_len: int, max_chunk: int) -> int:
+        """The most blocks one request holds at once (`max_chunk`: the most tokens one step
+        computes for it): all of its blocks in a global group; in a windowed one those its
+        window and one chunk span, partial blocks at both ends included."""
+        full, bs = cdiv(max_model_len, self.block_size), self.block_size
+        chunk = min(max_chunk, max_model_len)
+        return sum(
+            full if w is None else min(full, cdiv(w + chunk + bs - 2, bs)) for w in self.windows
+        )
 
     def block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the first `num_blocks` full blocks, extended lazily and kept on
@@ -74,8 +99,19 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of cached full blocks from the start of `req`, and its tokens.
+    @staticmethod
+    def _key(block_hash: bytes, group: int) -> bytes:
+        """The prefix-cache key of a block of `group`: equal content in two groups is two
+        blocks (each holds its own layers' KV)."""
+        return block_hash if group == 0 else block_hash + bytes([group])
+
+    def _num_behind(self, num_computed: int, window: int | None) -> int:
+        """Blocks wholly behind the window of the token at position `num_computed`."""
+        return 0 if window is None else max(num_computed - window + 1, 0) // self.block_size
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
+        """Per group, the blocks of the longest cached prefix of `req` (see above; leading
+        blocks a windowed group does not need are `SKIPPED_BLOCK`), and its tokens.
 
         Capped at `(num_tokens - 1) // block_size` blocks so at least one token is left to
         compute: the step must run the last token to produce logits to sample from. Does not
@@ -84,14 +120,42 @@ class KVCacheManager:
         """
         if not self.enable_caching or req.num_computed_tokens > 0:
             return [], 0
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        num_hit = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:  # a prefix run, the bound for the windowed groups
+                num_hit = self._prefix_run(hashes[:num_hit], g)
+        valid = [True] * (num_hit + 1)  # valid[k]: every windowed group can serve a hit of k
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                for k, ok in enumerate(self._window_hits(hashes[:num_hit], g, window)):
+                    valid[k] = valid[k] and ok
+        num_hit = max(k for k, ok in enumerate(valid) if ok)
+        if num_hit == 0:
+            return [], 0
         hits = []
-        for h in self.block_hashes(req, max_blocks):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        for g, window in enumerate(self.windows):
+            skip = self._num_behind(num_hit * self.block_size, window)
+            found = [self.pool.lookup(self._key(h, g)) for h in hashes[skip:num_hit]]
+            assert all(b is not None for b in found)
+            hits.append([SKIPPED_BLOCK] * skip + found)
+        return hits, num_hit * self.block_size
+
+    def _prefix_run(self, hashes: list[bytes], group: int) -> int:
+        """How many blocks from the start are cached in `group`."""
+        for i, h in enumerate(hashes):
+            if self.pool.lookup(self._key(h, group)) is None:
+                return i
+        return len(hashes)
+
+    def _window_hits(self, hashes: list[bytes], group: int, window: int) -> list[bool]:
+        """[k]: the blocks a token at position `k * block_size` reads in `group` are cached."""
+        valid, run = [True], 0  # run: cached blocks in a row up to the current one
+        for i, h in enumerate(hashes):
+            run = run + 1 if self.pool.lookup(self._key(h, group)) is not None else 0
+            k = i + 1
+            valid.append(run >= k - self._num_behind(k * self.block_size, window))
+        return valid
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_caching:
@@ -99,26 +163,31 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     def can_allocate(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock]
+        self, req: Request, num_new_tokens: int, new_computed_blocks: list[list[KVBlock]]
     ) -> bool:
         num_needed = self._num_blocks_needed(req, num_new_tokens, new_computed_blocks)
         # A hit nobody owns sits in the free queue: touching it takes it out of the free pool.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return num_needed + num_revived <= self.pool.num_free
+        revived = (b for hits in new_computed_blocks for b in hits if b is not SKIPPED_BLOCK)
+        num_revived = sum(1 for b in revived if b.ref_cnt == 0)
+        return num_needed * self.num_groups + num_revived <= self.pool.num_free
 
     def _num_blocks_needed(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock]
+        self, req: Request, num_new_tokens: int, new_computed_blocks: list[list[KVBlock]]
     ) -> int:
-        num_total = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_total += num_new_tokens
-        return max(0, cdiv(num_total, self.block_size) - len(req.blocks) - len(new_computed_blocks))
+        """New blocks each group needs (the same in all: their lists grow in step)."""
+        num_hits = len(new_computed_blocks[0]) if new_computed_blocks else 0
+        num_total = req.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        return max(0, cdiv(num_total, self.block_size) - req.num_blocks - num_hits)
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
-    ) -> list[int] | None:
-        """Give `req` blocks for `num_new_tokens` more tokens after its computed ones (and after
-        `new_computed_blocks`, prefix hits found by `get_computed_blocks`). None if they don't fit;
-        then nothing changed.
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[KVBlock]] | None = None,
+    ) -> bool:
+        """Give `req` blocks, in every group, for `num_new_tokens` more tokens after its computed
+        ones (and after `new_computed_blocks`, prefix hits found by `get_computed_blocks`).
+        False if they don't fit; then nothing changed but the blocks freed behind the window.
 
         On success, every block that becomes full once these tokens are computed is registered
         in the prefix cache now, at plan time: a sibling request planned later in the same step
@@ -128,39 +197,51 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         self.free_outside_window(req)  # whatever follows: those blocks are needed no more
         if not self.can_allocate(req, num_new_tokens, hits):
-            return None
+            return False
         assert not hits or not req.blocks, "prefix hits only on a request's first allocation"
         num_needed = self._num_blocks_needed(req, num_new_tokens, hits)
-        num_tokens = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        self.pool.touch(hits)
-        req.blocks.extend(hits)
-        req.num_hashed_blocks += len(hits)
-        new_blocks = self.pool.get_new_blocks(num_needed)
-        req.blocks.extend(new_blocks)
+        num_hits = len(hits[0]) if hits else 0
+        num_tokens = req.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        if not req.blocks:
+            req.blocks = [[] for _ in self.windows]
+            req.num_skipped_blocks = [0] * self.num_groups
+        # Every group's hits leave the free queue before any group pops new blocks: popping
+        # first could evict (and hand to another group) a block that a later group hits.
+        for g, group_hits in enumerate(hits):
+            held = [b for b in group_hits if b is not SKIPPED_BLOCK]
+            self.pool.touch(held)
+            req.blocks[g].extend(group_hits)
+            req.num_skipped_blocks[g] += len(group_hits) - len(held)  # they lead the list
+        for blocks in req.blocks:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        req.num_hashed_blocks += num_hits
         self._cache_full_blocks(req, min(num_tokens, req.num_tokens) // self.block_size)
-        return [b.block_id for b in new_blocks]
+        return True
 
     def _cache_full_blocks(self, req: Request, num_full: int) -> None:
         if not self.enable_caching or num_full <= req.num_hashed_blocks:
             return
         hashes = self.block_hashes(req, num_full)
-        for i in range(req.num_hashed_blocks, num_full):
-            if req.blocks[i] is not SKIPPED_BLOCK:  # freed before its last token was known
-                self.pool.cache_block(req.blocks[i], hashes[i])
+        for g, blocks in enumerate(req.blocks):
+            for i in range(req.num_hashed_blocks, num_full):
+                if blocks[i] is not SKIPPED_BLOCK:  # freed before its last token was known
+                    self.pool.cache_block(blocks[i], self._key(hashes[i], g))
         req.num_hashed_blocks = num_full
 
     def free_outside_window(self, req: Request) -> None:
-        """Free the blocks wholly behind the window of the next token to compute (see above)."""
-        if self.sliding_window is None:
-            return
-        first_needed = req.num_computed_tokens - self.sliding_window + 1  # a key position
-        num_behind = min(max(first_needed, 0) // self.block_size, len(req.blocks))
-        if num_behind <= req.num_skipped_blocks:
-            return
-        behind = req.blocks[req.num_skipped_blocks : num_behind]
-        req.blocks[req.num_skipped_blocks : num_behind] = [SKIPPED_BLOCK] * len(behind)
-        req.num_skipped_blocks = num_behind
-        self.pool.free_blocks(reversed(behind))  # latest first: the prefix is evicted last
+        """Free, in each windowed group, the blocks wholly behind the window of the next token
+        to compute (see above)."""
+        for g, window in enumerate(self.windows):
+            if window is None or not req.blocks:
+                continue
+            num_behind = min(self._num_behind(req.num_computed_tokens, window), req.num_blocks)
+            skipped = req.num_skipped_blocks[g]
+            if num_behind <= skipped:
+                continue
+            behind = req.blocks[g][skipped:num_behind]
+            req.blocks[g][skipped:num_behind] = [SKIPPED_BLOCK] * len(behind)
+            req.num_skipped_blocks[g] = num_behind
+            self.pool.free_blocks(reversed(behind))  # latest first: the prefix is evicted last
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix.
@@ -168,13 +249,15 @@ class KVCacheManager:
         First every block full of known, computed tokens is registered: under async scheduling
         the last ones held a placeholder when they were allocated, and a request that leaves
         (finished, aborted, preempted) gets no later allocation to register them."""
-        self._cache_full_blocks(
-            req, min(req.num_computed_tokens, req.num_tokens) // self.block_size
-        )
-        self.pool.free_blocks(b for b in reversed(req.blocks) if b is not SKIPPED_BLOCK)
+        if req.blocks:
+            self._cache_full_blocks(
+                req, min(req.num_computed_tokens, req.num_tokens) // self.block_size
+            )
+        for blocks in req.blocks:
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not SKIPPED_BLOCK)
         req.blocks = []
         req.num_hashed_blocks = 0
-        req.num_skipped_blocks = 0
+        req.num_skipped_blocks = []
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

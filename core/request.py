@@ -7,9 +7,10 @@ Invariants:
   async scheduling the next plan already feeds such a token back in (the workers know it, the
   core does not yet), so a decoding request has
   `num_computed_tokens == num_tokens + num_placeholders - 1`;
-- `blocks` hold at least `ceil(num_computed_tokens / block_size)` blocks while it runs; with a
-  sliding window the first `num_skipped_blocks` are `SKIPPED_BLOCK` (freed: wholly behind the
-  window of every token still to compute);
+- `blocks` holds one list per KV cache group while it runs (none while waiting), all of one
+  length of at least `ceil(num_computed_tokens / block_size)` blocks; in a windowed group `g` the
+  first `num_skipped_blocks[g]` are `SKIPPED_BLOCK` (freed, or never taken at a prefix hit:
+  wholly behind the window of every token still to compute);
 - `num_tokens_sent` / `num_blocks_sent` are what the workers' persistent batch holds, so a plan
   carries only the difference (meaningful while `in_batch`).
 """
@@ -65,9 +66,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_placeholders = 0  # tokens sampled by plans in flight, not yet appended
-        self.blocks: list[KVBlock] = []
+        self.blocks: list[list[KVBlock]] = []  # per KV cache group
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
-        self.num_skipped_blocks = 0  # leading blocks freed behind the sliding window
+        self.num_skipped_blocks: list[int] = []  # per group: leading blocks behind its window
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.num_cached_tokens = 0  # prefix-cache hit at the first schedule
         self.num_preemptions = 0
@@ -103,8 +104,14 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+    def num_blocks(self) -> int:
+        """Blocks per group (every group's list has this length)."""
+        return len(self.blocks[0]) if self.blocks else 0
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        """Per group; a skipped block is -1."""
+        return [[b.block_id for b in blocks] for blocks in self.blocks]
 
     @property
     def is_finished(self) -> bool:

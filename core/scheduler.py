@@ -60,13 +60,22 @@ class Scheduler:
         debug: bool = False,
         async_scheduling: bool = False,
         workers_keep_samples: bool = False,
-        sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> None:
-        if num_blocks * cache_config.block_size < max_model_len:
+        """`group_windows`: each KV cache group's sliding window (None: global attention);
+        absent, one global group."""
+        self.kv = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            group_windows or [None],
+        )  # fmt: skip
+        budget = scheduler_config.max_num_batched_tokens
+        need = self.kv.max_blocks_per_request(max_model_len, budget)
+        if need > num_blocks:
+            groups = f" over {self.kv.num_groups} KV cache groups" if self.kv.num_groups > 1 else ""
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {cache_config.block_size} tokens = "
-                f"{num_blocks * cache_config.block_size} tokens, fewer than max_model_len="
-                f"{max_model_len}: lower --max-model-len or give the KV cache more memory"
+                f"the KV cache holds {num_blocks} blocks x {cache_config.block_size} tokens, fewer "
+                f"than the {need} blocks one request of max_model_len={max_model_len} can need"
+                f"{groups}: lower --max-model-len or give the KV cache more memory"
             )
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -75,9 +84,6 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         # One pipeline stage: the ranks that embed tokens sampled them, so plans carry no tokens.
         self.workers_keep_samples = workers_keep_samples
-        self.kv = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_window
-        )
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -179,7 +185,7 @@ class Scheduler:
         return ahead
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
-        while self.kv.allocate_slots(req, num_new) is None:
+        while not self.kv.allocate_slots(req, num_new):
             victim = self.running.pop()
             assert all(victim is not r for r, _ in step.scheduled), "victims come unplanned"
             self._preempt(victim)
@@ -202,7 +208,7 @@ class Scheduler:
             req = self.policy.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, step.budget)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.policy.pop()
             self.kv.record_lookup(req.num_tokens, num_hit)
@@ -222,14 +228,14 @@ class Scheduler:
         new_requests, cached = [], []
         for req, num_new in step.scheduled:
             assert req.num_computed_tokens + num_new <= req.num_tokens + req.num_placeholders
-            assert len(req.blocks) >= cdiv(req.num_computed_tokens + num_new, self.block_size)
+            assert req.num_blocks >= cdiv(req.num_computed_tokens + num_new, self.block_size)
             if req.in_batch:
                 cached.append(cached_delta(req, with_tokens=not self.workers_keep_samples))
             else:
                 new_requests.append(new_request(req))
                 req.in_batch = True
             req.num_tokens_sent = req.num_tokens
-            req.num_blocks_sent = len(req.blocks)
+            req.num_blocks_sent = req.num_blocks
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
                 req.num_placeholders += 1  # every known token is computed: this step samples

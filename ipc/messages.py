@@ -234,6 +234,9 @@ class NewRequest(msgspec.Struct, **_HOT):
     num_computed_tokens: int
     output_token_ids: list[int] = []
     eos_token_ids: list[int] = []
+    # KV cache groups 1.. (models that mix windowed and global layers): their block tables, as
+    # `block_ids` is group 0's.
+    group_block_ids: list[list[int]] = []
 
 
 class CachedDelta(msgspec.Struct, **_HOT):
@@ -243,6 +246,7 @@ class CachedDelta(msgspec.Struct, **_HOT):
     new_token_ids: list[int]  # tokens sampled since the last plan, to append
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_group_block_ids: list[list[int]] = []  # KV cache groups 1.., as in NewRequest
 
 
 class StepPlan(msgspec.Struct, tag=True, **_HOT):

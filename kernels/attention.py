@@ -53,6 +53,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # The other KV cache groups' layouts (groups 1..; kernels/attention.py `for_group`): the same
+    # rows and tokens over their own block tables and slots. None: every group reads this one.
+    group_metas: list[AttentionMetadata] | None = None
     # What a backend derives from the layout once per step and every layer reuses (the CPU
     # backend's padded groups and masks); a new step builds new metadata, so it never goes stale.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -60,6 +63,12 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The layout a layer of KV cache group `group` attends over (config.kv_cache_groups)."""
+        if group == 0 or self.group_metas is None:
+            return self
+        return self.group_metas[group - 1]
 
 
 def build_attention_metadata(
@@ -262,6 +271,7 @@ class Attention(nn.Module):
         backend: AttentionBackend | None = None,
         kv_fp8: bool = False,
         logit_softcap: float | None = None,
+        kv_group: int = 0,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -271,6 +281,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.kv_group = kv_group  # whose block table and slots it uses (config.kv_cache_groups)
         self.backend = backend or paged_attention_ref
         # Passed only when set, so backends without soft-capping keep their signature.
         self.backend_kwargs = (
@@ -301,6 +312,7 @@ class Attention(nn.Module):
         CUDA in the same kernel that writes the cache)."""
         num_tokens = q.shape[0]
         k_scale, v_scale = self.kv_scales
+        meta = meta.for_group(self.kv_group)
         if rotary is not None and fuse_rope_and_cache(rotary, kv_cache):
             from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
 

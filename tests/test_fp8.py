@@ -92,6 +92,22 @@ def test_unsupported_schemes_are_refused_by_name(hf, flag, match):
         quant_scheme(hf, flag)
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_fp8_moe_is_refused_by_name(tmp_path, model_type):
+    """FP8 expert weights are not implemented: the flag and an FP8 checkpoint are refused when the
+    config is read (before any process starts), naming the model type."""
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "max_position_embeddings": 64}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(ValueError, match=f"--quantization fp8: .* MoE models \\({model_type}\\)"):
+        ModelConfig(model=str(tmp_path), quantization="fp8")
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(ValueError, match="an FP8 checkpoint: FP8 weights are not supported"):
+        ModelConfig(model=str(tmp_path))
+
+
 def test_kv_cache_dtype_is_checked():
     assert CacheConfig(kv_cache_dtype="fp8").kv_fp8 and not CacheConfig().kv_fp8
     with pytest.raises(ValueError, match="--kv-cache-dtype 'int8'"):

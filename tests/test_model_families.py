@@ -3,9 +3,10 @@
 Per family, on a tiny random model (tests/tiny_models.py `FAMILY_KINDS`): logits through the paged
 KV cache with chunked prefill and decodes in one batch (fp32, CPU, 8-token blocks); then the
 engine at tp=2 with 4-token blocks, a 16-token step budget, prefix-cache hits and a KV cache of 16
-blocks (Mixtral's window frees blocks behind it, which others then reuse; the other families
-preempt), greedy token for token against transformers' `generate` (so tp=2 equals tp=1, which
-equals transformers)."""
+blocks (Mixtral's window frees blocks behind it, which others then reuse; Gemma's windowed KV cache
+group does the same while its global group keeps every block, and its prefix hits skip the
+windowed blocks behind the window; the other families preempt), greedy token for token against
+transformers' `generate` (so tp=2 equals tp=1, which equals transformers)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from pagedserve.worker.models import build_model
 from tiny_models import FAMILY_KINDS, make_tiny_model
 
 NUM_NEW = 8
-# One engine run per model code path (MoE + window, Gemma, Phi-3): each costs an engine start.
-# Qwen3-MoE and Gemma 2 differ from Mixtral and Gemma 3 in what the logits test checks.
-ENGINE_KINDS = ["mixtral", "gemma3", "phi3"]
+# One engine run per model code path (MoE + window, Gemma 2 and 3 with their two KV cache groups,
+# Phi-3): each costs an engine start. Qwen3-MoE differs from Mixtral in what the logits test checks.
+ENGINE_KINDS = ["mixtral", "gemma2", "gemma3", "phi3"]
+# Gemma's two KV cache groups (windowed, global) share each KV tensor: a block is half the bytes,
+# and one request may hold a window's worth of blocks more.
+NUM_BLOCKS = {"gemma2": 24, "gemma3": 24}
 
 
 @pytest.fixture(scope="module", params=FAMILY_KINDS)
@@ -58,7 +62,8 @@ def test_engine_tp2_prefix_cache_equals_transformers(kind, tmp_path_factory):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(
         path, device="cpu", dtype="float32", tensor_parallel_size=2, block_size=4,
-        max_num_batched_tokens=16, num_gpu_blocks_override=16, max_model_len=64,
+        max_num_batched_tokens=16, num_gpu_blocks_override=NUM_BLOCKS.get(kind, 16),
+        max_model_len=64,
     ) as llm:  # fmt: skip
         first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
         rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
@@ -155,3 +160,25 @@ def test_sharded_moe_checkpoint_and_clear_errors(tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match=r"\['DeepseekV3ForCausalLM'\] is not supported"):
         build_model(ModelConfig(model=str(odd)), torch.float32, "cpu")
+
+
+def test_gemma_groups_share_kv_tensors_so_a_block_costs_one_slot(tmp_path_factory):
+    """Gemma's windowed and global layers are two KV cache groups of one layer each: both layers
+    use one KV tensor (a block id belongs to one group at a time), so a block costs one layer's
+    bytes and the same memory holds twice the blocks of a model whose layers share one table."""
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    path = make_tiny_model("gemma3", str(tmp_path_factory.getbasetemp() / "gemma3"))
+    memory = 1 << 20
+    config = build_engine_config(
+        path, device="cpu", dtype="float32", block_size=4, kv_cache_memory=memory
+    )
+    assert config.model.kv_group_windows == [None, 8]
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    per_layer = 2 * 4 * runner.model.num_kv_heads_per_rank * runner.model.head_dim * 4
+    assert runner.profile_num_blocks() == memory // per_layer
+    runner.init_cache(8)
+    assert runner.kv_caches[0] is runner.kv_caches[1] and runner.kv_caches[0].shape[0] == 8
+    assert runner.batch.block_tables.shape[0] == 2 and not runner._use_cuda_graphs()

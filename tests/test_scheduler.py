@@ -30,7 +30,9 @@ def make(
     async_scheduling: bool = False,
     workers_keep_samples: bool = False,
     window: int | None = None,
+    windows: list[int | None] | None = None,
 ) -> Scheduler:
+    """`window`: one windowed KV cache group; `windows`: one group per entry."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
@@ -39,7 +41,7 @@ def make(
         debug=True,
         async_scheduling=async_scheduling,
         workers_keep_samples=workers_keep_samples,
-        sliding_window=window,
+        group_windows=windows or ([window] if window else None),
     )
 
 
@@ -206,6 +208,7 @@ def test_siblings_share_full_prompt_blocks_in_the_same_step():
     assert b.num_computed_tokens == c.num_computed_tokens == 8
     assert a.block_ids[:2] == b.block_ids[:2] == c.block_ids[:2]
     assert len({a.block_ids[2], b.block_ids[2], c.block_ids[2]}) == 3
+    assert a.group_block_ids == [], "one KV cache group: nothing more travels"
     assert s.kv.pool.blocks[a.block_ids[0]].ref_cnt == 3
     while s.has_unfinished_requests():
         step(s)
@@ -222,17 +225,19 @@ def test_sliding_window_frees_blocks_behind_it_and_keeps_them_cached():
         step(s)
         req = s.requests.get("a")
         if req is not None:
-            live = req.blocks[req.num_skipped_blocks :]
-            assert req.num_skipped_blocks * 4 <= req.num_computed_tokens - 6 + 1
+            live = req.blocks[0][req.num_skipped_blocks[0] :]
+            assert req.num_skipped_blocks[0] * 4 <= req.num_computed_tokens - 6 + 1
             held.append(len(live))
     assert len(held) == 4 + 18 and max(held[4:]) == 3, held  # decodes: 6 positions, <= 3 blocks
     assert s.kv.num_free_blocks == 64
     add(s, "b", [*range(10, 38), 99])  # its first 7 blocks were all freed by "a"
     plan, _ = step(s)
     assert plan.new_requests[0].num_computed_tokens == 28 and sched(plan) == {"b": 1}
-    assert s.requests["b"].num_skipped_blocks == 0, "hits are sent before they are skipped"
+    # A token at 28 reads keys 23.. (blocks 5 and 6): blocks 0-4 are never taken.
+    assert s.requests["b"].num_skipped_blocks == [5]
+    assert plan.new_requests[0].block_ids[:5] == [0] * 5, "skipped blocks travel as block 0"
     step(s)
-    assert s.requests["b"].num_skipped_blocks == 6  # (29 - 6 + 1) // 4
+    assert s.requests["b"].num_skipped_blocks == [6]  # (29 - 6 + 1) // 4
 
 
 def test_no_caching_means_no_hits():
@@ -438,6 +443,7 @@ def test_cached_delta_carries_only_the_new_token_and_blocks():
     plan, _ = step(s)
     assert plan.new_requests[0].block_ids == [0]
     plan, _ = step(s, 8)
+    assert plan.cached[0].new_group_block_ids == []
     (cd,) = plan.cached
     assert (cd.new_token_ids, cd.new_block_ids, cd.num_computed_tokens) == ([7], [1], 4)
     plan, _ = step(s, 9)
@@ -471,7 +477,7 @@ def test_bad_input_is_refused():
 @dataclass
 class Mirror:
     tokens: list[int]  # known to the worker: told by the core or sampled here
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed: int
     num_told: int  # tokens the core's messages carried so far
 
@@ -484,7 +490,7 @@ class FakeWorker:
 
     rng: random.Random
     block_size: int
-    window: int | None = None
+    windows: list[int | None]  # per KV cache group
     batch: dict[str, Mirror] = field(default_factory=dict)
 
     def execute(self, plan: StepPlan, snapshot: dict) -> list[list[int]]:
@@ -494,9 +500,9 @@ class FakeWorker:
         for nr in plan.new_requests:
             assert nr.req_id not in self.batch
             tokens = nr.prompt_token_ids + nr.output_token_ids
-            self.batch[nr.req_id] = Mirror(
-                tokens, list(nr.block_ids), nr.num_computed_tokens, len(tokens)
-            )
+            block_ids = [list(nr.block_ids), *map(list, nr.group_block_ids)]
+            assert len(block_ids) == len(self.windows)
+            self.batch[nr.req_id] = Mirror(tokens, block_ids, nr.num_computed_tokens, len(tokens))
         for cd in plan.cached:
             m = self.batch[cd.req_id]
             assert m.num_computed == cd.num_computed_tokens
@@ -507,20 +513,27 @@ class FakeWorker:
                 else:
                     m.tokens.append(token)
             m.num_told += len(cd.new_token_ids)
-            m.block_ids += cd.new_block_ids
+            new_ids = [cd.new_block_ids, *cd.new_group_block_ids]
+            if len(self.windows) > 1 and not cd.new_group_block_ids:
+                assert not cd.new_block_ids, "groups grow in step"
+                new_ids = [[]] * len(self.windows)
+            for ids, new in zip(m.block_ids, new_ids, strict=True):
+                ids += new
         sampled = []
         for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
             m = self.batch[rid]
             tokens, block_ids, num_computed = snapshot[rid]
-            assert m.tokens[: len(tokens)] == tokens and len(m.block_ids) == len(block_ids)
-            assert all(c in (m_id, -1) for m_id, c in zip(m.block_ids, block_ids, strict=True))
-            first_needed = 0 if self.window is None else max(num_computed - self.window + 1, 0)
-            needed = block_ids[first_needed // self.block_size :]  # keys this step attends to
-            assert -1 not in needed, "a block inside the window was freed"
+            assert m.tokens[: len(tokens)] == tokens
+            for window, ids, core_ids in zip(self.windows, m.block_ids, block_ids, strict=True):
+                assert len(ids) == len(core_ids) == len(m.block_ids[0])
+                assert all(c in (m_id, -1) for m_id, c in zip(ids, core_ids, strict=True))
+                first_needed = 0 if window is None else max(num_computed - window + 1, 0)
+                needed = core_ids[first_needed // self.block_size :]  # keys this step reads
+                assert -1 not in needed, "a block inside the window was freed"
             assert m.num_computed == num_computed
             m.num_computed += n
             assert n > 0 and m.num_computed <= len(m.tokens), "a token to feed is unknown"
-            assert len(m.block_ids) * self.block_size >= m.num_computed
+            assert len(m.block_ids[0]) * self.block_size >= m.num_computed
             if m.num_computed == len(m.tokens):
                 m.tokens.append(self.rng.choice([EOS, 9] + [7] * 12))
                 sampled.append([m.tokens[-1]])
@@ -540,7 +553,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_inflight=st.integers(1, 3),
         async_scheduling=st.booleans(),
         keep_samples=st.booleans(),
-        window=st.none() | st.integers(1, 12),
+        windows=st.lists(st.none() | st.integers(1, 12), min_size=1, max_size=3),
         seed=st.integers(0, 2**32),
     )
     def setup(
@@ -554,10 +567,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_inflight,
         async_scheduling,
         keep_samples,
-        window,
+        windows,
         seed,
     ):
-        self.max_model_len = min(num_blocks * block_size, 40)
+        # KV cache groups (windowed and global layers mixed) share one pool: one request of
+        # max_model_len can need blocks in every group at once.
+        num_blocks *= len(windows)
+        self.max_model_len = min(num_blocks // len(windows) * block_size, 40)
         self.s = Scheduler(
             SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
             CacheConfig(block_size=block_size, enable_prefix_caching=caching),
@@ -566,10 +582,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             debug=True,
             async_scheduling=async_scheduling,
             workers_keep_samples=keep_samples,
-            sliding_window=window,
+            group_windows=windows,
         )
         self.rng = random.Random(seed)
-        self.worker = FakeWorker(self.rng, block_size, window)
+        self.worker = FakeWorker(self.rng, block_size, windows)
         self.inflight: list[tuple[StepPlan, dict]] = []
         self.max_inflight = max_inflight
         self.num_added = 0

@@ -46,17 +46,24 @@ class StepInputs:
     # indices in input_ids, and whose they are; the runner copies them in on the device.
     unknown: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     unknown_ids: list[str] = field(default_factory=list)
+    # KV cache groups 1.. (models mixing windowed and global layers): their [T] slot mappings
+    # and [B, max_blocks] block tables; the fields above are group 0's.
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
+    group_block_tables: list[np.ndarray] = field(default_factory=list)
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, block_size: int, num_kv_groups: int = 1
+    ) -> None:
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # known: sampled here or told
         self.num_told = np.zeros(max_num_seqs, dtype=np.int64)  # tokens the core's deltas gave
         self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        # [G, max_num_seqs, max_blocks]: one table per KV cache group (config.kv_cache_groups)
+        self.block_tables = np.zeros((num_kv_groups, max_num_seqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.requests: dict[str, RequestRow] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -78,7 +85,9 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = self.num_told[row] = len(tokens)
         self.num_computed[row] = new.num_computed_tokens
-        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        ids = self._per_group(new.block_ids, new.group_block_ids)
+        for table, group_ids in zip(self.block_tables, ids, strict=True):
+            table[row, : len(group_ids)] = group_ids
         self.num_blocks[row] = len(new.block_ids)
         self.requests[new.req_id] = RequestRow(
             new.req_id,
@@ -101,10 +110,17 @@ class InputBatch:
                 req.output_token_ids.extend(delta.new_token_ids[known - start :])
                 self.num_tokens[row] = end
         if delta.new_block_ids:
-            b = int(self.num_blocks[row])
-            self.block_table[row, b : b + len(delta.new_block_ids)] = delta.new_block_ids
-            self.num_blocks[row] = b + len(delta.new_block_ids)
+            b, n = int(self.num_blocks[row]), len(delta.new_block_ids)
+            ids = self._per_group(delta.new_block_ids, delta.new_group_block_ids)
+            for table, group_ids in zip(self.block_tables, ids, strict=True):
+                table[row, b : b + n] = group_ids
+            self.num_blocks[row] = b + n
         self.num_computed[row] = delta.num_computed_tokens
+
+    def _per_group(self, block_ids: list[int], group_block_ids: list[list[int]]) -> list[list[int]]:
+        ids = [block_ids, *group_block_ids]
+        assert len(ids) == len(self.block_tables), "one block list per KV cache group"
+        return ids
 
     def append_sampled(self, members: list[RequestRow], token_ids: list[int]) -> None:
         """Record a step's sampled tokens (one per row that sampled). A row that has left the
@@ -131,22 +147,28 @@ class InputBatch:
         token_rows = rows[token_req]
         input_ids = self.token_ids[token_rows, positions]
         unknown = np.nonzero(positions >= self.num_tokens[token_rows])[0]
-        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        block_idx, offsets = positions // self.block_size, positions % self.block_size
+        slot_mappings = [
+            table[token_rows, block_idx].astype(np.int64) * self.block_size + offsets
+            for table in self.block_tables
+        ]  # [G][T]
         seq_lens = start + n
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(rows) else 0
         samples = seq_lens >= self.num_tokens[rows]  # the prompt (or decode) is complete
         sample_rows = np.nonzero(samples)[0]
         self.num_computed[rows] = seq_lens
+        tables = [table[rows, :max_blocks] for table in self.block_tables]  # [G][B, max_blocks]
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=slot_mappings[0],
             query_start_loc=query_start_loc.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
-            block_tables=self.block_table[rows, :max_blocks],
+            block_tables=tables[0],
             logits_indices=query_start_loc[1:][sample_rows] - 1,
             sample_rows=sample_rows.tolist(),
             unknown=unknown,
             unknown_ids=[req_ids[i] for i in token_req[unknown]],
+            group_slot_mappings=slot_mappings[1:],
+            group_block_tables=tables[1:],
         )

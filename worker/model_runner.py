@@ -11,6 +11,7 @@ builds the StepResult. `execute(plan)` is the three in a row. KV capacity comes 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, kv_cache_groups
 from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.kernels.attention import Attention, AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
@@ -100,8 +101,13 @@ class ModelRunner:
         )
         self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else self.dtype  # fp8: half the bytes
         self.block_size = config.cache.block_size
+        # KV cache groups (config.kv_cache_groups): layer i of every group shares one tensor
+        # (its slot), so a block costs the same bytes whichever group owns it.
+        groups = kv_cache_groups(config.model.hf)
+        slot_of = {layer: j for group in groups for j, layer in enumerate(group.layer_ids)}
+        self.kv_slots = [slot_of[i] for i in range(*layers)]  # per layer of this stage
         self.batch = InputBatch(
-            config.scheduler.max_num_seqs, config.max_model_len, self.block_size
+            config.scheduler.max_num_seqs, config.max_model_len, self.block_size, len(groups)
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.profiled_peak: int | None = None
@@ -121,7 +127,16 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         per_layer = int(np.prod(self._kv_block_shape())) * self.kv_dtype.itemsize
-        return per_layer * self.model.num_layers
+        return per_layer * len(set(self.kv_slots))
+
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """One cache per layer of this stage; layers of one slot share it."""
+        shape = (num_blocks, *self._kv_block_shape())
+        tensors = {
+            slot: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for slot in sorted(set(self.kv_slots))
+        }
+        return [tensors[slot] for slot in self.kv_slots]
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit: an explicit size, else (GPU) what a peak-sized forward leaves."""
@@ -157,12 +172,7 @@ class ModelRunner:
             sched.max_num_batched_tokens, sched.max_num_seqs, self.config.max_model_len,
             self.block_size,
         )  # fmt: skip
-        caches = [
-            torch.zeros(
-                (num_blocks, *self._kv_block_shape()), dtype=self.kv_dtype, device=self.device
-            )
-            for _ in range(self.model.num_layers)
-        ]
+        caches = self._new_kv_caches(num_blocks)
         num_tokens = len(inputs.input_ids)
         with torch.inference_mode():
             intermediate = None
@@ -183,11 +193,7 @@ class ModelRunner:
     def init_cache(self, num_blocks: int) -> dict[str, float]:
         """Allocate the KV cache and capture the CUDA graphs; seconds spent on each."""
         t0 = time.perf_counter()
-        shape = (num_blocks, *self._kv_block_shape())
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(self.model.num_layers)
-        ]
+        self.kv_caches = self._new_kv_caches(num_blocks)
         timings = {"KV cache": time.perf_counter() - t0}
         if self.device.type == "cuda" and self.kv_caches:
             t1 = time.perf_counter()
@@ -200,7 +206,7 @@ class ModelRunner:
                 return self.model(ids, pos, self.kv_caches, meta)
 
             shape = dict(
-                max_blocks=self.batch.block_table.shape[1],
+                max_blocks=self.batch.block_tables.shape[2],
                 max_model_len=self.config.max_model_len,
                 block_size=self.block_size,
                 device=self.device,
@@ -231,13 +237,15 @@ class ModelRunner:
         return head
 
     def _use_cuda_graphs(self) -> bool:
-        """Graphs need capturable attention kernels (no host loops) and one stage."""
+        """Graphs need capturable attention kernels (no host loops), one stage and one KV cache
+        group (their static buffers hold one block table)."""
         model, kv_fp8 = self.config.model, self.config.cache.kv_fp8
         backend = attention_backend_name(self.device, model.attention_backend, kv_fp8)
         return (
             self.device.type == "cuda"
             and not model.enforce_eager
             and self.info.pp_size == 1
+            and len(self.batch.block_tables) == 1
             and backend in ("triton", "flash", "auto")
         )
 
@@ -263,6 +271,15 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()),
             block_size=self.block_size,
         )
+        if inputs.group_block_tables:  # KV cache groups 1..: the same rows over their own tables
+            meta.group_metas = [
+                dataclasses.replace(
+                    meta, slot_mapping=to_dev(slots), block_tables=to_dev(table), scratch={}
+                )
+                for slots, table in zip(
+                    inputs.group_slot_mappings, inputs.group_block_tables, strict=True
+                )
+            ]
         input_ids, positions = to_dev(inputs.input_ids), to_dev(inputs.positions)
         if fill is not None:
             input_ids[fill[0]] = fill[1]

@@ -144,7 +144,8 @@ def _memory_report(runner, rank: int) -> None:
 
     import torch
 
-    kv = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    shared = {id(c): c for c in runner.kv_caches}  # layers of one KV slot share a tensor
+    kv = sum(c.numel() * c.element_size() for c in shared.values())
     report = {"profiled_peak": runner.profiled_peak, "kv_cache": kv,
               "predicted_peak": runner.profiled_peak + kv,
               "real_peak": torch.cuda.max_memory_allocated(runner.device),

@@ -57,6 +57,37 @@ PY
 fi
 COMMON="--model $M --load-format dummy --dtype bfloat16"
 STEPS=${STEPS:-"kernels gpu-tests w3 w1 w4 w2 profile"}
+# MoE (issue 16): a Qwen3-30B-A3B-shaped dir (dummy bf16 weights, ~61 GB); `moe` = moe-w1 (W1 shape,
+# $MOE_PROMPTS prompts), moe-lat (bench latency at batch 1 and 64), moe-prof (the grouped-GEMM
+# kernel's share of a decode step and its fraction of peak, tests/gpu/profile_moe.py).
+MOE=/tmp/qwen3-30b-a3b
+MOE_ARGS="--model $MOE --load-format dummy --dtype bfloat16"
+moe_dir() {
+  [ -f $MOE/config.json ] && return
+  python3 .gpucarry/make_model_dir.py $MOE --arch qwen3-8b >/dev/null  # its tokenizer
+  python3 - $MOE <<'PY'
+import json, sys
+json.dump(dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+               hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
+               rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+               torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
+          open(sys.argv[1] + "/config.json", "w"), indent=1)
+PY
+}
+moe_line() {  # one short table line per number from a bench JSON
+  python3 - "$@" <<'PY'
+import json, sys
+path, label = sys.argv[1], sys.argv[2]
+d = json.load(open(path))
+for key in sys.argv[3:]:
+    if d.get(key) is not None:
+        print(f"{label:<22} {key:<26} {d[key]:10.2f}")
+PY
+}
+STEPS=$(echo " $STEPS " | sed 's/ moe / moe-w1 moe-lat moe-prof /g')
 summary=()
 FP8="--quantization fp8 --kv-cache-dtype fp8"
 for step in $STEPS; do
@@ -65,7 +96,19 @@ for step in $STEPS; do
   X=""; name=$step; ATTN_FLAG="--attention-backend ${ATTN:-auto}"
   case $step in *@*) ATTN_FLAG="--attention-backend ${step#*@}"; step=${step%@*} ;; esac
   case $step in *-fp8) X=$FP8; step=${step%-fp8} ;; esac
+  case $step in moe*) moe_dir ;; esac
   case $step in
+    moe-w1) $T $PS bench throughput $MOE_ARGS --input-len 1024 --output-len 128 \
+          --num-prompts ${MOE_PROMPTS:-400} --output-json "$OUT/moe-w1.json" 2>&1 | tail -6
+        moe_line "$OUT/moe-w1.json" "moe W1 (${MOE_PROMPTS:-400} prompts)" requests_per_s \
+          output_tokens_per_s total_tokens_per_s ;;
+    moe-lat) for bs in 1 64; do
+          $T $PS bench latency $MOE_ARGS --batch-size $bs --input-len 128 --output-len 256 \
+            --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/moe-lat-bs$bs.json" 2>&1 | tail -4
+          moe_line "$OUT/moe-lat-bs$bs.json" "moe latency bs=$bs" avg_latency_s ms_per_output_token
+        done ;;
+    moe-prof) $T python3 tests/gpu/profile_moe.py $MOE --batch 1 64 --json "$OUT/moe-prof.json" \
+          2>&1 | grep -v "^USDT" | tail -4 ;;
     profile) $T python3 tests/gpu/profile_step.py $M ${X:+--fp8} 2>&1 | tee "$OUT/$name.txt" | tail -60 ;;
     fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40
         $T python3 -m pagedserve.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;

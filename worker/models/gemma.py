@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import attention_layer_type, layer_sliding_window
+from pagedserve.config import attention_layer_type, layer_kv_slot, layer_sliding_window
 from pagedserve.kernels.activation import gelu_tanh_and_mul
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import GemmaRMSNorm
@@ -65,6 +65,7 @@ class GemmaAttention(nn.Module):
             self.head_dim,
             scale=float(hf.get("query_pre_attn_scalar") or self.head_dim) ** -0.5,
             sliding_window=layer_sliding_window(hf, layer_idx),
+            kv_group=layer_kv_slot(hf, layer_idx)[0],
             backend=backend,
             logit_softcap=None if self.is_gemma3 else hf.get("attn_logit_softcapping"),
             kv_fp8=opts.kv_fp8,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import layer_sliding_window
+from pagedserve.config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import RMSNorm
 from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
@@ -74,8 +74,7 @@ def make_mlp(hf: dict[str, Any], layer_idx: int, quant: Fp8Scheme | None = None)
     Qwen3-MoE keeps dense layers listed in `mlp_only_layers` or off `decoder_sparse_step`."""
     model_type = hf.get("model_type")
     num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-    if quant is not None and model_type in ("mixtral", "qwen3_moe"):
-        raise ValueError("FP8 weights are not supported for MoE models yet (experts stay bf16)")
+    assert quant is None or model_type not in MOE_MODEL_TYPES, "ModelConfig refuses FP8 MoE"
     if model_type == "mixtral":
         return FusedMoE(
             num_experts, hf["num_experts_per_tok"], hf["hidden_size"], hf["intermediate_size"], True
@@ -125,6 +124,7 @@ class LlamaAttention(nn.Module):
             self.head_dim,
             scale=self.head_dim**-0.5,
             sliding_window=layer_sliding_window(hf, layer_idx),
+            kv_group=layer_kv_slot(hf, layer_idx)[0],
             backend=backend,
             kv_fp8=opts.kv_fp8,
         )
