@@ -112,7 +112,8 @@ def test_matcher_waits_for_the_end_of_reasoning():
     """A grammar with `after_token_id` ignores the tokens up to and including it."""
     from pagedserve.frontend.cli import default_model_dir
     from pagedserve.ipc.messages import StructuredOutputs
-    from pagedserve.worker.grammar import GrammarCompiler, RowMatcher
+    from pagedserve.worker.grammar import GrammarCompiler
+    from pagedserve.worker.grammar_masks import RowMatcher
 
     compiler = GrammarCompiler(default_model_dir(), 4096)
     spec = StructuredOutputs(choice=["yes"], after_token_id=4)
