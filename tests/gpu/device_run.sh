@@ -10,8 +10,9 @@
 # From a helper's worktree: the device call sends the session's checkout, not the worktree, so
 # copy the branch (`git archive HEAD | tar -x -C CHECKOUT/.mycarry/pagedserve`, plus .whl and
 # .gpucarry inside it), list `.mycarry/` in .git/info/exclude, carry it, `cd` there first.
-# `structured`: `bench structured` at 0/50/100% JSON-schema requests (issue 14's cost target),
-# then the grammar host work per step on this machine's CPU (tests/bench_grammar_step.py).
+# `structured`: the device grammar masks against the CPU ones, `bench structured` at 0/50/100%
+# JSON-schema requests (issue 14's cost target), then the grammar host work per step on this
+# machine's CPU (tests/bench_grammar_step.py).
 # (`tp`: tp=2 vs tp=1 greedy equality and decode latency; needs two GPUs, e.g. nvidia-h200-x2)
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
@@ -73,7 +74,8 @@ PY
           $T $PS bench latency $COMMON --tp $tp --batch-size $bs --input-len 128 --output-len 256 \
             --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/tp$tp-bs$bs.json" 2>&1 | tail -3
         done; done ;;
-    structured) S=/tmp/m8s; mkdir -p $S  # the 8B shape with the embedded tokenizer: it spells JSON
+    structured) $T python3 -m pytest -q -m gpu tests/test_grammar_masks.py 2>&1 | tail -3
+        S=/tmp/m8s; mkdir -p $S  # the 8B shape with the embedded tokenizer: it spells JSON
         cp $M/config.json $M/generation_config.json frontend/default_model/tokenizer.json \
           frontend/default_model/tokenizer_config.json $S/
         $T $PS bench structured --model $S --load-format dummy --dtype bfloat16 --num-prompts 256 \
