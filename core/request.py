@@ -130,11 +130,13 @@ class Request:
 
 def check_stop(req: Request, max_model_len: int) -> RequestStatus | None:
     """Stop rules after the last output token was appended, in order: a stop token id, any of
-    the request's EOS ids (both only once `min_tokens` are out), `max_tokens`, `max_model_len`.
-    Sets `stop_reason` for a stop token id. Stop *strings* are the client's business."""
+    the request's EOS ids (both only once `min_tokens` are out, except under a grammar: the
+    sampler lets a constrained row take one earlier only when its grammar allows nothing else,
+    as vLLM does), `max_tokens`, `max_model_len`. Sets `stop_reason` for a stop token id. Stop
+    *strings* are the client's business."""
     sp = req.sampling
     last = req.output_token_ids[-1]
-    if req.num_output_tokens >= sp.min_tokens:
+    if req.num_output_tokens >= sp.min_tokens or sp.structured_outputs is not None:
         if sp.stop_token_ids and last in sp.stop_token_ids:
             req.stop_reason = last
             return RequestStatus.FINISHED_STOPPED

@@ -1,7 +1,9 @@
 """Worker-side cost of one decode step on a CPU: `ModelRunner.execute` of B running requests at a
-given context, in thread CPU time (steadier than wall time on a shared machine) and wall time.
+given context, in thread and process CPU time (steadier than wall time on a shared machine) and
+wall time. `--constrained F`: that share of the rows follow `bench structured`'s JSON schema.
 
     python tests/bench_cpu_step.py [--model DIR] [--batch 32] [--context 128] [--dtype float32]
+        [--constrained 0.5]
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ import time
 import torch
 
 import pagedserve
+from pagedserve.frontend.bench.structured import SCHEMA
 from pagedserve.frontend.llm import build_engine_config
-from pagedserve.ipc.messages import CachedDelta, NewRequest, SamplingParams, StepPlan
+from pagedserve.ipc.messages import (
+    CachedDelta,
+    NewRequest,
+    SamplingParams,
+    StepPlan,
+    StructuredOutputs,
+)
 from pagedserve.parallel.groups import rank_info
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -30,6 +39,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--constrained", type=float, default=0.0)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     config = build_engine_config(a.model, device="cpu", dtype=a.dtype, load_format=a.load_format,
@@ -38,9 +48,15 @@ def main() -> None:
     runner.init_cache(2048)
     per_row = -(-(a.context + a.steps + 8) // 16)
     greedy = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    spec = StructuredOutputs(json=SCHEMA)
+    constrained = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True,
+                                 structured_outputs=spec)  # fmt: skip
+    if a.constrained:
+        runner.grammars.submit(spec.key, spec)
     news = [
         NewRequest(f"r{i}", list(range(5, 5 + a.context)),
-                   list(range(i * per_row, (i + 1) * per_row)), greedy, 0)
+                   list(range(i * per_row, (i + 1) * per_row)),
+                   constrained if i < round(a.constrained * a.batch) else greedy, 0)
         for i in range(a.batch)
     ]  # fmt: skip
     ids = [n.req_id for n in news]
@@ -52,11 +68,13 @@ def main() -> None:
 
     for k in range(1, 4):
         runner.execute(decode(k))
-    cpu, wall = time.thread_time(), time.perf_counter()
+    cpu, proc, wall = time.thread_time(), time.process_time(), time.perf_counter()
     for k in range(4, 4 + a.steps):
         runner.execute(decode(k))
-    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-    print(f"decode batch {a.batch} at context ~{a.context}: {cpu / a.steps * 1e3:.2f} ms CPU, "
+    cpu, proc = time.thread_time() - cpu, time.process_time() - proc
+    wall = time.perf_counter() - wall
+    print(f"decode batch {a.batch} ({a.constrained:.0%} constrained) at context ~{a.context}: "
+          f"{cpu / a.steps * 1e3:.2f} ms thread CPU, {proc / a.steps * 1e3:.2f} ms process CPU, "
           f"{wall / a.steps * 1e3:.2f} ms wall per step")  # fmt: skip
 
 

@@ -112,6 +112,26 @@ def test_logit_bias_and_min_tokens():
     assert done.token_ids == [7]
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_eos():
+    """vLLM's rule: below min_tokens EOS stays masked unless a grammar left nothing else (a
+    finished JSON value can only end); without a grammar, or with other tokens left, it is
+    masked."""
+    from pagedserve.ipc.messages import StructuredOutputs
+
+    grammar = StructuredOutputs(choice=["a"])
+    logits = torch.full((4, V), float("-inf"))
+    logits[:, 7] = 1.0  # the grammar masks allow only EOS (7) ...
+    logits[1, 3] = 0.5  # ... except in row 1, which may still say token 3
+    rows = [
+        row(temperature=0.0, eos=7, min_tokens=5, structured_outputs=grammar),
+        row(temperature=0.0, eos=7, min_tokens=5, structured_outputs=grammar),
+        row(temperature=1.0, seed=1, eos=7, min_tokens=5, structured_outputs=grammar),
+        row(temperature=0.0, eos=7, min_tokens=5),  # no grammar: min_tokens wins
+    ]
+    out = Sampler().sample(logits.clone(), rows).token_ids
+    assert out[:3] == [7, 3, 7] and out[3] != 7
+
+
 def test_logprobs_from_raw_logits_with_ranks():
     logits = logits_for(3, seed=5)
     rows = [

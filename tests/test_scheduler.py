@@ -389,6 +389,15 @@ def test_min_tokens_defers_stops():
     assert len(d) == 3 and d[-1].finish_reason == "stop" and d[-1].stop_reason is None
 
 
+def test_a_grammar_ends_before_min_tokens():
+    """A constrained request samples EOS below min_tokens only when its grammar allows nothing
+    else (worker/sampler.py): it ends there, with reason stop."""
+    from pagedserve.ipc.messages import StructuredOutputs
+
+    d = run_one(make(), [5, EOS, 5], min_tokens=3, structured_outputs=StructuredOutputs(regex="a"))
+    assert len(d) == 2 and d[-1].finish_reason == "stop"
+
+
 def test_max_tokens():
     d = run_one(make(), [5] * 9, max_tokens=4)
     assert len(d) == 4 and d[-1].finish_reason == "length"

@@ -119,12 +119,18 @@ def test_other_grammars(url):
             )  # fmt: skip
             out[kind] = r.choices[0]
         r = await client.completions.create(
+            model="pagedserve-default", prompt="def f(", max_tokens=24, seed=3,
+            extra_body={"structured_outputs": {"choice": ["yes"]}, "min_tokens": 12},
+        )  # fmt: skip
+        out["min_tokens"] = r.choices[0]  # the grammar ends it before min_tokens, as in vLLM
+        r = await client.completions.create(
             model="pagedserve-default", prompt="x = ", max_tokens=MAX_TOKENS, seed=1,
             extra_body={"response_format": {"type": "json_object"}},
         )  # fmt: skip
         return out, r.choices[0]
 
     out, obj = run(url, go)
+    assert (out["min_tokens"].text, out["min_tokens"].finish_reason) == ("yes", "stop")
     assert out["regex"].finish_reason == "stop" and len(out["regex"].text) == 6
     assert out["regex"].text[:3].isdigit() and set(out["regex"].text[4:]) <= set("abc")
     assert out["choice"].text in ("red", "green") and out["choice"].finish_reason == "stop"

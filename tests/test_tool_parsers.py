@@ -108,11 +108,45 @@ def test_forced_call_streams_name_then_arguments():
     assert json.loads(args) == WEATHER and len(deltas) > 3
 
 
+@pytest.mark.parametrize("step", [1, 4])
+def test_required_calls_stream_name_then_arguments(step):
+    """`required`: each call of the grammar's JSON array streams as OpenAI does, its name once
+    closed, then its arguments as they grow (not all at the end), the same as the whole reply."""
+    args = {"city": 'Pa\\"ris}, {"name"', "days": [1, {"x": 2}]}  # quotes, braces in a string
+    items = [{"name": "get_weather", "parameters": args}, {"name": "get_time", "parameters": {}}]
+    text = json.dumps(items, separators=(",", ":"))
+    shape = ChatShape(required=True)
+    stream, per_delta = ChoiceStream(shape), []
+    for end in range(step, len(text) + step, step):
+        per_delta.append(stream.deltas(text[:end], final=end >= len(text)))
+    calls: dict[int, list] = {}
+    for k, deltas in enumerate(per_delta):
+        for d in deltas:
+            (call,) = d["tool_calls"]
+            if "id" in call:
+                assert call["index"] not in calls and call["function"]["arguments"] == ""
+                calls[call["index"]] = [call["function"]["name"], "", k]
+            else:
+                calls[call["index"]][1] += call["function"]["arguments"]
+    assert [(n, json.loads(a)) for n, a, _ in calls.values()] == [("get_weather", args),
+                                                                  ("get_time", {})]  # fmt: skip
+    assert calls[1][2] < len(per_delta) - 1, "the second call begins before the reply ends"
+    first_args = [
+        k for k, ds in enumerate(per_delta) for d in ds
+        if d["tool_calls"][0]["index"] == 0 and "id" not in d["tool_calls"][0]
+    ]  # fmt: skip
+    assert len(first_args) > 3 and first_args[0] < len(per_delta) // 2, "arguments stream early"
+    message, finish = shape.message(text, "stop")
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert finish == "tool_calls" and whole == [(n, a) for n, a, _ in calls.values()]
+
+
 def test_matcher_waits_for_the_end_of_reasoning():
     """A grammar with `after_token_id` ignores the tokens up to and including it."""
     from pagedserve.frontend.cli import default_model_dir
     from pagedserve.ipc.messages import StructuredOutputs
-    from pagedserve.worker.grammar import GrammarCompiler, RowMatcher
+    from pagedserve.worker.grammar import GrammarCompiler
+    from pagedserve.worker.grammar_masks import RowMatcher
 
     compiler = GrammarCompiler(default_model_dir(), 4096)
     spec = StructuredOutputs(choice=["yes"], after_token_id=4)

@@ -10,7 +10,8 @@ rank advances an identical matcher with identical tokens, so every rank applies 
 
 A matcher catches up lazily, just before each mask, on the row's outputs it has not seen (its
 own samples, tokens a plan told it, or the outputs of a request resumed after preemption); with
-`after_token_id` (a reasoning model's `</think>`) it starts after that token.
+`after_token_id` (a reasoning model's `</think>`) it starts after that token. The matchers and
+the per-step masks are in worker/grammar_masks.py; this module builds and compiles grammars.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
-import torch
 
 from pagedserve.ipc.messages import StructuredOutputs
 
@@ -93,11 +92,15 @@ def _kind(spec: StructuredOutputs) -> str:
 
 
 def tokenizer_info(model_path: str, vocab_size: int) -> Any:
+    """xgrammar's view of the tokenizer, over the tokenizer's own ids only (at most the model's
+    `vocab_size`): xgrammar takes ids past the tokenizer for special tokens and scans that list on
+    every accepted token, so the LM head's padding is masked by worker/grammar_masks.py instead."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    own = max(tokenizer.get_vocab().values(), default=-1) + 1
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=min(own, vocab_size))
 
 
 class GrammarCompiler:
@@ -107,9 +110,16 @@ class GrammarCompiler:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self._compiler: Any = None
+        self._info: Any = None  # xgrammar's TokenizerInfo, built with the compiler
         self._pool: ThreadPoolExecutor | None = None  # started by the first grammar
         self._futures: dict[str, Future] = {}
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    @property
+    def mask_vocab_size(self) -> int:
+        """The ids the grammars know (the tokenizer's); only once a grammar has compiled."""
+        assert self._info is not None, "no grammar has compiled yet"
+        return self._info.vocab_size
 
     @property
     def pending(self) -> bool:
@@ -149,110 +159,8 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         if self._compiler is None:
-            info = tokenizer_info(self.model_path, self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            self._info = tokenizer_info(self.model_path, self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
         self._compiled[key] = self._compiler.compile_grammar(build_grammar(spec))
         while len(self._compiled) > MAX_CACHED:
             self._compiled.popitem(last=False)
-
-
-class RowMatcher:
-    """One constrained request's matcher and how many of its outputs it has consumed."""
-
-    def __init__(self, compiled: Any, spec: StructuredOutputs, eos_token_ids: list[int]) -> None:
-        import xgrammar as xgr
-
-        stops = list(eos_token_ids) or None  # every EOS id may end a completed grammar
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
-        self.after_token_id = spec.after_token_id
-        self.eos_token_ids = list(eos_token_ids)
-        self.num_seen = 0
-        self.broken = False  # a token the grammar refused got in: only EOS from here
-
-    def catch_up(self, output_token_ids: Sequence[int]) -> None:
-        for token in output_token_ids[self.num_seen :]:
-            self.num_seen += 1
-            if self.after_token_id is not None:
-                self.after_token_id = None if token == self.after_token_id else self.after_token_id
-                continue
-            if self.broken or self.matcher.is_terminated():
-                continue
-            if not self.matcher.accept_token(int(token)):
-                logger.warning("the grammar refused sampled token %d; ending the request", token)
-                self.broken = True
-
-    @property
-    def active(self) -> bool:
-        """Whether this row's next token is constrained."""
-        return self.after_token_id is None and not self.matcher.is_terminated()
-
-
-class GrammarMasks:
-    """The bitmask rows of one step's constrained samples, applied to the logits in place.
-
-    On a GPU the host bitmask goes over in a non-blocking copy that runs only when the stream
-    reaches it, and the worker fills the next step's masks before that (it runs a step ahead):
-    two pinned buffers take turns, and a buffer is refilled only once its last copy is done (an
-    event, normally long passed), so a step never reads the next step's masks.
-    """
-
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self.vocab_size = vocab_size
-        self.device = device
-        self._batch = xgr.BatchGrammarMatcher()
-        # [R, ceil(V / 32)] int32 each
-        self._hosts = [xgr.allocate_token_bitmask(max_rows, vocab_size) for _ in range(2)]
-        if device.type == "cuda":
-            self._hosts = [h.pin_memory() for h in self._hosts]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-        self.host = self._hosts[0]
-
-    def _next_buffer(self) -> None:
-        """Switch to the other host buffer, waiting for its previous copy to the GPU if needed."""
-        self._turn ^= 1
-        self.host = self._hosts[self._turn]
-        event = self._copied[self._turn]
-        if event is not None:
-            event.synchronize()
-
-    def apply(
-        self, logits: torch.Tensor, matchers: list[RowMatcher | None], outputs: list[Sequence[int]]
-    ) -> None:
-        """`logits [S, V]`; `matchers[j]` None for an unconstrained row. The active rows' masks
-        fill in one call over xgrammar's C++ threads (a row's fill is ~0.1 ms on a CPU)."""
-        self._next_buffer()
-        rows, active, filled = [], [], []
-        for j, (m, out) in enumerate(zip(matchers, outputs, strict=True)):
-            if m is None:
-                continue
-            m.catch_up(out)
-            if m.broken:
-                self._only(j, m.eos_token_ids)
-                rows.append(j)
-            elif m.active:
-                active.append(m.matcher)
-                filled.append(j)
-        if filled:
-            self._batch.batch_fill_next_token_bitmask(active, self.host, indices=filled)
-        rows += filled
-        if not rows:
-            return
-        bitmask = self.host[: logits.shape[0]]
-        if self.device.type == "cuda":
-            bitmask = bitmask.to(self.device, non_blocking=True)
-            self._copied[self._turn] = torch.cuda.Event()
-            self._copied[self._turn].record()
-        self._xgr.apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=self.vocab_size, indices=sorted(rows)
-        )
-
-    def _only(self, j: int, token_ids: list[int]) -> None:
-        """Row j allows only `token_ids` (its EOS ids; none: every logit masked)."""
-        self.host[j].zero_()
-        for token in token_ids:
-            bit = 1 << (token % 32) if token % 32 != 31 else -(2**31)
-            self.host[j, token // 32] |= bit

@@ -27,7 +27,8 @@ from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from pagedserve.worker.grammar import GrammarCompiler, GrammarMasks, RowMatcher
+from pagedserve.worker.grammar import GrammarCompiler
+from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher, fill_threads
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
@@ -428,7 +429,9 @@ class ModelRunner:
         """Mask the constrained rows' logits [S, V] in place with their grammars' next tokens."""
         if self._masks is None:
             max_rows = self.config.scheduler.max_num_seqs
-            self._masks = GrammarMasks(max_rows, logits.shape[1], self.device)
+            threads = fill_threads(self.config.parallel.ranks_per_node)
+            vocab = self.grammars.mask_vocab_size
+            self._masks = GrammarMasks(max_rows, vocab, self.device, threads)
         matchers = [self.matchers.get(req_id) for req_id in sample_ids]
         self._masks.apply(logits, matchers, [r.output_token_ids for r in rows])
 

@@ -170,8 +170,9 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Below `min_tokens` outputs, no EOS id nor stop token can be sampled."""
-    r_idx, t_idx = [], []
+    """Below `min_tokens` outputs, no EOS id nor stop token can be sampled, unless a grammar
+    allows nothing else: the grammar wins (a finished JSON value can only end), as in vLLM."""
+    r_idx, t_idx, constrained = [], [], []
     for i, row in enumerate(rows):
         if len(row.output_token_ids) >= row.params.min_tokens:
             continue
@@ -179,9 +180,19 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             if 0 <= token < logits.shape[1]:
                 r_idx.append(i)
                 t_idx.append(token)
-    if r_idx:
-        dev = logits.device
-        logits[to_device(r_idx, dev), to_device(t_idx, dev)] = _MASK
+                constrained.append(row.params.structured_outputs is not None)
+    if not r_idx:
+        return
+    dev = logits.device
+    index = (to_device(r_idx, dev), to_device(t_idx, dev))
+    if not any(constrained):
+        logits[index] = _MASK
+        return
+    kept = logits[index]  # [K]: the stop tokens' logits, grammar masks applied
+    logits[index] = _MASK
+    empty = torch.isneginf(logits[index[0]]).all(dim=-1)  # [K]: the row has no token left
+    keep = empty & to_device(constrained, dev)
+    logits[index] = torch.where(keep, kept, torch.full_like(kept, _MASK))
 
 
 def token_counts(

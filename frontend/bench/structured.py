@@ -75,5 +75,6 @@ def bench_structured(args: argparse.Namespace) -> dict[str, Any]:
     for f in fractions:
         median = float(np.median(rates[f]))
         result[f"{f:.0%} constrained tok/s"] = median
+        result[f"{f:.0%} constrained / 0%"] = round(median / base, 3)
         result[f"{f:.0%} constrained cost"] = f"{100 * (1 - median / base):+.1f}%"
     return result

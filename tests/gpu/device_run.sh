@@ -20,6 +20,9 @@
 # weight shapes and sweeps its launch configs; `decode-tests` runs the fused kernels' GPU tests;
 # `w3-ablate` runs W3 once with every fusion on, then with each one off, then all off:
 #   STEPS="decode-tests kernels-b1 w3-ablate w3 w1" bash tests/gpu/device_run.sh
+# `structured`: the device grammar masks against the CPU ones, `bench structured` at 0/50/100%
+# JSON-schema requests (issue 14's cost target), then the grammar host work per step on this
+# machine's CPU (tests/bench_grammar_step.py).
 # (`tp`: tp=2 vs tp=1 greedy equality and decode latency; needs two GPUs, e.g. nvidia-h200-x2)
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
@@ -193,6 +196,14 @@ PY
           --random-output-len 128 --request-rate 30 --ignore-eos \
           --output-json "$OUT/$name.json" 2>&1 | tail -25
         kill -TERM $srv; wait $srv ;;
+    structured) $T python3 -m pytest -q -m gpu tests/test_grammar_masks.py 2>&1 | tail -3
+        S=/tmp/m8s; mkdir -p $S  # the 8B shape with the embedded tokenizer: it spells JSON
+        cp $M/config.json $M/generation_config.json frontend/default_model/tokenizer.json \
+          frontend/default_model/tokenizer_config.json $S/
+        $T $PS bench structured --model $S --load-format dummy --dtype bfloat16 --num-prompts 256 \
+          --input-len 128 --output-len 128 --repeats 3 --output-json "$OUT/structured.json" \
+          2>&1 | tail -12
+        $T python3 tests/bench_grammar_step.py 2>&1 | tee "$OUT/grammar-step.txt" ;;
     w4) $T $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
           $COMMON 2>&1 | tail -6 ;;
     w1big) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 --num-prompts 1000 \
