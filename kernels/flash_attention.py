@@ -55,10 +55,16 @@ def _add_cutlass_path() -> None:
 
 
 def flash_attn_importable() -> bool:
-    """Whether FA4 can be imported here (no CUDA needed to answer)."""
+    """Whether FA4 can be imported here (no CUDA needed to answer, nothing imported): also that
+    `cutlass` has its `cute` package, which since nvidia-cutlass-dsl 4.6 comes in
+    nvidia-cutlass-dsl-libs-core; without it `cutlass` is a namespace package of `_mlir` only."""
     if importlib.util.find_spec("flash_attn") is None:
         return False
     _add_cutlass_path()
+    cutlass = importlib.util.find_spec("cutlass")
+    roots = (cutlass.submodule_search_locations or []) if cutlass else []
+    if not any(os.path.isdir(os.path.join(root, "cute")) for root in roots):
+        return False
     return importlib.util.find_spec("flash_attn.cute") is not None
 
 

@@ -3,7 +3,9 @@ against the torch reference on a GPU (skipped without CUDA or without `flash_att
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -57,6 +59,22 @@ def test_backend_names_refused_where_unusable(monkeypatch):
     monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
     with pytest.raises(ValueError, match="FP8 KV cache"):
         backend.attention_backend_name("cuda", "flash", kv_fp8=True)
+
+
+def test_flash_importable_needs_cutlass_cute(tmp_path, monkeypatch):
+    """The partial install of nvidia-cutlass-dsl >= 4.6 without libs-core: `cutlass` holds only
+    `_mlir`, so `import flash_attn.cute` would fail; found out without importing anything."""
+    if importlib.util.find_spec("flash_attn") or importlib.util.find_spec("cutlass"):
+        pytest.skip("a real FA4 or cutlass is installed here")
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "cutlass" / "_mlir").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute", "cutlass"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert not flash_attn_importable()
+    (tmp_path / "cutlass" / "cute").mkdir()
+    assert flash_attn_importable()
 
 
 def test_config_refuses_unknown_backend(tmp_path):

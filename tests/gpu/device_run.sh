@@ -45,7 +45,9 @@ fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 # FA4 (once `fa4-install` ran in this or an earlier call of a warm machine) and its kernel cache.
-[ -d /tmp/fa4site ] && export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+# nvidia_cutlass_dsl/dsl_packages holds `cutlass`: its .pth (skipped by --target) would add it.
+FA4_PATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+[ -d /tmp/fa4site ] && export PYTHONPATH=$FA4_PATH:$PYTHONPATH
 export PAGEDSERVE_FLASH_CACHE_DIR=${PAGEDSERVE_FLASH_CACHE_DIR:-/tmp/fa4cache}
 PS="python3 -m pagedserve.frontend.cli"
 M=/tmp/m8b
@@ -170,11 +172,14 @@ PY
             --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/tp$tp-bs$bs.json" 2>&1 | tail -3
         done; done ;;
     fa4-install) if ! python3 -c "import flash_attn.cute" 2>/dev/null; then
-          ( set -e; cd /tmp/fa4parts; cat fa4.tar.part* > fa4.tar; sha256sum -c SHA256SUMS
-            rm -rf w && mkdir w && tar -xf fa4.tar -C w
+          # each part's own sum, then the joined tar's; an empty --target (pip does not merge
+          # into folders already there, and the three cutlass wheels share nvidia_cutlass_dsl/)
+          ( set -e; cd /tmp/fa4parts; sha256sum -c fa4.tar.part*.sha256
+            cat fa4.tar.part?? > fa4.tar; sha256sum -c fa4.tar.sha256
+            rm -rf w /tmp/fa4site && mkdir w && tar -xf fa4.tar -C w
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
               --target /tmp/fa4site w/*.whl )
-          export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+          case ":$PYTHONPATH:" in *":$FA4_PATH:"*) ;; *) export PYTHONPATH=$FA4_PATH:$PYTHONPATH ;; esac
         fi
         python3 -c "import flash_attn.cute, cutlass; print('fa4 ok, cutlass', cutlass.__version__)" \
           2>&1 | tail -3 | tee "$OUT/fa4-install.txt" ;;
