@@ -206,9 +206,12 @@ PY
         cp $M/config.json $M/generation_config.json frontend/default_model/tokenizer.json \
           frontend/default_model/tokenizer_config.json $S/
         $T $PS bench structured --model $S --load-format dummy --dtype bfloat16 --num-prompts 256 \
-          --input-len 128 --output-len 128 --repeats 3 --output-json "$OUT/structured.json" \
+          --input-len 128 --output-len 128 --repeats 3 --fractions ${STRUCT_FRACTIONS:-0,0.5,1} --output-json "$OUT/structured.json" \
           2>&1 | tail -12
         $T python3 tests/bench_grammar_step.py 2>&1 | tee "$OUT/grammar-step.txt" ;;
+    grammar-gpu) for share in 1 0.5; do  # host + device mask time of all vs half the rows
+          $T python3 tests/bench_grammar_step.py --device cuda --share $share; done \
+          2>&1 | tee "$OUT/grammar-gpu.txt" ;;
     w4) $T $PS bench startup --port 8011 --num-iters 2 --output-json "$OUT/w4.json" -- \
           $COMMON 2>&1 | tail -6 ;;
     w1big) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 --num-prompts 1000 \
