@@ -78,7 +78,8 @@ def main() -> None:
     med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}  # the first: no token
     per_row = {k: med[k] * 1e3 / max(constrained, 1) for k in ("advance", "fill")}
     print(
-        f"{constrained} of {a.rows} rows constrained, vocab {a.vocab} (tokenizer {compiler.mask_vocab_size}), "
+        f"{constrained} of {a.rows} rows constrained, vocab {a.vocab} "
+        f"(tokenizer {compiler.mask_vocab_size}), "
         f"{a.threads} fill threads: advance {med['advance']:.2f} ms ({per_row['advance']:.1f} "
         f"us/row), fill {med['fill']:.2f} ms ({per_row['fill']:.1f} us/row), "
         f"mask {a.device} logits {med['mask']:.2f} ms per step"
