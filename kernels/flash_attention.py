@@ -86,7 +86,7 @@ def flash_paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     *,
-    num_splits: int | None = None,  # None: FA4's heuristic (0) for decodes, else 1
+    num_splits: int | None = None,  # None: FA4's heuristic (0) for decodes past SM 9.x, else 1
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
@@ -96,7 +96,9 @@ def flash_paged_attention(
     if query.shape[0] == 0 or meta.seq_lens.shape[0] == 0:
         return torch.empty_like(query)
     if num_splits is None:  # a prompt's query tiles fill the GPU: one variant for them all
-        num_splits = 0 if meta.max_query_len <= 1 else 1
+        # FA4 4.0.0b36 refuses split-KV on SM 9.0 ("SplitKV not supported on SM 9.0")
+        split_ok = torch.cuda.get_device_capability(query.device)[0] >= 10
+        num_splits = 0 if meta.max_query_len <= 1 and split_ok else 1
     window = (None, None) if sliding_window is None else (sliding_window - 1, 0)
     result = _varlen_func()(
         query,
