@@ -1,25 +1,28 @@
 """least_conn vs prefix affinity through deploy/nginx, on one multi-turn workload (issue 19).
 
-    python tests/bench_affinity.py            # ~4-6 minutes on 2 cores: 3 modes x 192 requests
+    python tests/bench_affinity.py      # ~7 minutes on 2 cores: 3 modes x 384 requests
 
 For each mode: start fresh CPU replicas of the embedded model (cold prefix caches), render nginx
 in that mode with --replica-header, run `pagedserve bench serve --dataset-name multi-turn`
 through it (the same conversations in every mode: same --seed), stop everything. Modes:
 least_conn; affinity (consistent hash of the conversation's key, spill only on a replica's 503);
-bounded (affinity with `render.py --max-conns`: a replica with that many requests in flight
-sends the next to the next replica on the ring). Prints one line per mode, then a table.
+bounded (affinity with `render.py --max-conns 8`, the replicas' --max-num-seqs: a replica running
+8 requests through nginx sends the next to the next replica on the ring with room; when none
+has room, it waits at its own). Prints one line per mode, then a table.
 
-The KV cache of each replica (--kv-cache-memory) is sized like a production replica's: it holds
-its share of the conversations' histories with room to spare, not every conversation. Affinity
-needs only its share; least_conn leaves a copy of a conversation's prefix on every replica it
-visits, three times the working set. The run prints both next to the cache's size.
+The workload is shaped like real chats: 96 users arriving over 12 s, 4 turns, a 32-token system
+prompt, 32-token messages, 96-token answers, 8 s (exponential) to read and type between turns.
+Each replica's KV cache (--kv-cache-memory 24M: 24k tokens) holds its share of the conversations'
+histories (~19k tokens at the end) with room to spare, not every conversation, as a production
+replica's cache holds a fraction of all live conversations. Affinity needs only its share;
+least_conn leaves a copy of a conversation's prefix on every replica it visits (up to three
+times the working set). The run prints the working set next to the cache's size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -73,16 +76,6 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
             _stop(nginx, [])
         for r in replicas:
             _stop(r.proc, r.children or descendants(r.proc.pid))
-
-
-def load_cap(base: dict[str, Any], args: argparse.Namespace) -> int:
-    """ceil(c x the average requests in flight per replica), the average by Little's law from a
-    run of the same workload: completed requests x mean latency / duration / replicas."""
-    in_flight = base["completed"] * base["mean_e2el_ms"] / 1000 / base["duration"]
-    cap = math.ceil(args.load_bound * in_flight / args.replicas)
-    print(f"bounded: {in_flight:.1f} requests in flight on average over {args.replicas} "
-          f"replicas -> --max-conns {cap}", flush=True)  # fmt: skip
-    return cap
 
 
 def kv_tokens(log: str) -> int:
@@ -141,23 +134,18 @@ def summary(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> lis
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--num-users", type=int, default=48)
+    p.add_argument("--num-users", type=int, default=96)
     p.add_argument("--num-turns", type=int, default=4)
     p.add_argument("--system-prompt-len", type=int, default=32)
     p.add_argument("--user-turn-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=96)
-    p.add_argument("--user-rate", type=float, default=4.0, help="users arriving per second")
+    p.add_argument("--user-rate", type=float, default=8.0, help="users arriving per second")
     p.add_argument("--think-time", type=float, default=8.0)
-    p.add_argument("--kv-cache-memory", default="12M", help="per replica (1 KiB per token)")
+    p.add_argument("--kv-cache-memory", default="24M", help="per replica (1 KiB per token)")
     p.add_argument("--replica-args", default="--max-num-seqs 8 --max-waiting 8",
                    help="launch flags of every replica (its own bound: 503 beyond it)")  # fmt: skip
-    p.add_argument(
-        "--max-conns",
-        type=int,
-        help="bounded mode: render.py --max-conns (default: ceil(c x the average "
-        "requests in flight per replica in the least_conn run))",
-    )
-    p.add_argument("--load-bound", type=float, default=1.25, metavar="C", help="that c")
+    p.add_argument("--max-conns", type=int, default=8,
+                   help="bounded: render.py --max-conns (replicas' --max-num-seqs)")  # fmt: skip
     p.add_argument("--modes", default="least_conn,affinity,bounded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="keep logs and results here (default: a temporary dir)")
@@ -171,8 +159,6 @@ def main_() -> None:
         if args.workdir:
             os.makedirs(tmp := args.workdir, exist_ok=True)
         for mode in args.modes.split(","):
-            if mode == "bounded" and args.max_conns is None:
-                args.max_conns = load_cap(results["least_conn"], args)
             results[mode] = run_mode(mode, args, tmp)
             print(line(mode, results[mode]), flush=True)
     print("\n".join(summary(results, args)))

@@ -47,7 +47,8 @@ def render(
     loaded replica) or
     "least_conn". `replica_header`:
     answers carry X-Pagedserve-Replica (the replica's address; for benchmarks and tests).
-    `servers_include`: the upstreams include PATH and PATH.spill (written where the replicas are
+    `servers_include`: the upstreams include PATH, PATH.home and PATH.spill (written where the
+    replicas are
     known: the Kubernetes router's init container) instead of naming `replicas`.
     `max_conns` (affinity): the requests in flight a replica takes before the hash walks on to
     the next replica on the ring (None: no bound in nginx)."""
@@ -61,18 +62,20 @@ def render(
         raise ValueError("max_conns bounds the affinity mode's hash and must be at least 1")
     # affinity: nginx puts 160 x weight points per replica on the hash ring; 1600 keep every
     # replica's share of the keys within ~4% of the others' (160: ~12%, 25% at the 90th pct).
-    extra = f" weight={RING_WEIGHT}" if mode == "affinity" else ""
-    extra += f" max_conns={max_conns}" if max_conns else ""
+    ring = f" weight={RING_WEIGHT}" if mode == "affinity" else ""
+    extra = ring + (f" max_conns={max_conns}" if max_conns else "")
     line = f"server {{}} max_fails={max_fails} fail_timeout={fail_timeout}{extra};"
     header = "add_header X-Pagedserve-Replica $upstream_addr always;" if replica_header else ""
     values = {
         "SERVERS": [line.format(r) for r in replicas],
+        "HOME_SERVERS": [line.format(r).replace(extra, ring) for r in replicas],
         "SPILL_SERVERS": [f"server {r} max_fails=0;" for r in replicas],
         "REPLICA_HEADER": [header or "# (render.py --replica-header: X-Pagedserve-Replica)"],
     }
     if servers_include is not None:
         values["SERVERS"] = [f"include {servers_include};"]
         values["SPILL_SERVERS"] = [f"include {servers_include}.spill;"]
+        values["HOME_SERVERS"] = [f"include {servers_include}.home;"]
     for name, lines in values.items():
         # Only placeholders alone on their line (comments name them too).
         text = re.sub(rf"^( *)\{{\{{{name}\}}\}}$",
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--servers-include",
         metavar="PATH",
-        help="upstreams include PATH (and PATH.spill) instead of listing replicas",
+        help="upstreams include PATH (and PATH.home, PATH.spill) instead of listing replicas",
     )
     p.add_argument(
         "--max-conns",
