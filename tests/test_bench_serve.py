@@ -13,6 +13,8 @@ import pytest
 from test_server import CPU_ARGS, Launched
 
 from pagedserve.frontend.bench.datasets import custom_samples, sharegpt_samples
+from pagedserve.frontend.bench.multi_turn import conversation_share
+from pagedserve.frontend.bench.results import RequestResult
 from pagedserve.frontend.cli import DEFAULT_MODEL_NAME, default_model_dir, main
 from pagedserve.frontend.tokenizer import load_tokenizer
 
@@ -104,3 +106,18 @@ def test_multi_turn_resends_the_history(server, tmp_path):
     assert second["mean_prompt_tokens"] > first["mean_prompt_tokens"] + 8
     assert first["cached_share"] < second["cached_share"]  # turn 2 finds turn 1's prompt
     assert result["per_replica_requests"] == {} and result["replica_switches"] == 0
+
+
+def test_conversation_share_leaves_the_shared_system_prompt_out():
+    """Two users: turn 1 finds only the shared prompt (32 tokens, the most any first turn found);
+    turn 2 finds its whole turn 1 (100) on one replica and only the shared prompt on another."""
+
+    def turn(prompt: int, cached: int) -> RequestResult:
+        return RequestResult(success=True, prompt_len=prompt, cached_tokens=cached)
+
+    kept = [turn(64, 32), turn(160, 100)]
+    moved = [turn(64, 0), turn(160, 32)]
+    share = conversation_share([kept, moved])
+    assert share["shared_prefix_tokens"] == 32
+    # own tokens: 32 + 128 + 32 + 128 = 320; found beyond the shared prefix: 100 - 32 = 68
+    assert share["conversation_cached_share"] == 68 / 320

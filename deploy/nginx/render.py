@@ -48,8 +48,7 @@ def render(
     "least_conn". `replica_header`:
     answers carry X-Pagedserve-Replica (the replica's address; for benchmarks and tests).
     `servers_include`: the upstreams include PATH, PATH.home and PATH.spill (written where the
-    replicas are
-    known: the Kubernetes router's init container) instead of naming `replicas`.
+    replicas are known: the Kubernetes router's init container) instead of naming `replicas`.
     `max_conns` (affinity): the requests in flight a replica takes before the hash walks on to
     the next replica on the ring (None: no bound in nginx)."""
     if not replicas and servers_include is None:
@@ -63,12 +62,12 @@ def render(
     # affinity: nginx puts 160 x weight points per replica on the hash ring; 1600 keep every
     # replica's share of the keys within ~4% of the others' (160: ~12%, 25% at the 90th pct).
     ring = f" weight={RING_WEIGHT}" if mode == "affinity" else ""
-    extra = ring + (f" max_conns={max_conns}" if max_conns else "")
-    line = f"server {{}} max_fails={max_fails} fail_timeout={fail_timeout}{extra};"
+    home = f"server {{}} max_fails={max_fails} fail_timeout={fail_timeout}{ring};"
+    line = home[:-1] + (f" max_conns={max_conns};" if max_conns else ";")
     header = "add_header X-Pagedserve-Replica $upstream_addr always;" if replica_header else ""
     values = {
         "SERVERS": [line.format(r) for r in replicas],
-        "HOME_SERVERS": [line.format(r).replace(extra, ring) for r in replicas],
+        "HOME_SERVERS": [home.format(r) for r in replicas],
         "SPILL_SERVERS": [f"server {r} max_fails=0;" for r in replicas],
         "REPLICA_HEADER": [header or "# (render.py --replica-header: X-Pagedserve-Replica)"],
     }
