@@ -287,7 +287,7 @@ def test_nginx_max_conns_walks_the_ring_then_queues(cluster: Cluster, tmp_path: 
     deadline = time.monotonic() + 30  # the streams an earlier test aborted may still be queued
     while any(r.busy() for r in cluster.replicas) and time.monotonic() < deadline:
         time.sleep(0.2)
-    body = {"model": MODEL, "prompt": "import sys", "max_tokens": 400, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "import sys", "max_tokens": 480, "ignore_eos": True}
     served = []
     try:
         with httpx.Client(timeout=120) as client, contextlib.ExitStack() as streams:
