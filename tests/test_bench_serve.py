@@ -13,6 +13,8 @@ import pytest
 from test_server import CPU_ARGS, Launched
 
 from pagedserve.frontend.bench.datasets import custom_samples, sharegpt_samples
+from pagedserve.frontend.bench.multi_turn import conversation_share
+from pagedserve.frontend.bench.results import RequestResult
 from pagedserve.frontend.cli import DEFAULT_MODEL_NAME, default_model_dir, main
 from pagedserve.frontend.tokenizer import load_tokenizer
 
@@ -122,3 +124,18 @@ def test_random_prefix_is_shared():
     assert all(len(s.prompt) == 25 for s in samples)
     assert samples[0].prompt[:20] == samples[1].prompt[:20] == samples[2].prompt[:20]
     assert samples[0].prompt[20:] != samples[1].prompt[20:]
+
+
+def test_conversation_share_leaves_the_shared_system_prompt_out():
+    """Two users: turn 1 finds only the shared prompt (32 tokens, the most any first turn found);
+    turn 2 finds its whole turn 1 (100) on one replica and only the shared prompt on another."""
+
+    def turn(prompt: int, cached: int) -> RequestResult:
+        return RequestResult(success=True, prompt_len=prompt, cached_tokens=cached)
+
+    kept = [turn(64, 32), turn(160, 100)]
+    moved = [turn(64, 0), turn(160, 32)]
+    share = conversation_share([kept, moved])
+    assert share["shared_prefix_tokens"] == 32
+    # own tokens: 32 + 128 + 32 + 128 = 320; found beyond the shared prefix: 100 - 32 = 68
+    assert share["conversation_cached_share"] == 68 / 320

@@ -78,6 +78,13 @@ class Replica:
         with open(self.log_path, errors="replace") as f:
             return f.read()[-3000:]
 
+    def busy(self) -> float:
+        """Requests running or waiting here, from its own /metrics."""
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
+        names = ("pagedserve:num_requests_running{", "pagedserve:num_requests_waiting{")
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(names))  # fmt: skip
+
     def served(self) -> float:
         """Requests this replica finished, from its own /metrics (not through nginx)."""
         text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
@@ -205,7 +212,7 @@ def test_nginx_spreads_requests_over_replicas(cluster: Cluster) -> None:
     assert not bad, bad
     assert all(r.json()["choices"][0]["text"] for r in responses)
     served = [r.served() - b for r, b in zip(cluster.replicas, before, strict=True)]
-    print(f"\nnginx least_conn: 20 requests -> per replica {served}")
+    print(f"\nnginx (affinity): 20 prompts -> per replica {served}")
     assert sum(served) == 20
     assert min(served) >= 3, f"one replica got almost nothing: {served}"
 
@@ -271,6 +278,35 @@ def test_nginx_bounded_load_spills_to_another_replica(cluster: Cluster) -> None:
     assert any(s[-1] != home and s[0] == home for s in served), served
 
 
+def test_nginx_max_conns_walks_the_ring_then_queues(cluster: Cluster, tmp_path: Any) -> None:
+    """A second nginx over the same replicas with --max-conns 2: one conversation's six streams
+    fill its replica (2), then walk the ring to the other (2), then, every replica at its
+    bound, go to @busy, which queues them at their own replica (it queues 3)."""
+    url, nginx = _start_nginx(str(tmp_path / "nginx"), cluster.replicas, replica_header=True,
+                              max_conns=2)  # fmt: skip
+    deadline = time.monotonic() + 30  # the streams an earlier test aborted may still be queued
+    while any(r.busy() for r in cluster.replicas) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    body = {"model": MODEL, "prompt": "import sys", "max_tokens": 480, "ignore_eos": True}
+    served = []
+    try:
+        with httpx.Client(timeout=120) as client, contextlib.ExitStack() as streams:
+            for _ in range(6):  # opened within a fraction of a second; aborted at the end
+                resp = streams.enter_context(client.stream(
+                    "POST", f"{url}/v1/completions", json=body | {"stream": True},
+                    headers={"X-Session-ID": "hot"},
+                ))  # fmt: skip
+                assert resp.status_code == 200, resp.read()
+                served.append(resp.headers["x-pagedserve-replica"])
+    finally:
+        _stop(nginx, [])
+    print(f"\nmax_conns 2, one conversation, 6 overlapping streams -> {served}")
+    home, other = served[0], served[2]
+    assert served[:4] == [home, home, other, other] and home != other, served
+    # nginx picked no replica ("pagedserve", the upstream) and handed the request to @busy
+    assert served[4:] == [f"pagedserve : {home}"] * 2, served
+
+
 def test_nginx_streams_sse_chunk_by_chunk(cluster: Cluster) -> None:
     # 200 tokens: the stream must outlast the time to its first event (the CPU path decodes the
     # tiny model at ~1-2 ms a token, so 40 tokens took less than the first event's 0.1 s)
@@ -334,14 +370,26 @@ def test_nginx_config_modes(mode: str, tmp_path: Any) -> None:
     njs, affinity hashes the njs key with a bound per replica and a spill pool."""
     nginx_bin = _tool("nginx", NGINX_INSTALL)
     render: Any = _render_nginx()
-    conf = render.render("127.0.0.1:1", ["10.0.0.1:8000", "10.0.0.2:8000"], mode=mode)
+    cap = {"max_conns": 4} if mode == "affinity" else {}
+    conf = render.render("127.0.0.1:1", ["10.0.0.1:8000", "10.0.0.2:8000"], mode=mode, **cap)
     code = "\n".join(line for line in conf.splitlines() if not line.lstrip().startswith("#"))
     if mode == "least_conn":
         assert "js_" not in code and "least_conn;" in code and "spill" not in code
+        assert "max_conns" not in code and "@busy" not in code
+        with pytest.raises(ValueError, match="max_conns"):
+            render.render("127.0.0.1:1", ["10.0.0.1:8000"], mode=mode, max_conns=4)
     else:
         assert "hash $pagedserve_route_key consistent;" in code
         assert "error_page 503 = @spill;" in code and "proxy_next_upstream error timeout;" in code
+        assert "server 10.0.0.2:8000 max_fails=1 fail_timeout=10s weight=10 max_conns=4;" in code
+        assert "error_page 502 = @busy;" in code
     assert "{{" not in code and "#@" not in conf
+    # nginx closes idle connections to a replica before the replica does (else a POST sent on
+    # one the replica just closed fails with 502)
+    from pagedserve.frontend.openai.api_server import KEEP_ALIVE_S
+
+    idle = [int(t) for t in re.findall(r"keepalive_timeout (\d+)s;", code)]
+    assert idle and max(idle) < KEEP_ALIVE_S, idle
     if mode == "affinity":
         _need_nginx_with_njs()
     path = render.standalone(str(tmp_path), conf)
@@ -512,7 +560,8 @@ def test_k8s_router_matches_deploy_nginx() -> None:
     assert pods["spec"]["clusterIP"] == "None"
     assert pods["spec"]["selector"]["app.kubernetes.io/component"] == "server"
     config = by_name[("Deployment", "pagedserve-router")]["spec"]["template"]["spec"]
-    assert "pagedserve-pods" in config["initContainers"][0]["command"][-1]
+    init = config["initContainers"][0]["command"][-1]
+    assert "pagedserve-pods" in init and f"weight={render.RING_WEIGHT}" in init
 
 
 def test_prometheus_adapter_rules_serve_the_hpa_metric() -> None:

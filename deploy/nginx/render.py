@@ -21,6 +21,7 @@ TEMP_DIRS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 MODES = ("affinity", "least_conn")
+RING_WEIGHT = 10
 JS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagedserve_route.js")
 # Where Debian's libnginx-mod-http-js puts the njs module (a system nginx loads it itself, through
 # /etc/nginx/modules-enabled/; a --standalone one is told with load_module).
@@ -38,6 +39,7 @@ def render(
     js_file: str = JS_FILE,
     replica_header: bool = False,
     servers_include: str | None = None,
+    max_conns: int | None = None,
 ) -> str:
     """The http{}-level configuration: one `server` line per replica (host:port).
 
@@ -45,24 +47,34 @@ def render(
     loaded replica) or
     "least_conn". `replica_header`:
     answers carry X-Pagedserve-Replica (the replica's address; for benchmarks and tests).
-    `servers_include`: the upstreams include PATH and PATH.spill (written where the replicas are
-    known: the Kubernetes router's init container) instead of naming `replicas`."""
+    `servers_include`: the upstreams include PATH, PATH.home and PATH.spill (written where the
+    replicas are known: the Kubernetes router's init container) instead of naming `replicas`.
+    `max_conns` (affinity): the requests in flight a replica takes before the hash walks on to
+    the next replica on the ring (None: no bound in nginx)."""
     if not replicas and servers_include is None:
         raise ValueError("give at least one replica as host:port")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     with open(TEMPLATE) as f:
         text = keep_mode(f.read(), mode)
-    line = "server {{}} max_fails={} fail_timeout={};".format(max_fails, fail_timeout)
+    if max_conns is not None and (mode != "affinity" or max_conns < 1):
+        raise ValueError("max_conns bounds the affinity mode's hash and must be at least 1")
+    # affinity: nginx puts 160 x weight points per replica on the hash ring; 1600 keep every
+    # replica's share of the keys within ~4% of the others' (160: ~12%, 25% at the 90th pct).
+    ring = f" weight={RING_WEIGHT}" if mode == "affinity" else ""
+    home = f"server {{}} max_fails={max_fails} fail_timeout={fail_timeout}{ring};"
+    line = home[:-1] + (f" max_conns={max_conns};" if max_conns else ";")
     header = "add_header X-Pagedserve-Replica $upstream_addr always;" if replica_header else ""
     values = {
         "SERVERS": [line.format(r) for r in replicas],
+        "HOME_SERVERS": [home.format(r) for r in replicas],
         "SPILL_SERVERS": [f"server {r} max_fails=0;" for r in replicas],
         "REPLICA_HEADER": [header or "# (render.py --replica-header: X-Pagedserve-Replica)"],
     }
     if servers_include is not None:
         values["SERVERS"] = [f"include {servers_include};"]
         values["SPILL_SERVERS"] = [f"include {servers_include}.spill;"]
+        values["HOME_SERVERS"] = [f"include {servers_include}.home;"]
     for name, lines in values.items():
         # Only placeholders alone on their line (comments name them too).
         text = re.sub(rf"^( *)\{{\{{{name}\}}\}}$",
@@ -135,20 +147,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-timeout", default="10s")
     p.add_argument("--mode", choices=MODES, default="affinity")
     p.add_argument("--session-header", default="X-Session-ID")
-    p.add_argument("--prefix-chars", type=int, default=256,
-                   help="affinity: characters of a completions prompt that make its key")
+    p.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=256,
+        help="affinity: characters of a completions prompt that make its key",
+    )
     p.add_argument("--js-file", default=JS_FILE, help="where nginx finds pagedserve_route.js")
-    p.add_argument("--replica-header", action="store_true",
-                   help="add X-Pagedserve-Replica (the replica's address) to every answer")
-    p.add_argument("--servers-include", metavar="PATH",
-                   help="upstreams include PATH (and PATH.spill) instead of listing replicas")
+    p.add_argument(
+        "--replica-header",
+        action="store_true",
+        help="add X-Pagedserve-Replica (the replica's address) to every answer",
+    )
+    p.add_argument(
+        "--servers-include",
+        metavar="PATH",
+        help="upstreams include PATH (and PATH.home, PATH.spill) instead of listing replicas",
+    )
+    p.add_argument(
+        "--max-conns",
+        type=int,
+        metavar="C",
+        help="affinity: a replica with C requests in flight spills the next to the "
+        "next replica on the ring (e.g. the replicas' --max-num-seqs)",
+    )
     p.add_argument("--njs-module", default=NJS_MODULE, help="--standalone: njs module to load")
     p.add_argument("--standalone", metavar="DIR", help="write DIR/nginx.conf, a complete config")
     args = p.parse_args(argv)
     conf = render(
         args.listen, args.replicas, args.max_fails, args.fail_timeout, args.mode,
         args.session_header, args.prefix_chars, args.js_file,
-        args.replica_header, args.servers_include,
+        args.replica_header, args.servers_include, args.max_conns,
     )  # fmt: skip
     if args.standalone:
         path = standalone(args.standalone, conf, args.njs_module)

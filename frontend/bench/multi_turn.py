@@ -102,6 +102,7 @@ def cache_report(per_user: list[list[RequestResult]], num_turns: int) -> dict[st
     ok = [r for turns in per_user for r in turns if r.success]
     out: dict[str, Any] = {"cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok)}
     out["cached_share"] = out["cached_prompt_tokens"] / max(1, sum(r.prompt_len for r in ok))
+    out.update(conversation_share(per_user))
     per_turn = []
     for t in range(num_turns):
         done = [turns[t] for turns in per_user if len(turns) > t and turns[t].success]
@@ -126,6 +127,22 @@ def cache_report(per_user: list[list[RequestResult]], num_turns: int) -> dict[st
     return out
 
 
+def conversation_share(per_user: list[list[RequestResult]]) -> dict[str, Any]:
+    """The cached share of each conversation's own tokens: the shared system prompt left out.
+
+    The shared prefix is the most any first turn found cached (a first turn shares only the
+    system prompt with the others; as much of it as fills whole cache blocks): every replica
+    caches it whatever the routing, so it says nothing about keeping a conversation's history."""
+    firsts = [turns[0] for turns in per_user if turns and turns[0].success]
+    shared = max((r.cached_tokens or 0 for r in firsts), default=0)
+    ok = [r for turns in per_user for r in turns if r.success]
+    own = sum(max(0, (r.cached_tokens or 0) - shared) for r in ok)
+    return {
+        "shared_prefix_tokens": shared,
+        "conversation_cached_share": own / max(1, sum(r.prompt_len - shared for r in ok)),
+    }
+
+
 def bench_multi_turn(args: argparse.Namespace, model: str, tokenizer: Any) -> dict[str, Any]:
     if not args.endpoint.endswith("/chat/completions"):
         raise ValueError("--dataset-name multi-turn runs on --endpoint /v1/chat/completions")
@@ -144,11 +161,13 @@ def bench_multi_turn(args: argparse.Namespace, model: str, tokenizer: Any) -> di
 
 def add_multi_turn_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-turn dataset")
-    g.add_argument("--num-users", type=int, default=9)
+    # Defaults shaped like real chats: a short system prompt, answers a few times longer than
+    # the user's messages, so a conversation's own history soon outweighs the shared prompt.
+    g.add_argument("--num-users", type=int, default=48)
     g.add_argument("--num-turns", type=int, default=4)
     g.add_argument("--system-prompt-len", type=int, default=32, help="tokens, shared by all")
-    g.add_argument("--user-turn-len", type=int, default=48, help="tokens of each user message")
-    g.add_argument("--turn-output-len", type=int, default=32, help="tokens of each answer")
+    g.add_argument("--user-turn-len", type=int, default=32, help="tokens of each user message")
+    g.add_argument("--turn-output-len", type=int, default=96, help="tokens of each answer")
     g.add_argument("--think-time", type=float, default=1.0,
                    help="mean seconds (exponential) a user takes before its next turn")  # fmt: skip
     g.add_argument("--session-header", default=None,

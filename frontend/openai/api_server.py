@@ -61,6 +61,11 @@ from pagedserve.ipc.process import die_with_parent
 
 logger = logging.getLogger("pagedserve.api")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# How long an idle client connection stays open. Longer than any proxy in front keeps its idle
+# connections to us (deploy/nginx: keepalive_timeout 60s), so the proxy always closes first:
+# with uvicorn's 5 s, nginx reused connections we had just closed, and a POST sent on one fails
+# with 502 (never resent: it may have run) and marks this replica down for fail_timeout.
+KEEP_ALIVE_S = 75
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -344,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.uvicorn_log_level.lower(),
         access_log=args.uvicorn_log_level.lower() in ("debug", "trace"),
         timeout_graceful_shutdown=2,
+        timeout_keep_alive=KEEP_ALIVE_S,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,
