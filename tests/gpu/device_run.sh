@@ -209,6 +209,24 @@ PY
           --input-len 128 --output-len 128 --repeats 3 --fractions ${STRUCT_FRACTIONS:-0,0.5,1} --output-json "$OUT/structured.json" \
           2>&1 | tail -12
         $T python3 tests/bench_grammar_step.py 2>&1 | tee "$OUT/grammar-step.txt" ;;
+    structured-trace) S=/tmp/m8s; mkdir -p $S  # per-step worker host times at 0 / 50 / 100%
+        cp $M/config.json $M/generation_config.json frontend/default_model/tokenizer.json \
+          frontend/default_model/tokenizer_config.json $S/
+        for f in 0 0.5 1; do
+          PAGEDSERVE_STEP_TRACE=$OUT/trace-$f $T $PS bench structured --model $S --load-format dummy \
+            --dtype bfloat16 --num-prompts 256 --input-len 128 --output-len 128 --repeats 2 \
+            --fractions $f 2>&1 | grep "tok/s"
+          python3 - "$OUT/trace-$f.worker0" "$f" <<'PY'
+import statistics as st, sys
+rows = [list(map(float, line.split())) for line in open(sys.argv[1])]
+rows = [r for r in rows if len(r) == 4][50:]  # past start-up and warm-up
+cols = list(zip(*rows))
+med = [1000 * st.median(c) for c in cols[1:]]
+span = rows[-1][0] - rows[0][0]
+print(f"{sys.argv[2]:>4}: {len(rows)} steps in {span:.2f} s ({1000 * span / len(rows):.2f} ms/step); "
+      f"median host ms: start {med[0]:.2f}, finish {med[1]:.2f}, sample {med[2]:.2f}")
+PY
+        done 2>&1 | tee "$OUT/structured-trace.txt" ;;
     grammar-gpu) for share in 1 0.5; do  # host + device mask time of all vs half the rows
           $T python3 tests/bench_grammar_step.py --device cuda --share $share; done \
           2>&1 | tee "$OUT/grammar-gpu.txt" ;;
