@@ -135,7 +135,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--num-users", type=int, default=96)
-    p.add_argument("--num-turns", type=int, default=4)
+    p.add_argument("--num-turns", type=int, default=6)
     p.add_argument("--system-prompt-len", type=int, default=32)
     p.add_argument("--user-turn-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=96)
