@@ -38,7 +38,14 @@ from pagedserve.ipc.messages import (
     WorkerReady,
     WorkerToCore,
 )
-from pagedserve.ipc.process import Child, die_with_parent, process_state, spawn, stop_all
+from pagedserve.ipc.process import (
+    Child,
+    die_with_parent,
+    freeze_startup_heap,
+    process_state,
+    spawn,
+    stop_all,
+)
 from pagedserve.ipc.sockets import (
     CoreAddresses,
     Receiver,
@@ -281,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         transport.start_workers(args.config)
         num_blocks = transport.init_cache()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
-        EngineCore(config, transport, num_blocks).run()
+        core = EngineCore(config, transport, num_blocks)
+        freeze_startup_heap()
+        core.run()
     except Exception as e:
         message = str(e) if isinstance(e, EngineDeadError) else traceback.format_exc()
         if isinstance(e, StepTimeoutError):

@@ -8,6 +8,7 @@ one that started it, even after a kill -9. Parents poll their children and repor
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import subprocess
@@ -25,6 +26,15 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the parent died before prctl took effect
+
+
+def freeze_startup_heap() -> None:
+    """Called once a long-lived process has started, before its step loop: moves every object
+    alive now (imported modules, torch, the model, tokenizers: millions of objects) out of the
+    garbage collector's reach, so that a full collection during serving scans only what serving
+    allocates. Without it a generation-2 collection stalls a step by tens to hundreds of ms."""
+    gc.collect()
+    gc.freeze()
 
 
 def spawn(module: str, args: list[str], name: str, env: dict[str, str] | None = None) -> Child:

@@ -32,7 +32,7 @@ from pagedserve.ipc.messages import (
     WorkerReady,
     WorkerToCore,
 )
-from pagedserve.ipc.process import die_with_parent
+from pagedserve.ipc.process import die_with_parent, freeze_startup_heap
 from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender
 
 logger = logging.getLogger("pagedserve.worker")
@@ -90,6 +90,7 @@ def run_loop(
     # whole forward: there each step is reported as soon as it is sampled, and the core plans
     # N + 2 while this worker computes N + 1.
     lookahead = info.pp_size == 1 and device.type == "cuda"
+    freeze_startup_heap()
     pending = None
     trace = _open_trace(rank)
     try:
