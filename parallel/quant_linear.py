@@ -8,7 +8,8 @@ that layout over its whole part first (a per-tensor scale broadcast to rows, blo
 then sharded with the same loader as its weight, so TP shards scales exactly like weights.
 
 With `--quantization fp8` on a plain checkpoint the weight loads in the model dtype and
-`after_loading` replaces it by fp8 with per-channel scales.
+`after_loading` replaces it by fp8 with per-channel scales. On a CPU, `after_loading` packs a
+float32/bfloat16 weight in oneDNN's layout (kernels/cpu_linear.py) and drops the plain copy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.cpu_linear import pack_weight, packed_linear
 from pagedserve.kernels.fp8 import FP8, expand_block_scales, fp8_linear, quantize_rows
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
@@ -41,6 +43,7 @@ class LinearBase(nn.Module):
         fp8 = quant is not None and quant.serialized
         self.weight = make_param(rows, cols, loader=self.weight_loader, dtype=FP8 if fp8 else None)
         self.weight_scale = None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU), once loaded
         if fp8:
             scale_cols = 1 if quant.block is None else -(-cols // quant.block[1])
             self.weight_scale = make_param(
@@ -71,14 +74,22 @@ class LinearBase(nn.Module):
         self.weight_loader(param, scale, shard_id)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         group = self.quant.act_group if self.quant is not None else None
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
 
     def after_loading(self) -> None:
-        """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales."""
-        if self.quant is None or self.quant.serialized:
+        """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales; on a CPU,
+        a plain weight packed for oneDNN instead (the plain copy is freed)."""
+        if self.quant is None:
+            self.packed = pack_weight(self.weight)
+            if self.packed is not None:
+                self.weight = None
+            return
+        if self.quant.serialized:
             return
         with torch.no_grad():
             weight, scale = quantize_rows(self.weight.data)

@@ -270,3 +270,32 @@ def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dt
             ref = paged_attention_ref(q, kv, meta, 0.25, window, **extra)
             torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.25, window, **extra),
                                        ref, **tol)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_packed_linear_matches_f_linear(dtype):
+    """After loading, a CPU linear runs on its oneDNN-packed weight (the plain one is freed) and
+    gives F.linear's result; a tied LM head packs a copy and keeps the shared weight."""
+    from pagedserve.kernels.cpu_linear import pack_weight
+
+    if pack_weight(torch.zeros(4, 4)) is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    torch.manual_seed(0)
+    lin = layers.ColumnParallelLinear(64, 96, bias=True).to(dtype)
+    lin.weight.data.normal_(0, 0.1)
+    lin.bias.data.normal_(0, 0.1)
+    weight, bias = lin.weight.data.clone(), lin.bias.data.clone()
+    lin.after_loading()
+    assert lin.packed is not None and lin.weight is None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (0, 1, 7, 33):
+        x = torch.randn(rows, 64, dtype=dtype)
+        torch.testing.assert_close(lin(x), F.linear(x, weight, bias), atol=tol, rtol=tol)
+    embed = layers.VocabParallelEmbedding(100, 64)
+    embed.weight.data.normal_(0, 0.1)
+    head = layers.ParallelLMHead(100, 64)
+    head.tie(embed)
+    head.after_loading()
+    assert head.packed is not None and head.weight is embed.weight
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(head(x), x @ embed.weight.T, atol=1e-5, rtol=1e-5)
