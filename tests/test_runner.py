@@ -192,5 +192,10 @@ def test_cpu_threads_leave_a_core_to_the_host_only_for_small_models(
         assert set_cpu_threads(ranks, weights) == expected == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    params = sum(p.numel() for p in runner.model.parameters() if p is not None)
-    assert weight_bytes(runner.model) > params * 4  # packed linears count too
+    plain = sum(p.numel() * 4 for p in runner.model.parameters())
+    packed = sum(m.packed.numel() * 4 for m in runner.model.modules() if _packed(m))
+    assert weight_bytes(runner.model) == plain + packed
+
+
+def _packed(module) -> bool:
+    return getattr(module, "packed", None) is not None
