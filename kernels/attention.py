@@ -245,6 +245,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend = backend or paged_attention_ref
+        # A backend may bring its own cache write, given the whole step's metadata (the CPU one
+        # works out the cache rows once per step); else `write_kv_cache`.
+        self.write_cache = getattr(self.backend, "write_kv_cache", None)
         # Passed only when set, so backends without soft-capping keep their signature.
         self.backend_kwargs = (
             {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
@@ -273,7 +276,10 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_scale, v_scale = self.kv_scales
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        if self.write_cache is not None:
+            self.write_cache(k, v, kv_cache, meta, k_scale, v_scale)
+        else:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         out = self.backend(
             q,
             kv_cache,

@@ -272,6 +272,28 @@ def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dt
                                        ref, **tol)  # fmt: skip
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_cache_write_matches_reference(padded):
+    """The CPU backend's cache write (rows worked out once per step) stores what
+    `write_kv_cache_ref` stores, padding slots (< 0) skipped, FP8 scales applied."""
+    from pagedserve.kernels.attention import AttentionMetadata, write_kv_cache_ref
+    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+
+    torch.manual_seed(1)
+    slots = torch.tensor([5, 17, 18, 3, 40] + ([-1, -1] if padded else []))
+    meta = AttentionMetadata(slots, None, None, None, None, None, 1, 1, block_size=8)
+    write = Attention(4, 2, 16, 0.25, backend=cpu_paged_attention).write_cache
+    assert write is not None
+    for dtype, scales in ((torch.float32, (1.0, 1.0)), (torch.float8_e4m3fn, (0.5, 2.0))):
+        key, value = torch.randn(len(slots), 2, 16), torch.randn(len(slots), 2, 16)
+        ref = torch.zeros(6, 2, 8, 2, 16, dtype=dtype)
+        ours = ref.clone()
+        write_kv_cache_ref(key, value, ref, slots, *scales)
+        for _ in range(2):  # the second layer reuses the rows cached on the metadata
+            write(key, value, ours, meta, *scales)
+        assert torch.equal(ours.float(), ref.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_packed_linear_matches_f_linear(dtype):
     """After loading, a CPU linear runs on its oneDNN-packed weight (the plain one is freed) and
