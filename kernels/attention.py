@@ -283,6 +283,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.kv_group = kv_group  # whose block table and slots it uses (config.kv_cache_groups)
         self.backend = backend or paged_attention_ref
+        # A backend may bring its own cache write, given the whole step's metadata (the CPU one
+        # works out the cache rows once per step); else `write_kv_cache`.
+        self.write_cache = getattr(self.backend, "write_kv_cache", None)
         # Passed only when set, so backends without soft-capping keep their signature.
         self.backend_kwargs = (
             {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
@@ -325,7 +328,10 @@ class Attention(nn.Module):
                 q, k = rotary(positions, q, k)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+            if self.write_cache is not None:  # the CPU backend's batched write
+                self.write_cache(k, v, kv_cache, meta, k_scale, v_scale)
+            else:
+                write_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         out = self.backend(
             q,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.attention import AttentionMetadata, paged_attention_ref
+from pagedserve.kernels.attention import AttentionMetadata, paged_attention_ref, to_cache_dtype
 
 
 @dataclass
@@ -91,6 +91,44 @@ def padded_groups(meta: AttentionMetadata, group: int) -> list[PaddedGroup]:
     return groups
 
 
+def cpu_write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], contiguous
+    meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """`write_kv_cache_ref` in two `index_copy_` calls per layer: the cache rows of the step's
+    tokens (padding slots dropped) are worked out once per step and shared by every layer."""
+    rows = meta.scratch.get("cpu_kv_rows")
+    if rows is None:
+        rows = _cache_rows(meta.slot_mapping, kv_cache.shape[2])
+        meta.scratch["cpu_kv_rows"] = rows
+    keep, k_rows, v_rows = rows
+    if keep is not None:
+        key, value = key[keep], value[keep]
+    key = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    value = to_cache_dtype(value, kv_cache.dtype, v_scale)
+    flat = kv_cache.view(-1, *kv_cache.shape[3:])  # [num_blocks * 2 * block_size, Hkv, D]
+    if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no FP8 kernel: copy the bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat.index_copy_(0, k_rows, key)
+    flat.index_copy_(0, v_rows, value)
+
+
+def _cache_rows(
+    slot_mapping: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(kept token indices or None for all, K rows, V rows) in the cache viewed as rows."""
+    keep = None
+    if bool((slot_mapping < 0).any()):
+        keep = torch.nonzero(slot_mapping >= 0).squeeze(1)
+        slot_mapping = slot_mapping[keep]
+    k_rows = slot_mapping // block_size * (2 * block_size) + slot_mapping % block_size
+    return keep, k_rows, k_rows + block_size
+
+
 def cpu_paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
@@ -152,3 +190,6 @@ def _gather(
     dimensions into one key dimension is a view."""
     blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, block_size, Hkv, D]
     return blocks.unflatten(0, block_tables.shape).flatten(1, 2).transpose(1, 2)
+
+
+cpu_paged_attention.write_kv_cache = cpu_write_kv_cache  # type: ignore[attr-defined]  # Attention

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.cpu_linear import pack_weight, packed_linear
 from pagedserve.kernels.linear import linear
 from pagedserve.parallel.quant_linear import LinearBase, make_param
 from pagedserve.parallel.state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
@@ -280,8 +281,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split like the embedding so the two can share one
     parameter when embeddings are tied; logits are all-gathered so every rank holds all of them."""
 
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU), once loaded
+    tied = False
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        if self.packed is not None:
+            return tp_all_gather(packed_linear(hidden, self.packed, None), dim=-1)
         return tp_all_gather(linear(hidden, self.weight, None), dim=-1)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def after_loading(self) -> None:
+        """On a CPU, the weight packed for the matmul; the plain copy stays only when tied (the
+        embedding reads it)."""
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None and not self.tied:
+            self.weight = None

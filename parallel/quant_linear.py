@@ -13,7 +13,9 @@ With `--quantization fp8` on a plain checkpoint the weight loads in the model dt
 `matmul` of an FP8 layer is `fp8_linear`: on a GPU, up to `SMALL_M` rows (decode batches) the
 weight-only Triton kernel (no activation quantization; CUDA-graph safe), above that per-token
 activation quantization and `torch._scaled_mm` (or the block GEMM). With `gated` it is
-the same for a gated MLP's down projection, silu(gate) * up fused into the quantization.
+the same for a gated MLP's down projection, silu(gate) * up fused into the quantization. On a
+CPU, `after_loading` packs a float32/bfloat16 weight in oneDNN's layout (kernels/cpu_linear.py)
+and drops the plain copy.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.cpu_linear import pack_weight, packed_linear
 from pagedserve.kernels.fp8 import (
     FP8,
     expand_block_scales,
@@ -52,6 +56,7 @@ class LinearBase(nn.Module):
         fp8 = quant is not None and quant.serialized
         self.weight = make_param(rows, cols, loader=self.weight_loader, dtype=FP8 if fp8 else None)
         self.weight_scale = None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU), once loaded
         if fp8:
             scale_cols = 1 if quant.block is None else -(-cols // quant.block[1])
             self.weight_scale = make_param(
@@ -86,6 +91,8 @@ class LinearBase(nn.Module):
     ) -> torch.Tensor:
         """`x W^T + b`; `gated`: x is a merged gate/up output and `silu_and_mul(x)` goes in
         (fused into the GEMV, or into an FP8 layer's input quantization)."""
+        if self.packed is not None:
+            return packed_linear(silu_and_mul(x) if gated else x, self.packed, bias)
         if self.weight_scale is None:
             return (gated_linear if gated else linear)(x, self.weight, bias)
         group = self.quant.act_group if self.quant is not None else None
@@ -94,8 +101,14 @@ class LinearBase(nn.Module):
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
 
     def after_loading(self) -> None:
-        """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales."""
-        if self.quant is None or self.quant.serialized:
+        """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales; on a CPU,
+        a plain weight packed for oneDNN instead (the plain copy is freed)."""
+        if self.quant is None:
+            self.packed = pack_weight(self.weight)
+            if self.packed is not None:
+                self.weight = None
+            return
+        if self.quant.serialized:
             return
         with torch.no_grad():
             weight, scale = quantize_rows(self.weight.data)

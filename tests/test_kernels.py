@@ -270,3 +270,55 @@ def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dt
             ref = paged_attention_ref(q, kv, meta, 0.25, window, **extra)
             torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.25, window, **extra),
                                        ref, **tol)  # fmt: skip
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_cache_write_matches_reference(padded):
+    """The CPU backend's cache write (rows worked out once per step) stores what
+    `write_kv_cache_ref` stores, padding slots (< 0) skipped, FP8 scales applied."""
+    from pagedserve.kernels.attention import AttentionMetadata, write_kv_cache_ref
+    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+
+    torch.manual_seed(1)
+    slots = torch.tensor([5, 17, 18, 3, 40] + ([-1, -1] if padded else []))
+    meta = AttentionMetadata(slots, None, None, None, None, None, 1, 1, block_size=8)
+    write = Attention(4, 2, 16, 0.25, backend=cpu_paged_attention).write_cache
+    assert write is not None
+    for dtype, scales in ((torch.float32, (1.0, 1.0)), (torch.float8_e4m3fn, (0.5, 2.0))):
+        key, value = torch.randn(len(slots), 2, 16), torch.randn(len(slots), 2, 16)
+        ref = torch.zeros(6, 2, 8, 2, 16, dtype=dtype)
+        ours = ref.clone()
+        write_kv_cache_ref(key, value, ref, slots, *scales)
+        for _ in range(2):  # the second layer reuses the rows cached on the metadata
+            write(key, value, ours, meta, *scales)
+        assert torch.equal(ours.float(), ref.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_packed_linear_matches_f_linear(dtype):
+    """After loading, a CPU linear runs on its oneDNN-packed weight (the plain one is freed) and
+    gives F.linear's result; a tied LM head packs a copy and keeps the shared weight."""
+    from pagedserve.kernels.cpu_linear import pack_weight
+
+    if pack_weight(torch.zeros(1024, 512)) is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    assert pack_weight(torch.zeros(64, 96)) is None  # too small: oneDNN's call overhead
+    torch.manual_seed(0)
+    lin = layers.ColumnParallelLinear(1024, 512, bias=True).to(dtype)
+    lin.weight.data.normal_(0, 0.1)
+    lin.bias.data.normal_(0, 0.1)
+    weight, bias = lin.weight.data.clone(), lin.bias.data.clone()
+    lin.after_loading()
+    assert lin.packed is not None and lin.weight is None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (0, 1, 7, 33):
+        x = torch.randn(rows, 1024, dtype=dtype)
+        torch.testing.assert_close(lin(x), F.linear(x, weight, bias), atol=tol, rtol=tol)
+    embed = layers.VocabParallelEmbedding(4096, 128)
+    embed.weight.data.normal_(0, 0.1)
+    head = layers.ParallelLMHead(4096, 128)
+    head.tie(embed)
+    head.after_loading()
+    assert head.packed is not None and head.weight is embed.weight
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(head(x), x @ embed.weight.T, atol=1e-5, rtol=1e-5)

@@ -174,3 +174,28 @@ def test_profile_samples_max_num_seqs_rows_over_the_vocabulary(runner, monkeypat
     want = min(sched.max_num_seqs, sched.max_num_batched_tokens)
     assert tuple(shape) == (want, runner.config.model.vocab_size)
     assert all(r.params.top_p < 1 and r.params.presence_penalty for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "weights", "expected"),
+    [(2, 1, 1 << 20, 1), (2, 1, 200 << 20, 2), (8, 2, 1 << 20, 3), (8, 2, 200 << 20, 4)],
+)
+def test_cpu_threads_leave_a_core_to_the_host_only_for_small_models(
+    runner, monkeypatch, cores, ranks, weights, expected
+):
+    from pagedserve.worker.model_runner import set_cpu_threads, weight_bytes
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    before = torch.get_num_threads()
+    try:
+        assert set_cpu_threads(ranks, weights) == expected == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    plain = sum(p.numel() * 4 for p in runner.model.parameters())
+    packed = sum(m.packed.numel() * 4 for m in runner.model.modules() if _packed(m))
+    assert weight_bytes(runner.model) == plain + packed
+
+
+def _packed(module) -> bool:
+    return getattr(module, "packed", None) is not None

@@ -48,18 +48,35 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def set_cpu_threads(ranks_per_node: int) -> int:
-    """Intra-op threads for a CPU worker: the cores it may use, less one for the core and API
-    server processes, shared by the ranks of this node (`OMP_NUM_THREADS` wins when set).
+LARGE_CPU_MODEL_BYTES = 64 << 20
 
-    Decode matmuls on a CPU are small: a thread more than the cores left over buys nothing and
-    makes every op wait at an OpenMP barrier for a thread the scheduler has parked."""
+
+def set_cpu_threads(ranks_per_node: int, weight_bytes: int) -> int:
+    """Intra-op threads for a CPU worker (`OMP_NUM_THREADS` wins when set).
+
+    A small model's steps are short ops that the host (API server, core) keeps pace with only on
+    a core of its own: such a worker takes the cores less one, shared by the ranks of this node
+    (a thread more than that buys nothing and makes every op wait at an OpenMP barrier for a
+    thread the scheduler has parked). A model of `LARGE_CPU_MODEL_BYTES` or more per rank is
+    bound by its matmuls (prefill) and by streaming its weights (decode): it takes every core."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, ((cores or 1) - 1) // max(ranks_per_node, 1))
+    cores, ranks = cores or 1, max(ranks_per_node, 1)
+    spare = 0 if weight_bytes >= LARGE_CPU_MODEL_BYTES else 1
+    threads = max(1, (cores - spare) // ranks)
     torch.set_num_threads(threads)
     return threads
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's weights, plain parameters and CPU-packed ones (kernels/cpu_linear)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            total += packed.numel() * packed.element_size()
+    return total
 
 
 @dataclass

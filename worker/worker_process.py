@@ -64,17 +64,22 @@ def run_loop(
     clock = PhaseClock()
     # torch is imported here so that a bad install is reported to the core as a WorkerError.
     from pagedserve.parallel.groups import init_distributed, rank_info
-    from pagedserve.worker.model_runner import ModelRunner, resolve_device, set_cpu_threads
+    from pagedserve.worker.model_runner import (
+        ModelRunner,
+        resolve_device,
+        set_cpu_threads,
+        weight_bytes,
+    )
 
     clock.mark("torch import")
     parallel = config.parallel
     info = rank_info(parallel, rank)
     device = resolve_device(parallel.device, rank % parallel.ranks_per_node)
-    if device.type == "cpu":
-        set_cpu_threads(parallel.ranks_per_node)
     init_distributed(info, parallel.master_addr, dist_port, device)
     clock.mark("device and process groups")
     runner = ModelRunner(config, device, info)
+    if device.type == "cpu":
+        set_cpu_threads(parallel.ranks_per_node, weight_bytes(runner.model))
     clock.mark("weights")
     num_blocks = runner.profile_num_blocks()
     clock.mark("memory profile")
