@@ -129,9 +129,9 @@ def test_graphs_equal_eager_on_mixed_steps():
     assert runs[0] == runs[1]
 
 
-def test_decode_graph_variants_equal_eager():
-    """Batch-1 decodes through the short-context graph, then, past its 511 tokens, the long one
-    (LM head and argmax inside both): the eager tokens, fp32."""
+def test_decode_graph_with_head_equals_eager():
+    """Batch-1 decodes past 500 tokens of context through the bucket-1 graph (LM head and argmax
+    inside it): the eager tokens, fp32."""
     path = os.path.join(os.path.dirname(pagedserve.frontend.__file__), "default_model")
     prompt = {"prompt_token_ids": [100 + i % 200 for i in range(500)]}
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)

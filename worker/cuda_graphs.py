@@ -15,11 +15,8 @@ prompt on an H100 host) than the GPU takes to run them (~13 ms); replayed, 1.3 m
 have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that owns the
 padding tokens (they write nowhere and attend among themselves over block 0).
 
-Two decode-graph refinements for small batches (batch-1 latency): a bucket up to
-`HEAD_MAX_BATCH` rows also runs the LM head and the greedy argmax inside its graph (`head`), and
-a bucket up to `SHORT_MAX_BATCH` rows gets a second graph captured for contexts up to
-`SHORT_CONTEXT` tokens, where attention runs without split-KV (no partials, no reduce kernel);
-the long graph keeps the splits a long context needs.
+For batch-1 latency, a decode bucket up to `HEAD_MAX_BATCH` rows also runs the LM head and the
+greedy argmax inside its graph (`head`).
 """
 
 from __future__ import annotations
@@ -37,10 +34,6 @@ from pagedserve.worker.input_batch import StepInputs
 MIXED_TOKEN_SIZES = (3072, 2560, 2048, 1792, 1536, 1280, *range(1024, 0, -128), 64)
 MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
 HEAD_MAX_BATCH = 8  # decode buckets up to this run the LM head and argmax in their graph
-SHORT_MAX_BATCH = 16  # decode buckets up to this (8 KV heads: < 132 SMs' programs) split KV
-# The longest context for which the Triton attention picks one split (2 x its 256 tokens per
-# split, less one): a short-context graph is captured with this as its max_seq_len.
-SHORT_CONTEXT = 511
 
 GraphOutputs = tuple[torch.Tensor, ...]  # hidden [n, H], then (head) logits [n, V], ids [n]
 
@@ -87,18 +80,14 @@ class _GraphSet:
         self._flip = 0
         self.input_ids, self.positions, self.slot_mapping = self.dev64
         self.slot_mapping.fill_(-1)
-        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}  # by key (see _variants)
-        self.outputs: dict[object, GraphOutputs] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by bucket size
+        self.outputs: dict[int, GraphOutputs] = {}
         self.pool = None
 
     def _meta(self, size: int) -> AttentionMetadata:
         raise NotImplementedError
 
-    def _variants(self) -> list[tuple[object, int, AttentionMetadata]]:
-        """(key, bucket size, metadata) of every graph to capture, largest first."""
-        return [(size, size, self._meta(size)) for size in self.sizes]
-
-    def _graph_forward(self, key: object, *args: object) -> GraphOutputs:
+    def _graph_forward(self, size: int, *args: object) -> GraphOutputs:
         return (self.forward(*args),)
 
     def _metadata(
@@ -127,16 +116,16 @@ class _GraphSet:
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into `pool` (shared with other graph sets)."""
         self.pool = pool
-        for key, size, meta in self._variants():
-            args = (self.input_ids[:size], self.positions[:size], meta)
-            self._graph_forward(key, *args)  # warm-up: autotuning, lazy init out of the graph
+        for size in self.sizes:
+            args = (self.input_ids[:size], self.positions[:size], self._meta(size))
+            self._graph_forward(size, *args)  # warm-up: autotuning, lazy init out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._graph_forward(key, *args)
+                self.outputs[size] = self._graph_forward(size, *args)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[key] = graph
+            self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def _host_buffers(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -149,29 +138,27 @@ class _GraphSet:
 
     def _replay(
         self,
-        key: object,
         size: int,
         num_tokens: int,
         int32_end: int,
         fill: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> GraphOutputs:
         """Copy the staged host set (tokens up to the bucket, int32 up to `int32_end`), fill
-        the tokens only on the device, replay graph `key`; its outputs for the real tokens
+        the tokens only on the device, replay bucket `size`'s graph; its outputs for the real tokens
         (static buffers: valid until the next replay of that graph)."""
         h64, h32 = self.host64[self._flip], self.host32[self._flip]
         self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
         self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
-        self.graphs[key].replay()
-        return tuple(out[:num_tokens] for out in self.outputs[key])
+        self.graphs[size].replay()
+        return tuple(out[:num_tokens] for out in self.outputs[size])
 
 
 class DecodeGraphs(_GraphSet):
-    """Decode-only steps, one graph per batch-size bucket (small buckets: two, by context
-    length); int32 = [seq_lens | block_tables]. `head`: hidden [n, H] -> (logits [n, V] float32,
-    argmax ids [n]), run inside the graphs of buckets up to HEAD_MAX_BATCH; `short`: capture the
-    short-context graphs."""
+    """Decode-only steps, one graph per batch-size bucket; int32 = [seq_lens | block_tables].
+    `head`: hidden [n, H] -> (logits [n, V] float32, argmax ids [n]), run inside the graphs of
+    buckets up to HEAD_MAX_BATCH."""
 
     def __init__(
         self,
@@ -182,10 +169,8 @@ class DecodeGraphs(_GraphSet):
         block_size: int,
         device: torch.device,
         head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-        short: bool = False,
     ) -> None:
         self.head = head
-        self.short = short and max_model_len > SHORT_CONTEXT
         sizes = capture_sizes(max_batch)
         b = sizes[0]
         super().__init__(
@@ -196,38 +181,17 @@ class DecodeGraphs(_GraphSet):
         self.block_tables = self.dev32[b:].view(b, max_blocks)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
 
-    def _meta(self, size: int, max_seq_len: int | None = None) -> AttentionMetadata:
-        meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
-        if max_seq_len is not None:  # the kernels size their split-KV from this bound
-            meta.max_seq_len = max_seq_len
-            meta.seq_lens_cpu[:] = max_seq_len
-        return meta
+    def _meta(self, size: int) -> AttentionMetadata:
+        return self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
 
-    def _variants(self) -> list[tuple[object, int, AttentionMetadata]]:
-        """Key (size, short) per graph: every bucket long; small ones short as well."""
-        variants: list[tuple[object, int, AttentionMetadata]] = []
-        for size in self.sizes:
-            variants.append(((size, False), size, self._meta(size)))
-            if self.short and size <= SHORT_MAX_BATCH:
-                variants.append(((size, True), size, self._meta(size, SHORT_CONTEXT)))
-        return variants
-
-    def _graph_forward(self, key: object, *args: object) -> GraphOutputs:
+    def _graph_forward(self, size: int, *args: object) -> GraphOutputs:
         hidden = self.forward(*args)
-        if self.head is None or key[0] > HEAD_MAX_BATCH:  # type: ignore[index]
+        if self.head is None or size > HEAD_MAX_BATCH:
             return (hidden,)
         return (hidden, *self.head(hidden))
 
     def bucket(self, num_seqs: int) -> int | None:
         return self._smallest_fit(num_seqs)
-
-    def graph_for(self, size: int, max_seq_len: int) -> torch.cuda.CUDAGraph:
-        """The graph a batch of bucket `size` whose longest context is `max_seq_len` replays."""
-        return self.graphs[self._key(size, max_seq_len)]
-
-    def _key(self, size: int, max_seq_len: int) -> tuple[int, bool]:
-        short = (size, True) in self.graphs and max_seq_len <= SHORT_CONTEXT
-        return (size, short)
 
     def run(
         self,
@@ -245,8 +209,7 @@ class DecodeGraphs(_GraphSet):
         tables = a32[b : b + size * self.max_blocks].reshape(size, self.max_blocks)
         tables[:n, :width] = inputs.block_tables
         tables[n:size, 0] = 0
-        key = self._key(size, int(inputs.seq_lens.max()))
-        return self._replay(key, size, n, b + size * self.max_blocks, fill)
+        return self._replay(size, n, b + size * self.max_blocks, fill)
 
 
 class MixedGraphs(_GraphSet):
@@ -293,7 +256,7 @@ class MixedGraphs(_GraphSet):
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay(size, size, len(inputs.input_ids), end, fill)[0]
+        return self._replay(size, len(inputs.input_ids), end, fill)[0]
 
 
 def mixed_bucket(

@@ -236,9 +236,8 @@ class ModelRunner:
             )
             self.mixed_graphs.capture()  # the largest activations first: one pool for all
             self.graphs = DecodeGraphs(
-                forward, max_batch=min(sched.max_num_seqs, 512), head=self._graph_head(),
-                short=fusion_enabled("short-splits"), **shape,
-            )  # fmt: skip
+                forward, max_batch=min(sched.max_num_seqs, 512), head=self._graph_head(), **shape
+            )
             self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         return timings

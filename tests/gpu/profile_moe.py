@@ -39,7 +39,7 @@ def _self_device_us(event) -> float:
 def step_gpu_ms(runner: ModelRunner, batch: int, plan_at) -> float:
     """One decode step's GPU time: a graph replay on CUDA, else a timed eager step."""
     if runner.graphs is not None and runner.graphs.bucket(batch) is not None:
-        graph = runner.graphs.graph_for(runner.graphs.bucket(batch), 4096)  # the long-context one
+        graph = runner.graphs.graphs[runner.graphs.bucket(batch)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(20):
