@@ -17,72 +17,46 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import attention_layer_type, layer_kv_slot, layer_sliding_window
+from pagedserve.config import attention_layer_type
 from pagedserve.kernels.activation import gelu_tanh_and_mul
-from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.kernels.attention import AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import GemmaRMSNorm
-from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
+from pagedserve.kernels.rotary import RopeConfig, rope_config
 from pagedserve.parallel.layers import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
 )
 from pagedserve.worker.models.llama import (
     HiddenAndResidual,
+    LlamaAttention,
     LlamaForCausalLM,
     LlamaModel,
     ModelOptions,
 )
 
 
-class GemmaAttention(nn.Module):
-    def __init__(
-        self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
-    ) -> None:
-        super().__init__()
-        hidden, num_heads = hf["hidden_size"], hf["num_attention_heads"]
-        num_kv_heads = hf.get("num_key_value_heads") or num_heads
-        self.head_dim = hf.get("head_dim") or hidden // num_heads
-        bias = bool(hf.get("attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, num_heads, num_kv_heads, bias, quant=opts.quant
-        )
-        self.o_proj = RowParallelLinear(
-            num_heads * self.head_dim, hidden, bias=bias, quant=opts.quant
-        )
-        self.is_gemma3 = hf.get("model_type") != "gemma2"
-        if self.is_gemma3:
-            eps = hf.get("rms_norm_eps", 1e-6)
-            self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-        kind = attention_layer_type(hf, layer_idx)
-        rope = rope_config(hf, kind if self.is_gemma3 else None)
-        max_position = hf.get("max_position_embeddings") or 8192
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope)
-        self.attn = Attention(
-            self.qkv_proj.num_heads,
-            self.qkv_proj.num_kv_heads,
-            self.head_dim,
-            scale=float(hf.get("query_pre_attn_scalar") or self.head_dim) ** -0.5,
-            sliding_window=layer_sliding_window(hf, layer_idx),
-            kv_group=layer_kv_slot(hf, layer_idx)[0],
-            backend=backend,
-            logit_softcap=None if self.is_gemma3 else hf.get("attn_logit_softcapping"),
-            kv_fp8=opts.kv_fp8,
-        )
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's scale, soft-capping, (1 + w) q/k norms (Gemma 3) and per
+    layer-kind rope settings (Gemma 3's local and global bases)."""
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
-        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D] x2
-        if self.is_gemma3:
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, self.rotary_emb, positions))
+    norm_class = GemmaRMSNorm
+    default_max_position = 8192
+
+    def has_qk_norm(self, hf: dict[str, Any]) -> bool:
+        return _is_gemma3(hf)
+
+    def rope(self, hf: dict[str, Any], layer_idx: int) -> RopeConfig:
+        return rope_config(hf, attention_layer_type(hf, layer_idx) if _is_gemma3(hf) else None)
+
+    def softmax_scale(self, hf: dict[str, Any]) -> float:
+        return float(hf.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
+
+    def logit_softcap(self, hf: dict[str, Any]) -> float | None:
+        return None if _is_gemma3(hf) else hf.get("attn_logit_softcapping")
+
+
+def _is_gemma3(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") != "gemma2"
 
 
 class GemmaMLP(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from pagedserve.config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import RMSNorm
-from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
+from pagedserve.kernels.rotary import RopeConfig, RotaryEmbedding, rope_config
 from pagedserve.parallel.layers import (
     FusedShards,
     MergedColumnParallelLinear,
@@ -94,6 +94,11 @@ def make_mlp(hf: dict[str, Any], layer_idx: int, quant: Fp8Scheme | None = None)
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention of one layer. The hooks below are where other families differ (Gemma)."""
+
+    norm_class: type[nn.Module] = RMSNorm  # q/k norms, when the family has them
+    default_max_position = 2048
+
     def __init__(
         self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
     ) -> None:
@@ -112,22 +117,36 @@ class LlamaAttention(nn.Module):
             num_heads * self.head_dim, hidden, bias=bias, quant=opts.quant
         )
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.qk_norm = model_type in QK_NORM_TYPES
+        self.qk_norm = self.has_qk_norm(hf)
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
-        max_position = hf.get("max_position_embeddings") or 2048
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_config(hf))
+            self.q_norm = self.norm_class(self.head_dim, eps)
+            self.k_norm = self.norm_class(self.head_dim, eps)
+        max_position = hf.get("max_position_embeddings") or self.default_max_position
+        rope = self.rope(hf, layer_idx)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope)
         self.attn = Attention(
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.softmax_scale(hf),
             sliding_window=layer_sliding_window(hf, layer_idx),
             kv_group=layer_kv_slot(hf, layer_idx)[0],
             backend=backend,
+            logit_softcap=self.logit_softcap(hf),
             kv_fp8=opts.kv_fp8,
         )
+
+    def has_qk_norm(self, hf: dict[str, Any]) -> bool:
+        return hf.get("model_type") in QK_NORM_TYPES
+
+    def rope(self, hf: dict[str, Any], layer_idx: int) -> RopeConfig:
+        return rope_config(hf)
+
+    def softmax_scale(self, hf: dict[str, Any]) -> float:
+        return self.head_dim**-0.5
+
+    def logit_softcap(self, hf: dict[str, Any]) -> float | None:
+        return None
 
     def forward(
         self,
