@@ -16,6 +16,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton kernel tests run on a CPU under Triton's interpreter, which Triton reads when it
+    first decorates a kernel: set it here, before any test module imports triton."""
+    import importlib.util
+
+    import torch  # does not import triton
+
+    triton_pending = importlib.util.find_spec("triton") and "triton" not in sys.modules
+    if triton_pending and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

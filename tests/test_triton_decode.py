@@ -10,23 +10,12 @@ capture.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see test_triton_kernels)
-RUNNABLE = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-tiny = pytest.mark.skipif(not RUNNABLE, reason="triton already imported without the interpreter")
+pytestmark = needs_triton
 
 from pagedserve.kernels import backend  # noqa: E402
 from pagedserve.kernels.activation import silu_and_mul_ref  # noqa: E402
@@ -196,15 +185,6 @@ def test_fusion_switches(monkeypatch):
     finally:
         monkeypatch.delenv("PAGEDSERVE_DISABLE_FUSIONS")
         backend.disabled_fusions.cache_clear()
-
-
-@pytest.mark.skipif(RUNNABLE or not HAS_TRITON, reason="the tiny tests ran in this process")
-def test_rerun_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 # GPU: Llama-3-8B shapes, bf16.

@@ -11,23 +11,13 @@ write FP8 are held to their scales and to all but those elements; on a GPU, to e
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_CUDA = torch.cuda.is_available()
-if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see test_triton_kernels)
-RUNNABLE = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-tiny = pytest.mark.skipif(not RUNNABLE, reason="triton already imported without the interpreter")
+pytestmark = needs_triton
 
 if HAS_TRITON:
     from pagedserve.kernels import fp8, triton_fp8
@@ -181,15 +171,6 @@ def test_attention_reads_fp8_cache(num_splits, block_m):
         q, kv8, meta, 0.25, num_splits=num_splits, block_m=block_m, k_scale=0.7, v_scale=1.3
     )
     torch.testing.assert_close(out, ref, atol=2e-2 if HAS_CUDA else 1e-4, rtol=2e-2)
-
-
-@pytest.mark.skipif(RUNNABLE or not HAS_TRITON, reason="the tiny tests ran in this process")
-def test_rerun_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 # GPU: Llama-3-8B linear shapes (N, K), bf16 activations.

@@ -1,35 +1,24 @@
 """Triton kernels against their torch references.
 
-Without a GPU the kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, set before
-anything here imports triton) at tiny sizes; with one, the same tiny tests run compiled, and the
-`gpu`-marked tests add Llama-3-8B sizes in bf16, a CUDA-graph capture and a timing printout.
+Without a GPU the kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, which
+tests/conftest.py sets before anything imports triton) at tiny sizes; with one, the same tiny
+tests run compiled, and the `gpu`-marked tests add Llama-3-8B sizes in bf16, a CUDA-graph capture
+and a timing printout.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 if not HAS_TRITON and sys.platform == "linux":  # the test extra has it there: never skip
     raise ImportError("triton is not installed (pip install -e '.[test]')")
-HAS_CUDA = torch.cuda.is_available()
-if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
-    # Triton reads this when it decorates a kernel (its own `tl.max`, `tl.cdiv` too), so it must
-    # be set before triton is first imported; it stays set for triton's lazy imports at launch.
-    os.environ["TRITON_INTERPRET"] = "1"
-# False when an earlier test module imported triton uninterpreted: then the tiny tests skip here
-# and `test_rerun_under_interpreter` runs this file in a fresh process.
-RUNNABLE = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-tiny = pytest.mark.skipif(not RUNNABLE, reason="triton already imported without the interpreter")
+pytestmark = needs_triton
 
 if HAS_TRITON:
     from pagedserve.kernels import backend
@@ -217,15 +206,6 @@ def test_backend_choice(monkeypatch):
     if HAS_CUDA:  # every step kind on Triton (eager mixed steps split into decode + prompt)
         chosen = select_backend(torch.device("cuda"))
         assert set(chosen.backends.values()) == {triton_paged_attention}
-
-
-@pytest.mark.skipif(RUNNABLE or not HAS_TRITON, reason="the tiny tests ran in this process")
-def test_rerun_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 # GPU: Llama-3-8B shapes (32 q heads, 8 kv heads, head_dim 128), bf16.
