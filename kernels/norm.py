@@ -28,11 +28,18 @@ class RMSNorm(nn.Module):
         if use_triton(x):
             from pagedserve.kernels.triton_norm import triton_rms_norm
 
-            return triton_rms_norm(x, self.weight, self.eps, residual)
-        norm = _fused_rms_norm if x.dtype == torch.float32 else rms_norm
+            return triton_rms_norm(x, self.kernel_weight(), self.eps, residual)
         if residual is not None:
             x = x + residual
-            return norm(x, self.weight, self.eps), x
+            return self.reference(x), x
+        return self.reference(x)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the Triton kernel multiplies by."""
+        return self.weight
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        norm = _fused_rms_norm if x.dtype == torch.float32 else rms_norm
         return norm(x, self.weight, self.eps)
 
 
@@ -48,16 +55,10 @@ class GemmaRMSNorm(RMSNorm):
     the multiply runs in float32 before the cast (transformers' Gemma order). On CUDA the Llama
     kernel runs with `1 + w`, which rounds the normalized value to the model dtype first."""
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(x):
-            from pagedserve.kernels.triton_norm import triton_rms_norm
+    def kernel_weight(self) -> torch.Tensor:
+        return 1.0 + self.weight
 
-            return triton_rms_norm(x, 1.0 + self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-            return gemma_rms_norm(x, self.weight, self.eps), x
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
