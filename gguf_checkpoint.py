@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+from pagedserve.disk_cache import cache_root
+
 # GGUF `general.architecture` values we serve, as transformers names them (model_type). Mistral
 # GGUF files say "llama". Only llama is checked against transformers in the suite.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -27,11 +29,8 @@ _FORMAT = 1  # bump when the metadata directory's contents change
 
 
 def cache_dir() -> str:
-    """Where converted metadata lives: $PAGEDSERVE_CACHE, else ~/.cache/pagedserve."""
-    root = os.environ.get("PAGEDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve"
-    )
-    return os.path.join(root, "gguf")
+    """Where converted metadata lives (disk_cache.py)."""
+    return os.path.join(cache_root(), "gguf")
 
 
 def find_gguf_file(model: str) -> str | None:

@@ -296,6 +296,9 @@ class Attention(nn.Module):
         if kv_fp8:
             self.k_scale = _scale_param()
             self.v_scale = _scale_param()
+        # Set only on a model being exported for the compiled CPU forward (worker/cpu_compile.py):
+        # this layer's index there, so `attend` runs as one opaque op the graph calls.
+        self.opaque_index: int | None = None
 
     def after_loading(self) -> None:
         if hasattr(self, "k_scale"):
@@ -313,19 +316,34 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, Hq * D]
         """Attention of q, k, v ([T, heads * D] each); with `rotary`, q and k rotate first (on
         CUDA in the same kernel that writes the cache)."""
-        num_tokens = q.shape[0]
-        k_scale, v_scale = self.kv_scales
-        meta = meta.for_group(self.kv_group)
         if rotary is not None and fuse_rope_and_cache(rotary, kv_cache):
             from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
 
+            k_scale, v_scale = self.kv_scales
+            slots = meta.for_group(self.kv_group).slot_mapping
             q = triton_rope_and_cache(
-                positions, q, k, v, kv_cache, meta.slot_mapping, rotary.cos_sin_cache,
-                k_scale, v_scale,
-            )  # fmt: skip
-        else:
-            if rotary is not None:
-                q, k = rotary(positions, q, k)
+                positions, q, k, v, kv_cache, slots, rotary.cos_sin_cache, k_scale, v_scale
+            )
+            return self.attend(q, None, None, kv_cache, meta)
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
+        if self.opaque_index is not None:
+            return torch.ops.pagedserve.attention(q, k, v, self.opaque_index)
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, Hq * D], rotated
+        k: torch.Tensor | None,  # [T, Hkv * D], rotated; None: already in the cache
+        v: torch.Tensor | None,  # [T, Hkv * D]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq * D]
+        """Write k and v into the cache, then attend: everything after the rotary embedding."""
+        num_tokens = q.shape[0]
+        k_scale, v_scale = self.kv_scales
+        meta = meta.for_group(self.kv_group)
+        if k is not None and v is not None:
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             if self.write_cache is not None:  # the CPU backend's batched write

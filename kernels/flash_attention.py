@@ -19,8 +19,8 @@ with prompts never split (their query tiles fill the GPU, and one choice keeps o
 
 Compiled kernels: FA4 compiles each kernel variant (a key of dtype, head dims, GQA packing, tile,
 split, varlen flags) on first use, seconds each. They are kept on disk, in
-`$PAGEDSERVE_FLASH_CACHE_DIR` (default `~/.cache/pagedserve/flash_attn`), so a second start loads
-them instead of compiling: this module turns on FA4's persistent cache before importing it.
+`$PAGEDSERVE_FLASH_CACHE_DIR` (default `flash_attn` under disk_cache.py's root), so a second start
+loads them instead of compiling: this module turns on FA4's persistent cache before importing it.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import sys
 
 import torch
 
+from pagedserve.disk_cache import cache_root
 from pagedserve.kernels.attention import AttentionMetadata
 
 CACHE_DIR_ENV = "PAGEDSERVE_FLASH_CACHE_DIR"
 
 
 def flash_cache_dir() -> str:
-    default = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "flash_attn")
-    return os.environ.get(CACHE_DIR_ENV) or default
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(cache_root(), "flash_attn")
 
 
 def _add_cutlass_path() -> None:

@@ -26,13 +26,14 @@ GEMV_WINS: dict[tuple[object, ...], bool] = {}
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Device and dtype first: a CPU trace (torch.export) then never guards on the row count.
     return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= GEMV_MAX_M
+        use_triton(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
+        and x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_M
         and x.stride(1) == 1
-        and use_triton(x)
         and fusion_enabled("gemv")
     )
 

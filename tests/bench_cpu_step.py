@@ -3,13 +3,14 @@ given context, in thread and process CPU time (steadier than wall time on a shar
 wall time. `--constrained F`: that share of the rows follow `bench structured`'s JSON schema.
 
     python tests/bench_cpu_step.py [--model DIR] [--batch 32] [--context 128] [--dtype float32]
-        [--constrained 0.5]
+        [--constrained 0.5] [--compiled]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--constrained", type=float, default=0.0)
+    ap.add_argument("--compiled", action="store_true", help="eager vs compiled forward, A/B")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     config = build_engine_config(a.model, device="cpu", dtype=a.dtype, load_format=a.load_format,
@@ -68,6 +70,9 @@ def main() -> None:
 
     for k in range(1, 4):
         runner.execute(decode(k))
+    if a.compiled:
+        compare_compiled(runner, decode, 4, a)
+        return
     cpu, proc, wall = time.thread_time(), time.process_time(), time.perf_counter()
     for k in range(4, 4 + a.steps):
         runner.execute(decode(k))
@@ -76,6 +81,32 @@ def main() -> None:
     print(f"decode batch {a.batch} ({a.constrained:.0%} constrained) at context ~{a.context}: "
           f"{cpu / a.steps * 1e3:.2f} ms thread CPU, {proc / a.steps * 1e3:.2f} ms process CPU, "
           f"{wall / a.steps * 1e3:.2f} ms wall per step")  # fmt: skip
+
+
+def compare_compiled(runner: ModelRunner, decode, first: int, a: argparse.Namespace) -> None:
+    """Eager and compiled forwards (worker/cpu_compile.py) in alternating blocks of 10 steps in
+    one process, so both see the same machine; waits for the package first."""
+    compiler = runner.cpu_compiler
+    assert compiler is not None, "no compiled forward for this model (cpu_compile.eligible)"
+    t = time.perf_counter()
+    if compiler.child is not None:
+        compiler.child.proc.wait()
+    assert compiler.forward() is not None, "the package did not build"
+    print(f"compiled forward ready after {time.perf_counter() - t:.1f} s")
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    k = first
+    for _ in range(max(a.steps // 20, 1)):
+        for name in times:
+            runner.cpu_compiler = compiler if name == "compiled" else None
+            runner.execute(decode(k))  # one step outside the timing after switching
+            cpu = time.thread_time()
+            for step in range(k + 1, k + 11):
+                runner.execute(decode(step))
+            times[name].append((time.thread_time() - cpu) / 10 * 1e3)
+            k += 11
+    for name, ms in times.items():
+        print(f"decode batch {a.batch} at context ~{a.context}, {name}: median "
+              f"{statistics.median(ms):.2f} ms thread CPU a step (min {min(ms):.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # servers and workers, a second OpenMP thread makes each op wait at a barrier for a thread that
 # is not scheduled (10-100x slower ops under load). Workers pick the same for themselves there.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Servers and runners in tests stay eager: a compiled CPU forward (worker/cpu_compile.py) would
+# start a compiling child per model shape; tests/test_cpu_compile.py turns it on for itself.
+os.environ.setdefault("PAGEDSERVE_CPU_COMPILE", "off")
 
 
 def _interpret_triton_without_a_gpu() -> None:

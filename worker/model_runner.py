@@ -26,6 +26,7 @@ from pagedserve.kernels.attention import Attention, AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
+from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, eligible
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher, fill_threads
@@ -133,6 +134,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.cpu_compiler: CpuCompiler | None = None  # the compiled CPU forward, once built
         # Structured outputs (sampling ranks only): matchers of the constrained rows in the batch.
         self.grammars = GrammarCompiler(config.model.tokenizer_path, config.model.vocab_size)
         self.matchers: dict[str, RowMatcher] = {}
@@ -213,6 +215,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.kv_caches = self._new_kv_caches(num_blocks)
         timings = {"KV cache": time.perf_counter() - t0}
+        if eligible(self.config, self.device, self.model):
+            self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
         if self.device.type == "cuda" and self.kv_caches:
             t1 = time.perf_counter()
             layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -300,6 +304,9 @@ class ModelRunner:
         input_ids, positions = to_dev(inputs.input_ids), to_dev(inputs.positions)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
+        compiled = self.cpu_compiler.forward() if self.cpu_compiler is not None else None
+        if compiled is not None and kv_caches is self.kv_caches and len(input_ids) <= MAX_TOKENS:
+            return compiled(input_ids, positions, meta)
         return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     @torch.inference_mode()
