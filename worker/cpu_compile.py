@@ -225,6 +225,8 @@ class CpuCompiler:
                 ["--config", config.to_json(), "--out", self.path],
                 "CPU compile",
             )
+            _say("compiling the CPU forward in the background (once per model shape, ~20 s); "
+                 "serving eagerly meanwhile")  # fmt: skip
 
     def forward(self) -> CompiledForward | None:
         if self.child is not None and self.child.proc.poll() is not None:
@@ -242,11 +244,15 @@ class CpuCompiler:
             logger.warning("compiled CPU forward %s not used: %s", self.path, e)
             return
         seconds = time.perf_counter() - self.started
-        logger.info("compiled CPU forward ready after %.1f s (%s)", seconds, self.path)
+        _say(f"compiled CPU forward in use after {seconds:.1f} s ({self.path})")
 
     def close(self) -> None:
         if self.child is not None:
             self.child.stop()
+
+
+def _say(text: str) -> None:
+    print(f"pagedserve: {text}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
