@@ -95,10 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
     a("--master-port", type=_positive_int, help="node 0's rendezvous port (multi-node; it also "
       "uses the next two ports for the step plans and results)")  # fmt: skip
-    a("--max-num-seqs", type=int,
-      help="requests running at once (1024 on an H100/H200-class GPU, else 256)")  # fmt: skip
-    a("--max-num-batched-tokens", type=int,
-      help="tokens per step (8192; offline on an H100/H200-class GPU 16384)")  # fmt: skip
+    a("--max-num-seqs", type=int, help="requests running at once (256)")
+    a("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
       help="always on (long prompts are split over steps); --no-... is refused")  # fmt: skip
     a("--block-size", type=int, default=16)

@@ -49,7 +49,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"no model given and the embedded default model is missing at {model}")
         kwargs["served_model_name"] = kwargs["served_model_name"] or [DEFAULT_MODEL_NAME]
-    config = build_engine_config(model, usage="server", **kwargs)
+    config = build_engine_config(model, **kwargs)
     sampling_defaults(config.model)  # a bad generation_config.json is an error now, not later
     return config
 

@@ -8,9 +8,6 @@ later only ever see directories; the served name stays what the user typed.
 
 from __future__ import annotations
 
-import functools
-import shutil
-import subprocess
 from typing import Any
 
 from pagedserve.config import (
@@ -47,44 +44,8 @@ def check_engine_kwargs(kw: dict[str, Any], caller: str = "LLM()") -> None:
         raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}")
 
 
-# Requests at once and tokens a step when the flags leave them out, by where the engine runs: on
-# a GPU of 70 GiB or more other than an A100 (H100, H200), vLLM's defaults there (its
-# `get_batch_defaults`), so an offline run batches up to 1,024 decodes as vLLM's does; elsewhere
-# 256 and 8,192 for both.
-LARGE_GPU_BYTES = 70 << 30
-LARGE_GPU_DEFAULTS = {"offline": (1024, 16384), "server": (1024, 8192)}
-DEFAULT_BATCH = (256, 8192)
-
-
-def batch_defaults(device: str, usage: str) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) for `usage` "offline" (`LLM`, `bench`) or
-    "server" (`launch`) on `device` ("auto", "cuda" or "cpu")."""
-    assert usage in LARGE_GPU_DEFAULTS, usage
-    gpu = None if device == "cpu" else first_gpu()
-    if gpu is None or gpu[1] < LARGE_GPU_BYTES or "a100" in gpu[0].lower():
-        return DEFAULT_BATCH
-    return LARGE_GPU_DEFAULTS[usage]
-
-
-@functools.cache
-def first_gpu() -> tuple[str, int] | None:
-    """Name and bytes of GPU 0 from nvidia-smi, without creating a CUDA context in this process
-    (an API server holding one would take GPU memory from the KV cache); None without one."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    query = [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits", "-i", "0"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
-        name, mib = out.strip().splitlines()[0].rsplit(",", 1)
-        return name.strip(), int(mib) << 20
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
-def build_engine_config(model: str, usage: str = "offline", **kw: Any) -> EngineConfig:
-    """An EngineConfig from vLLM-style keyword arguments (see `ENGINE_ARGS`); `usage` is
-    "offline" or "server" (it picks the batch defaults, as vLLM's usage context does)."""
+def build_engine_config(model: str, **kw: Any) -> EngineConfig:
+    """An EngineConfig from vLLM-style keyword arguments (see `ENGINE_ARGS`)."""
     check_engine_kwargs(kw)
     a = {**ENGINE_ARGS, **kw}
     if a["enable_chunked_prefill"] is False:
@@ -92,9 +53,6 @@ def build_engine_config(model: str, usage: str = "offline", **kw: Any) -> Engine
             "chunked prefill cannot be turned off: the scheduler always splits long prompts "
             "over steps (one token budget per step)"
         )
-    default_seqs, default_tokens = DEFAULT_BATCH
-    if a["max_num_seqs"] is None or a["max_num_batched_tokens"] is None:
-        default_seqs, default_tokens = batch_defaults(a["device"], usage)
     path = resolve_model(model, a["revision"], a["download_dir"])
     tokenizer = a["tokenizer"]
     if tokenizer is not None:
@@ -123,8 +81,8 @@ def build_engine_config(model: str, usage: str = "offline", **kw: Any) -> Engine
             kv_cache_dtype=a["kv_cache_dtype"] or "auto",
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=a["max_num_seqs"] or default_seqs,
-            max_num_batched_tokens=a["max_num_batched_tokens"] or default_tokens,
+            max_num_seqs=a["max_num_seqs"] or 256,
+            max_num_batched_tokens=a["max_num_batched_tokens"] or 8192,
             policy=a["scheduling_policy"],
             max_waiting=a["max_waiting"],
             step_timeout=a["step_timeout"] or 600.0,

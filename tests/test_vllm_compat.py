@@ -336,31 +336,6 @@ def test_flags_land_in_the_config(hub, tmp_path, monkeypatch) -> None:
         parse("serve", hub.snapshot, "--revision", "main")
 
 
-@pytest.mark.parametrize(
-    ("gpu", "offline", "server"),
-    [
-        (None, (256, 8192), (256, 8192)),
-        (("NVIDIA H100 80GB HBM3", 81559 << 20), (1024, 16384), (1024, 8192)),
-        (("NVIDIA A100-SXM4-80GB", 81920 << 20), (256, 8192), (256, 8192)),
-        (("NVIDIA L4", 23034 << 20), (256, 8192), (256, 8192)),
-    ],
-)  # fmt: skip
-def test_batch_defaults_follow_vllms_by_gpu_and_usage(hub, monkeypatch, gpu, offline, server):
-    from pagedserve.frontend import engine_args
-
-    monkeypatch.setattr(engine_args, "first_gpu", lambda: gpu)
-    for usage, want in (("offline", offline), ("server", server)):
-        config = engine_args.build_engine_config(hub.snapshot, usage=usage)
-        assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == want
-        pinned = engine_args.build_engine_config(hub.snapshot, usage=usage, max_num_seqs=7)
-        assert (pinned.scheduler.max_num_seqs, pinned.scheduler.max_num_batched_tokens) == (
-            7, want[1])  # fmt: skip
-        on_cpu = engine_args.build_engine_config(hub.snapshot, usage=usage, device="cpu")
-        assert on_cpu.scheduler.max_num_seqs == 256
-    _, served, _ = parse("serve", hub.snapshot)
-    assert (served.scheduler.max_num_seqs, served.scheduler.max_num_batched_tokens) == server
-
-
 def test_download_dir_resolves_hub_ids(hub, monkeypatch) -> None:
     from huggingface_hub import constants
 
