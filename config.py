@@ -127,7 +127,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     served_model_name: str | list[str] | None = None  # the first is the name in responses
-    enforce_eager: bool = False  # no CUDA graphs
+    enforce_eager: bool = False  # no CUDA graphs, no compiled CPU forward
     # "auto": sampling defaults from the model's generation_config.json; "vllm": the engine's
     # own; else a directory whose generation_config.json is read instead (EOS ids included).
     generation_config: str = "auto"

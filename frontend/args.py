@@ -107,7 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
       help="plan step N+1 while step N runs (one pipeline stage only)")  # fmt: skip
-    a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled CPU forward")
     a("--attention-backend", default="auto", choices=["auto", "triton", "flash"],
       help="flash: FlashAttention 4 (flash-attn-4); auto: triton, or per step kind the backend "
       "measured faster on this GPU (kernels/attention_choice.json)")  # fmt: skip

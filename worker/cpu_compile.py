@@ -17,9 +17,10 @@ the package is missing, a niced child process (`python -m pagedserve.worker.cpu_
 it from a dummy-weight copy of the model while the worker serves eagerly; the worker switches at
 its first step after the child is done.
 
-Used on a CPU with one rank (no collectives inside the graph), where no weight of the stage is
-packed for oneDNN (kernels/cpu_linear.py: such a model is matmul-bound, and binding the package's
-weights needs them plain), unless `--enforce-eager` or `PAGEDSERVE_CPU_COMPILE=off`.
+Used on a CPU with one rank (no collectives inside the graph), for dense models (MoE routing has
+data-dependent shapes) where no weight of the stage is packed for oneDNN (kernels/cpu_linear.py:
+such a model is matmul-bound, and binding the package's weights needs them plain), unless
+`--enforce-eager` or `PAGEDSERVE_CPU_COMPILE=off`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 import pagedserve
-from pagedserve.config import EngineConfig
+from pagedserve.config import MOE_MODEL_TYPES, EngineConfig
 from pagedserve.disk_cache import cache_root
 from pagedserve.ipc.process import Child, die_with_parent, spawn
 from pagedserve.kernels.attention import Attention, AttentionMetadata
@@ -119,6 +120,7 @@ def eligible(config: EngineConfig, device: torch.device, model: nn.Module) -> bo
         and not config.model.enforce_eager
         and parallel.tensor_parallel_size == 1
         and parallel.pipeline_parallel_size == 1
+        and config.model.hf.get("model_type") not in MOE_MODEL_TYPES  # routing: data-dependent
         and all(getattr(m, "packed", None) is None for m in model.model.modules())
     )
 
