@@ -28,6 +28,8 @@
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
 # and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
 # through .git/info/exclude); name `.whl` and `.gpucarry` in the device call's `carry`.
+# `EXTRA` adds engine flags to the W steps that take `$X` (w1, w2, w3, w5, w6):
+#   EXTRA="--max-num-seqs 512" STEPS="w1 w1-fp8 w6" bash tests/gpu/device_run.sh
 # Issue 18: `fa4-install` installs FlashAttention 4 from the parts tests/gpu/fa4_wheels.sh made
 # (its header lists the device calls that stash them in /tmp/fa4parts); `fa4-tests` checks FA4
 # against the torch reference, `attn-bench` times Triton vs FA4 per layer (prefill, decode, mixed;
@@ -101,6 +103,7 @@ for step in $STEPS; do
   X=""; name=$step; ATTN_FLAG="--attention-backend ${ATTN:-auto}"
   case $step in *@*) ATTN_FLAG="--attention-backend ${step#*@}"; step=${step%@*} ;; esac
   case $step in *-fp8) X=$FP8; step=${step%-fp8} ;; esac
+  [ -n "${EXTRA:-}" ] && X="$X $EXTRA"  # engine flags for the w* steps, e.g. EXTRA="--max-num-seqs 512"
   case $step in moe*) moe_dir ;; esac
   case $step in
     moe-w1) $T $PS bench throughput $MOE_ARGS --input-len 1024 --output-len 128 \
@@ -187,10 +190,10 @@ PY
           | tee "$OUT/fa4-tests.txt" | tail -25 ;;
     attn-bench) timeout ${FA4_TIMEOUT:-480} python3 -m pagedserve.kernels.bench_attention --json "$OUT/attn-bench.json" \
           --write-choice "$OUT/attention_choice.json" 2>&1 | tee "$OUT/attn-bench.txt" ;;
-    w5) $T $PS bench throughput --model $M32 --load-format dummy --dtype bfloat16 $ATTN_FLAG \
+    w5) $T $PS bench throughput --model $M32 --load-format dummy --dtype bfloat16 $ATTN_FLAG $X \
           --input-len 16384 --output-len 256 --num-prompts ${W5_PROMPTS:-64} ${W5_FLAGS:-} \
           --output-json "$OUT/$name.json" 2>&1 | tail -14 ;;
-    w6) $T $PS bench throughput $COMMON $ATTN_FLAG --random-prefix-len 2048 --input-len 128 \
+    w6) $T $PS bench throughput $COMMON $ATTN_FLAG $X --random-prefix-len 2048 --input-len 128 \
           --output-len 128 --num-prompts ${W6_PROMPTS:-2000} ${W6_FLAGS:-} \
           --output-json "$OUT/$name.json" 2>&1 | tail -14 ;;
     w6-online) $PS launch $COMMON $ATTN_FLAG --port 8013 --host 127.0.0.1 > "$OUT/$name-server.log" 2>&1 &
