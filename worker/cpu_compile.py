@@ -7,7 +7,9 @@ runs without Python between them.
 Attention stays eager. Each layer's `Attention.attend` (the cache write and the batched SDPA
 backend, whose layout changes every step) is one opaque op, `pagedserve::attention`, that the
 compiled code calls back; it finds the step's KV caches and metadata in the `StepContext` the
-runner opens around the call (per-step state behind a context manager, not graph inputs).
+runner opens around the call (per-step state behind a context manager, not graph inputs). Its
+decode rows run a second package, `kernels/cpu_attention.py::DecodeAttention`, which reads the
+paged cache in place.
 
 Start-up stays a few seconds. The package holds no weights: they are bound at load time to the
 live model's own tensors (`user_managed`; constants derived from them are folded then), so one
@@ -47,11 +49,12 @@ from pagedserve.config import MOE_MODEL_TYPES, EngineConfig
 from pagedserve.disk_cache import cache_root
 from pagedserve.ipc.process import Child, die_with_parent, spawn
 from pagedserve.kernels.attention import Attention, AttentionMetadata
+from pagedserve.kernels.cpu_attention import DECODE_KERNEL, DecodeAttention
 
 logger = logging.getLogger("pagedserve.worker")
 
 MAX_TOKENS = 1 << 16  # the largest step the package takes; larger ones run eagerly
-_FORMAT = 1  # bump when what a package holds changes
+_FORMAT = 2  # bump when what a package holds changes
 INDUCTOR_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,  # weights come from the live model
     "aot_inductor.use_runtime_constant_folding": True,  # so nothing derived from them is baked in
@@ -153,11 +156,17 @@ def package_path(config: EngineConfig) -> str:
             "sources": _sources_digest(),
             "hf": config.model.hf,
             "dtype": config.model.resolved_dtype,
+            "block_size": config.cache.block_size,  # the decode kernel's
         },
         sort_keys=True,
     )
     name = hashlib.sha256(key.encode()).hexdigest()[:24]
     return os.path.join(cache_root(), "cpu_compiled", f"{name}.pt2")
+
+
+def decode_kernel_path(path: str) -> str:
+    """The decode attention kernel's package, built with (before) the forward's at `path`."""
+    return path.removesuffix(".pt2") + ".decode.pt2"
 
 
 def build_package(config: EngineConfig, path: str) -> None:
@@ -176,7 +185,34 @@ def build_package(config: EngineConfig, path: str) -> None:
         program = torch.export.export(
             Stage(model.model), example, dynamic_shapes=({0: tokens}, {0: tokens})
         )
+        kernel = _export_decode_kernel(model, config.cache.block_size, dtype)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    _compile(kernel, decode_kernel_path(path))  # first: the forward's package says both are done
+    _compile(program, path)
+
+
+def _export_decode_kernel(
+    model: nn.Module, block_size: int, dtype: torch.dtype
+) -> torch.export.ExportedProgram:
+    """`DecodeAttention` for this model's heads: rows, blocks and context lengths dynamic."""
+    layer = attention_layers(model.model)[0]
+    kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+    group = layer.num_heads // kv_heads
+    rows, blocks = torch.export.Dim("rows", min=1, max=MAX_TOKENS), torch.export.Dim("blocks")
+    table_width = torch.export.Dim("table_width", min=1, max=MAX_TOKENS)
+    example = (
+        torch.zeros(4, kv_heads, group, head_dim, dtype=dtype),
+        torch.zeros(8, 2, block_size, kv_heads, head_dim, dtype=dtype),
+        torch.zeros(4, 2, dtype=torch.long),
+        torch.full((4,), 20),
+        torch.ones(1),
+        torch.full((1,), 1 << 62),
+    )
+    shapes = ({0: rows}, {0: blocks}, {0: rows, 1: table_width}, {0: rows}, None, None)
+    return torch.export.export(DecodeAttention(), example, dynamic_shapes=shapes)
+
+
+def _compile(program: torch.export.ExportedProgram, path: str) -> None:
     partial = f"{path.removesuffix('.pt2')}.{os.getpid()}.partial.pt2"
     torch._inductor.aoti_compile_and_package(
         program, package_path=partial, inductor_configs=INDUCTOR_CONFIGS
@@ -201,11 +237,16 @@ class CompiledForward:
         # (constants, use the inactive buffer, check full update, user managed, allow h2d copy)
         self.loader.load_constants({n: tensors[n] for n in wanted}, False, False, True, False)
         self.context = StepContext(attention_layers(model.model), kv_caches)
+        self.decode_kernel = torch._C._aoti.AOTIModelPackageLoader(
+            decode_kernel_path(path), "model", False, 1, -1
+        )
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [T, H]
         self.context.meta = meta
+        for m in (meta, *(meta.group_metas or ())):  # the CPU backend runs decodes with it
+            m.scratch[DECODE_KERNEL] = self.decode_kernel
         with step_context(self.context):
             return self.loader.boxed_run([input_ids, positions])[0]
 
