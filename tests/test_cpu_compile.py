@@ -1,8 +1,8 @@
 """The compiled CPU forward (worker/cpu_compile.py): built by its child process into a fresh
 cache, loaded with the live model's weights, it gives the eager forward's tokens and logprobs
-for prefills, decodes (through the compiled decode attention kernel) and mixed steps, on a model
-with q/k norms and GQA and on one with sliding-window KV cache groups and soft-capping. The decode
-kernel equals the reference with a sliding window. Models it does not apply to stay eager."""
+for prefills, decodes (through the compiled decode attention kernel) and mixed steps, on Llama
+with GQA and on Gemma 3 (q/k norms, sliding-window KV cache groups); the two share one decode
+kernel. The kernel equals gather + SDPA with a window. Models it does not apply to stay eager."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def run_requests(runner: ModelRunner, tag: str) -> list[tuple[list[int], list[fl
     return list(zip(tokens, logprobs, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_compiled_forward_equals_eager(compile_on, tmp_path_factory, monkeypatch, kind):
     path = tiny_model_dir(kind, str(tmp_path_factory.getbasetemp()))
     runner = make_runner(path)
@@ -91,7 +91,7 @@ def test_compiled_forward_equals_eager(compile_on, tmp_path_factory, monkeypatch
     compiler.child.proc.wait(timeout=240)
     assert compiler.child.proc.returncode == 0
     assert compiler.forward() is not None
-    assert os.path.exists(compiler.path)
+    assert all(map(os.path.exists, compiler.paths))
 
     calls = []
     real_call = cpu_compile.CompiledForward.__call__
@@ -168,10 +168,11 @@ def test_models_it_does_not_apply_to_stay_eager(compile_on, tmp_path_factory, mo
 def test_a_package_that_does_not_load_leaves_the_runner_eager(compile_on, tmp_path_factory):
     path = tiny_model_dir("llama", str(tmp_path_factory.getbasetemp()))
     config = build_engine_config(path, device="cpu", dtype="float32", block_size=BLOCK)
-    target = cpu_compile.package_path(config)
-    os.makedirs(os.path.dirname(target))
-    with open(target, "wb") as f:
-        f.write(b"not a package")
+    model = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0)).model
+    for target in cpu_compile.package_paths(config, model):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(b"not a package")
     runner = make_runner(path)
     assert runner.cpu_compiler is not None and runner.cpu_compiler.child is None
     assert runner.cpu_compiler.forward() is None

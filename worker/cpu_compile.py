@@ -146,36 +146,42 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def package_path(config: EngineConfig) -> str:
-    """Where the package for this model shape lives (it may not exist yet)."""
-    key = json.dumps(
-        {
-            "format": _FORMAT,
-            "torch": torch.__version__,
-            "isa": torch.backends.cpu.get_cpu_capability(),
-            "sources": _sources_digest(),
-            "hf": config.model.hf,
-            "dtype": config.model.resolved_dtype,
-            "block_size": config.cache.block_size,  # the decode kernel's
-        },
-        sort_keys=True,
+def package_paths(config: EngineConfig, model: nn.Module) -> tuple[str, str]:
+    """Where the forward's and the decode kernel's packages for this model live (they may not
+    exist yet). The kernel's key is only the heads' shape, so models that share it share it."""
+    layer = attention_layers(model.model)[0]
+    dtype = config.model.resolved_dtype
+    heads = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+    return (
+        _cache_path("forward", hf=config.model.hf, dtype=dtype),
+        _cache_path("decode", heads=heads, block_size=config.cache.block_size, dtype=dtype),
     )
-    name = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return os.path.join(cache_root(), "cpu_compiled", f"{name}.pt2")
 
 
-def decode_kernel_path(path: str) -> str:
-    """The decode attention kernel's package, built with (before) the forward's at `path`."""
-    return path.removesuffix(".pt2") + ".decode.pt2"
+def _cache_path(kind: str, **key: object) -> str:
+    code = {
+        "format": _FORMAT,
+        "torch": torch.__version__,
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "sources": _sources_digest(),
+    }
+    digest = hashlib.sha256(json.dumps(code | key, sort_keys=True).encode()).hexdigest()
+    return os.path.join(cache_root(), "cpu_compiled", f"{kind}-{digest[:24]}.pt2")
 
 
-def build_package(config: EngineConfig, path: str) -> None:
-    """Export the model's forward (dummy weights: the package keeps none) and compile it."""
+def build_packages(config: EngineConfig) -> None:
+    """Export what is missing of the model's forward (dummy weights: the package keeps none)
+    and the decode kernel, and compile them; the forward last, so it says both are there."""
     from pagedserve.worker.models import build_model
 
     dtype = getattr(torch, config.model.resolved_dtype)
     model_config = dataclasses.replace(config.model, load_format="dummy")
     model = build_model(model_config, dtype, torch.device("cpu"))
+    forward_path, decode_path = package_paths(config, model)
+    os.makedirs(os.path.dirname(forward_path), exist_ok=True)
+    if not os.path.exists(decode_path):
+        with torch.no_grad():
+            _compile(_export_decode_kernel(model, config.cache.block_size, dtype), decode_path)
     for i, layer in enumerate(attention_layers(model.model)):
         layer.opaque_index = i
     # Two tensors: export traces one example tensor passed twice as one input.
@@ -185,10 +191,7 @@ def build_package(config: EngineConfig, path: str) -> None:
         program = torch.export.export(
             Stage(model.model), example, dynamic_shapes=({0: tokens}, {0: tokens})
         )
-        kernel = _export_decode_kernel(model, config.cache.block_size, dtype)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _compile(kernel, decode_kernel_path(path))  # first: the forward's package says both are done
-    _compile(program, path)
+    _compile(program, forward_path)
 
 
 def _export_decode_kernel(
@@ -223,11 +226,13 @@ def _compile(program: torch.export.ExportedProgram, path: str) -> None:
 class CompiledForward:
     """The stage's forward from a package, bound to the live model's weights and KV caches."""
 
-    def __init__(self, path: str, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self, paths: tuple[str, str], model: nn.Module, kv_caches: list[torch.Tensor]
+    ) -> None:
         # The C++ loader itself: `torch._inductor.aoti_load_package` would import inductor
         # (~1 s of start-up) and parse the call spec on every call; our inputs and output are
         # two tensors and one.
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(paths[0], "model", False, 1, -1)
         stage = Stage(model.model)
         tensors = dict(stage.named_parameters()) | dict(stage.named_buffers())
         wanted = [n for n in self.loader.get_constant_fqns() if not n.startswith("_FOLDED")]
@@ -237,9 +242,7 @@ class CompiledForward:
         # (constants, use the inactive buffer, check full update, user managed, allow h2d copy)
         self.loader.load_constants({n: tensors[n] for n in wanted}, False, False, True, False)
         self.context = StepContext(attention_layers(model.model), kv_caches)
-        self.decode_kernel = torch._C._aoti.AOTIModelPackageLoader(
-            decode_kernel_path(path), "model", False, 1, -1
-        )
+        self.decode_kernel = torch._C._aoti.AOTIModelPackageLoader(paths[1], "model", False, 1, -1)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -256,25 +259,22 @@ class CpuCompiler:
 
     def __init__(self, config: EngineConfig, model: nn.Module, kv_caches: list[torch.Tensor]):
         self.model, self.kv_caches = model, kv_caches
-        self.path = package_path(config)
+        self.paths = package_paths(config, model)
         self.child: Child | None = None
         self.compiled: CompiledForward | None = None
         self.started = time.perf_counter()
-        if os.path.exists(self.path):
+        if all(map(os.path.exists, self.paths)):
             self._load()
         else:
-            self.child = spawn(
-                "pagedserve.worker.cpu_compile",
-                ["--config", config.to_json(), "--out", self.path],
-                "CPU compile",
-            )
+            self.child = spawn("pagedserve.worker.cpu_compile", ["--config", config.to_json()],
+                               "CPU compile")  # fmt: skip
             _say("compiling the CPU forward in the background (once per model shape, ~20 s); "
                  "serving eagerly meanwhile")  # fmt: skip
 
     def forward(self) -> CompiledForward | None:
         if self.child is not None and self.child.proc.poll() is not None:
             ended, self.child = self.child, None
-            if os.path.exists(self.path):
+            if all(map(os.path.exists, self.paths)):
                 self._load()
             else:
                 logger.warning("%s: staying eager", ended.death_message())
@@ -282,16 +282,12 @@ class CpuCompiler:
 
     def _load(self) -> None:
         try:
-            self.compiled = CompiledForward(self.path, self.model, self.kv_caches)
+            self.compiled = CompiledForward(self.paths, self.model, self.kv_caches)
         except Exception as e:  # a package this torch cannot load: serve eagerly, say why
-            logger.warning("compiled CPU forward %s not used: %s", self.path, e)
+            logger.warning("compiled CPU forward %s not used: %s", self.paths[0], e)
             return
         seconds = time.perf_counter() - self.started
-        _say(f"compiled CPU forward in use after {seconds:.1f} s ({self.path})")
-
-    def close(self) -> None:
-        if self.child is not None:
-            self.child.stop()
+        _say(f"compiled CPU forward in use after {seconds:.1f} s ({self.paths[0]})")
 
 
 def _say(text: str) -> None:
@@ -302,12 +298,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parent-pid", type=int, required=True)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     die_with_parent(args.parent_pid)
     os.nice(10)  # serving comes first
     torch.set_num_threads(1)
-    build_package(EngineConfig.from_json(args.config), args.out)
+    build_packages(EngineConfig.from_json(args.config))
 
 
 if __name__ == "__main__":
