@@ -152,6 +152,8 @@ def test_models_it_does_not_apply_to_stay_eager(compile_on, tmp_path_factory, mo
     eager = dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=True))
     assert cpu_compile.eligible(config, torch.device("cpu"), runner.model)
     assert not cpu_compile.eligible(eager, torch.device("cpu"), runner.model)
+    bf16 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    assert not cpu_compile.eligible(bf16, torch.device("cpu"), runner.model)
     assert not cpu_compile.eligible(config, torch.device("cuda"), runner.model)
     layer = next(iter(runner.model.model.layers.values())).mlp.down_proj
     monkeypatch.setattr(layer, "packed", torch.empty(0), raising=False)  # a oneDNN-packed weight

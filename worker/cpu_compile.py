@@ -19,10 +19,11 @@ the package is missing, a niced child process (`python -m pagedserve.worker.cpu_
 it from a dummy-weight copy of the model while the worker serves eagerly; the worker switches at
 its first step after the child is done.
 
-Used on a CPU with one rank (no collectives inside the graph), for dense models (MoE routing has
-data-dependent shapes) where no weight of the stage is packed for oneDNN (kernels/cpu_linear.py:
-such a model is matmul-bound, and binding the package's weights needs them plain), unless
-`--enforce-eager` or `PAGEDSERVE_CPU_COMPILE=off`.
+Used on a CPU with one rank (no collectives inside the graph), for dense float32 models (MoE
+routing has data-dependent shapes; a bfloat16 package failed at run time with float and bfloat16
+operands in one addmm, not investigated yet) where no weight of the stage is packed for oneDNN
+(kernels/cpu_linear.py: such a model is matmul-bound, and binding the package's weights needs
+them plain), unless `--enforce-eager` or `PAGEDSERVE_CPU_COMPILE=off`.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def eligible(config: EngineConfig, device: torch.device, model: nn.Module) -> bo
         and parallel.tensor_parallel_size == 1
         and parallel.pipeline_parallel_size == 1
         and config.model.hf.get("model_type") not in MOE_MODEL_TYPES  # routing: data-dependent
+        and config.model.resolved_dtype == "float32"  # a bfloat16 package mixed dtypes in addmm
         and all(getattr(m, "packed", None) is None for m in model.model.modules())
     )
 
