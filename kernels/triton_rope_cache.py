@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton_rotary import _rotate_heads
+from pagedserve.kernels.triton_rotary import _load_cos_sin, _rotate_heads
 
 
 @triton.jit
@@ -37,10 +37,8 @@ def _rope_cache_kernel(
     PARTIAL: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    cos, sin = _load_cos_sin(cache_ptr, positions_ptr, tok, stride_cos, HALF, BLOCK_R)
     j = tl.arange(0, BLOCK_R)
-    cos = tl.load(cache_ptr + pos * stride_cos + j, mask=j < HALF, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cos + HALF + j, mask=j < HALF, other=0.0)[None, :]
     _rotate_heads(q_ptr + tok * stride_qt, num_q_heads, cos, sin, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_R)
     slot = tl.load(slot_mapping_ptr + tok)
     if slot < 0:

@@ -31,6 +31,17 @@ def _rotate_heads(
 
 
 @triton.jit
+def _load_cos_sin(cache_ptr, positions_ptr, tok, stride_cache, HALF: tl.constexpr,
+                  BLOCK_R: tl.constexpr):  # fmt: skip
+    """Token `tok`'s cos and sin rows, `[1, BLOCK_R]` each (zero past HALF)."""
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    j = tl.arange(0, BLOCK_R)
+    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=j < HALF, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=j < HALF, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cache_ptr, stride_qt, stride_kt, stride_cache,
     num_q_heads, num_kv_heads,
@@ -38,10 +49,7 @@ def _rotary_kernel(
     BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    j = tl.arange(0, BLOCK_R)
-    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=j < HALF, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=j < HALF, other=0.0)[None, :]
+    cos, sin = _load_cos_sin(cache_ptr, positions_ptr, tok, stride_cache, HALF, BLOCK_R)
     q_base = q_ptr + tok * stride_qt
     _rotate_heads(q_base, num_q_heads, cos, sin, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_R)
     k_base = k_ptr + tok * stride_kt

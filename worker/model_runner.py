@@ -22,11 +22,11 @@ import torch
 
 from pagedserve.config import EngineConfig, kv_cache_groups
 from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
-from pagedserve.kernels.attention import Attention, AttentionMetadata
+from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
-from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, eligible
+from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers, eligible
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher, fill_threads
@@ -219,8 +219,7 @@ class ModelRunner:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
         if self.device.type == "cuda" and self.kv_caches:
             t1 = time.perf_counter()
-            layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            warm_up_attention(layers, self.kv_caches[0], self.dtype)
+            warm_up_attention(attention_layers(self.model), self.kv_caches[0], self.dtype)
             timings["attention warm-up"] = time.perf_counter() - t1
         if self._use_cuda_graphs():
 
