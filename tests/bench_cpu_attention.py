@@ -1,7 +1,7 @@
-"""Decode attention on a CPU: the gather + SDPA path (`cpu_paged_attention`) against the compiled
-`DecodeAttention` kernel (worker/cpu_compile.py builds it; here it is compiled into a temporary
-directory), per layer, with the cache warm (one layer's cache again and again) and cold (four
-layers' caches in turn with 32 MB written between rounds, as in a served step).
+"""Decode attention on a CPU: the gather + SDPA path against the C++ kernel
+(kernels/cpu_native.py), both through `cpu_paged_attention`, per layer, with the cache warm (one
+layer's cache again and again) and cold (four layers' caches in turn with 32 MB written between
+rounds, as in a served step). One thread, as a CPU worker of a small model runs.
 
     python tests/bench_cpu_attention.py [--rows 1 8 32] [--context 190] [--heads 4 2 32]
 """
@@ -10,27 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 
 import torch
 
+from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention import build_attention_metadata
-from pagedserve.kernels.cpu_attention import DECODE_KERNEL, cpu_paged_attention
-from pagedserve.worker.cpu_compile import _compile, _export_decode_kernel
+from pagedserve.kernels.cpu_attention import cpu_paged_attention
 
 BLOCK, NUM_BLOCKS, LAYERS = 16, 2048, 4
-
-
-class _Heads(torch.nn.Module):
-    """What `_export_decode_kernel` reads off a model: its first attention layer's heads."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        from pagedserve.kernels.attention import Attention
-
-        self.model = torch.nn.Module()
-        self.model.attn = Attention(num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
 
 
 def main() -> None:
@@ -41,10 +29,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     num_heads, num_kv_heads, head_dim = a.heads
-    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        path = f"{tmp}/decode.pt2"
-        _compile(_export_decode_kernel(_Heads(*a.heads), BLOCK, torch.float32), path)
-        kernel = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+    assert cpu_native.available(), "the C++ kernel did not build (see the warning)"
+    kernel_available = cpu_native.available
     caches = [torch.randn(NUM_BLOCKS, 2, BLOCK, num_kv_heads, head_dim) for _ in range(LAYERS)]
     flush = torch.empty(8 << 20)
     per_row = -(-(a.context + 1) // BLOCK)
@@ -52,14 +38,13 @@ def main() -> None:
         tables = [[(i * per_row + j) * 3 % NUM_BLOCKS for j in range(per_row)] for i in range(rows)]
         query = torch.randn(rows, num_heads, head_dim)
         times: dict[str, list[float]] = {}
-        for name, use_kernel in (("gather + SDPA", False), ("compiled kernel", True)):
+        for name, use_kernel in (("gather + SDPA", False), ("C++ kernel", True)):
+            cpu_native.available = kernel_available if use_kernel else lambda: False
             for temp, layers in (("warm", caches[:1] * LAYERS), ("cold", caches)):
                 samples = times.setdefault(f"{name}, {temp}", [])
                 for _ in range(30):
                     lengths = [a.context] * rows
                     meta, _ = build_attention_metadata(lengths, [1] * rows, tables, BLOCK)
-                    if use_kernel:
-                        meta.scratch[DECODE_KERNEL] = kernel
                     cpu_paged_attention(query, layers[0], meta, 0.2)  # the step's layout, once
                     if temp == "cold":
                         flush.add_(1)

@@ -8,8 +8,7 @@ Attention stays eager. Each layer's `Attention.attend` (the cache write and the 
 backend, whose layout changes every step) is one opaque op, `pagedserve::attention`, that the
 compiled code calls back; it finds the step's KV caches and metadata in the `StepContext` the
 runner opens around the call (per-step state behind a context manager, not graph inputs). Its
-decode rows run a second package, `kernels/cpu_attention.py::DecodeAttention`, which reads the
-paged cache in place.
+decode rows run the C++ kernel of kernels/cpu_native.py, which reads the paged cache in place.
 
 Start-up stays a few seconds. The package holds no weights: they are bound at load time to the
 live model's own tensors (`user_managed`; constants derived from them are folded then), so one
@@ -50,12 +49,11 @@ from pagedserve.config import MOE_MODEL_TYPES, EngineConfig
 from pagedserve.disk_cache import cache_root
 from pagedserve.ipc.process import Child, die_with_parent, spawn
 from pagedserve.kernels.attention import Attention, AttentionMetadata
-from pagedserve.kernels.cpu_attention import DECODE_KERNEL, DecodeAttention
 
 logger = logging.getLogger("pagedserve.worker")
 
 MAX_TOKENS = 1 << 16  # the largest step the package takes; larger ones run eagerly
-_FORMAT = 2  # bump when what a package holds changes
+_FORMAT = 3  # bump when what a package holds changes
 INDUCTOR_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,  # weights come from the live model
     "aot_inductor.use_runtime_constant_folding": True,  # so nothing derived from them is baked in
@@ -148,16 +146,9 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
-def package_paths(config: EngineConfig, model: nn.Module) -> tuple[str, str]:
-    """Where the forward's and the decode kernel's packages for this model live (they may not
-    exist yet). The kernel's key is only the heads' shape, so models that share it share it."""
-    layer = attention_layers(model.model)[0]
-    dtype = config.model.resolved_dtype
-    heads = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
-    return (
-        _cache_path("forward", hf=config.model.hf, dtype=dtype),
-        _cache_path("decode", heads=heads, block_size=config.cache.block_size, dtype=dtype),
-    )
+def package_path(config: EngineConfig) -> str:
+    """Where the forward's package for this model lives (it may not exist yet)."""
+    return _cache_path("forward", hf=config.model.hf, dtype=config.model.resolved_dtype)
 
 
 def _cache_path(kind: str, **key: object) -> str:
@@ -171,19 +162,15 @@ def _cache_path(kind: str, **key: object) -> str:
     return os.path.join(cache_root(), "cpu_compiled", f"{kind}-{digest[:24]}.pt2")
 
 
-def build_packages(config: EngineConfig) -> None:
-    """Export what is missing of the model's forward (dummy weights: the package keeps none)
-    and the decode kernel, and compile them; the forward last, so it says both are there."""
+def build_package(config: EngineConfig) -> None:
+    """Export the model's forward (dummy weights: the package keeps none) and compile it."""
     from pagedserve.worker.models import build_model
 
     dtype = getattr(torch, config.model.resolved_dtype)
     model_config = dataclasses.replace(config.model, load_format="dummy")
     model = build_model(model_config, dtype, torch.device("cpu"))
-    forward_path, decode_path = package_paths(config, model)
-    os.makedirs(os.path.dirname(forward_path), exist_ok=True)
-    if not os.path.exists(decode_path):
-        with torch.no_grad():
-            _compile(_export_decode_kernel(model, config.cache.block_size, dtype), decode_path)
+    path = package_path(config)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     for i, layer in enumerate(attention_layers(model.model)):
         layer.opaque_index = i
     # Two tensors: export traces one example tensor passed twice as one input.
@@ -193,28 +180,7 @@ def build_packages(config: EngineConfig) -> None:
         program = torch.export.export(
             Stage(model.model), example, dynamic_shapes=({0: tokens}, {0: tokens})
         )
-    _compile(program, forward_path)
-
-
-def _export_decode_kernel(
-    model: nn.Module, block_size: int, dtype: torch.dtype
-) -> torch.export.ExportedProgram:
-    """`DecodeAttention` for this model's heads: rows, blocks and context lengths dynamic."""
-    layer = attention_layers(model.model)[0]
-    kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-    group = layer.num_heads // kv_heads
-    rows, blocks = torch.export.Dim("rows", min=1, max=MAX_TOKENS), torch.export.Dim("blocks")
-    table_width = torch.export.Dim("table_width", min=1, max=MAX_TOKENS)
-    example = (
-        torch.zeros(4, kv_heads, group, head_dim, dtype=dtype),
-        torch.zeros(8, 2, block_size, kv_heads, head_dim, dtype=dtype),
-        torch.zeros(4, 2, dtype=torch.long),
-        torch.full((4,), 20),
-        torch.ones(1),
-        torch.full((1,), 1 << 62),
-    )
-    shapes = ({0: rows}, {0: blocks}, {0: rows, 1: table_width}, {0: rows}, None, None)
-    return torch.export.export(DecodeAttention(), example, dynamic_shapes=shapes)
+    _compile(program, path)
 
 
 def _compile(program: torch.export.ExportedProgram, path: str) -> None:
@@ -228,13 +194,11 @@ def _compile(program: torch.export.ExportedProgram, path: str) -> None:
 class CompiledForward:
     """The stage's forward from a package, bound to the live model's weights and KV caches."""
 
-    def __init__(
-        self, paths: tuple[str, str], model: nn.Module, kv_caches: list[torch.Tensor]
-    ) -> None:
+    def __init__(self, path: str, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         # The C++ loader itself: `torch._inductor.aoti_load_package` would import inductor
         # (~1 s of start-up) and parse the call spec on every call; our inputs and output are
         # two tensors and one.
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(paths[0], "model", False, 1, -1)
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
         stage = Stage(model.model)
         tensors = dict(stage.named_parameters()) | dict(stage.named_buffers())
         wanted = [n for n in self.loader.get_constant_fqns() if not n.startswith("_FOLDED")]
@@ -244,14 +208,11 @@ class CompiledForward:
         # (constants, use the inactive buffer, check full update, user managed, allow h2d copy)
         self.loader.load_constants({n: tensors[n] for n in wanted}, False, False, True, False)
         self.context = StepContext(attention_layers(model.model), kv_caches)
-        self.decode_kernel = torch._C._aoti.AOTIModelPackageLoader(paths[1], "model", False, 1, -1)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [T, H]
         self.context.meta = meta
-        for m in (meta, *(meta.group_metas or ())):  # the CPU backend runs decodes with it
-            m.scratch[DECODE_KERNEL] = self.decode_kernel
         with step_context(self.context):
             return self.loader.boxed_run([input_ids, positions])[0]
 
@@ -261,11 +222,11 @@ class CpuCompiler:
 
     def __init__(self, config: EngineConfig, model: nn.Module, kv_caches: list[torch.Tensor]):
         self.model, self.kv_caches = model, kv_caches
-        self.paths = package_paths(config, model)
+        self.path = package_path(config)
         self.child: Child | None = None
         self.compiled: CompiledForward | None = None
         self.started = time.perf_counter()
-        if all(map(os.path.exists, self.paths)):
+        if os.path.exists(self.path):
             self._load()
         else:
             self.child = spawn("pagedserve.worker.cpu_compile", ["--config", config.to_json()],
@@ -276,7 +237,7 @@ class CpuCompiler:
     def forward(self) -> CompiledForward | None:
         if self.child is not None and self.child.proc.poll() is not None:
             ended, self.child = self.child, None
-            if all(map(os.path.exists, self.paths)):
+            if os.path.exists(self.path):
                 self._load()
             else:
                 logger.warning("%s: staying eager", ended.death_message())
@@ -284,12 +245,12 @@ class CpuCompiler:
 
     def _load(self) -> None:
         try:
-            self.compiled = CompiledForward(self.paths, self.model, self.kv_caches)
+            self.compiled = CompiledForward(self.path, self.model, self.kv_caches)
         except Exception as e:  # a package this torch cannot load: serve eagerly, say why
-            logger.warning("compiled CPU forward %s not used: %s", self.paths[0], e)
+            logger.warning("compiled CPU forward %s not used: %s", self.path, e)
             return
         seconds = time.perf_counter() - self.started
-        _say(f"compiled CPU forward in use after {seconds:.1f} s ({self.paths[0]})")
+        _say(f"compiled CPU forward in use after {seconds:.1f} s ({self.path})")
 
 
 def _say(text: str) -> None:
@@ -304,7 +265,7 @@ def main() -> None:
     die_with_parent(args.parent_pid)
     os.nice(10)  # serving comes first
     torch.set_num_threads(1)
-    build_packages(EngineConfig.from_json(args.config))
+    build_package(EngineConfig.from_json(args.config))
 
 
 if __name__ == "__main__":

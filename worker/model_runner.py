@@ -22,6 +22,7 @@ import torch
 
 from pagedserve.config import EngineConfig, kv_cache_groups
 from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
+from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
@@ -215,6 +216,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.kv_caches = self._new_kv_caches(num_blocks)
         timings = {"KV cache": time.perf_counter() - t0}
+        if self.device.type == "cpu":  # build (once per machine) or load the C++ kernels now
+            t1 = time.perf_counter()
+            cpu_native.available()
+            timings["CPU kernels"] = time.perf_counter() - t1
         if eligible(self.config, self.device, self.model):
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
         if self.device.type == "cuda" and self.kv_caches:

@@ -1,0 +1,132 @@
+"""CPU kernels in C++, built on this machine with its C++ compiler and called through ctypes.
+
+`decode_attention` (kernels/cpu_decode_attention.cpp) is decode attention over the paged cache,
+read in place: 2-5x faster than inductor's fused loops or gather + SDPA at 1-32 rows, because it
+fetches each next block by hand (a row's blocks are anywhere in the cache, one page each, and
+the hardware prefetcher stops at pages) and reads every key and value row once for all heads.
+
+The source has no torch headers, so it builds in about a second: the first CPU worker on a
+machine builds it (`-O3 -march=native`, OpenMP from the runtime torch already loaded) into the
+cache directory under a key of the source, the flags, the compiler and the CPU's feature flags;
+later starts load it in milliseconds. No compiler, a failed build or `PAGEDSERVE_CPU_KERNELS=torch`
+leaves the torch paths in use (kernels/cpu_attention.py), with a warning for a failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+
+import torch
+
+from pagedserve.disk_cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P, _P, ctypes.c_int, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernels_setting() -> str:
+    setting = os.environ.get("PAGEDSERVE_CPU_KERNELS", "native")
+    if setting not in ("native", "torch"):
+        raise ValueError(f"PAGEDSERVE_CPU_KERNELS={setting!r} is not one of native, torch")
+    return setting
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CXX"), "c++", "g++") if c and shutil.which(c)), None)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability()
+
+
+def library_path(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        digest.update(f.read())
+    for part in (" ".join(FLAGS), version, _cpu_flags()):
+        digest.update(part.encode())
+    name = f"decode_attention-{digest.hexdigest()[:24]}.so"
+    return os.path.join(cache_root(), "cpu_kernels", name)
+
+
+def build(compiler: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path.removesuffix('.so')}.{os.getpid()}.partial.so"
+    cmd = [compiler, *FLAGS, "-o", partial, SOURCE]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(partial, path)  # whole or absent, for another process building the same
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:
+    """The built and loaded kernel, or None where it does not apply (see the module's doc)."""
+    if kernels_setting() == "torch":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler (c++, g++ or $CXX): CPU decode attention stays on torch")
+        return None
+    try:
+        path = library_path(compiler)
+        if not os.path.exists(path):
+            build(compiler, path)
+        function = ctypes.CDLL(path).pagedserve_decode_attention
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU decode attention kernel unavailable, staying on torch: %s", e)
+        return None
+    function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+    return function
+
+
+def available() -> bool:
+    """Builds or loads the kernel (a CPU worker calls this at start-up, off the serving path)."""
+    return _kernel() is not None
+
+
+def decode_attention(
+    query: torch.Tensor,  # [B, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], float32 or bfloat16
+    block_tables: torch.Tensor,  # [B, nb] int64
+    seq_lens: torch.Tensor,  # [B] int64: each query's position + 1
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [B, Hq, D], query's dtype
+    """One query per row over its paged context (query head h reads KV head h // (Hq / Hkv)).
+    Call only when `available()`; computes in float32."""
+    function = _kernel()
+    assert function is not None, "decode_attention called without the kernel available"
+    rows, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if kv_cache.dtype not in CACHE_DTYPES or not kv_cache.is_contiguous():
+        raise ValueError(f"the kernel reads contiguous {CACHE_DTYPES} caches, not {kv_cache.dtype}")
+    q = query.to(torch.float32).contiguous()
+    tables, lengths = block_tables.contiguous(), seq_lens.contiguous()
+    if tables.dtype != torch.int64 or lengths.dtype != torch.int64:
+        raise ValueError("block_tables and seq_lens must be int64")
+    out = torch.empty(q.shape, dtype=torch.float32)
+    function(
+        q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+        tables.data_ptr(), lengths.data_ptr(), out.data_ptr(), rows, num_kv_heads,
+        num_heads // num_kv_heads, head_dim, block_size, tables.shape[1], scale,
+        sliding_window or 0,
+    )  # fmt: skip
+    return out.to(query.dtype)
