@@ -1,0 +1,62 @@
+"""Cascade (shared-prefix) attention: the host side, pure numpy.
+
+When every row of a step starts with the same blocks (one system prompt, shared by prefix
+caching), attention can read that prefix once for the whole batch instead of once per row: a
+prefix pass attends every query token, non-causally, to keys [0, common_len) through one row's
+block table, a per-row pass attends each row's own keys from common_len on, and the two partial
+softmaxes merge by their running max and sum (kernels/triton_attention.py). This module finds
+common_len for a step and decides whether the cascade pays.
+
+The prefix is counted in whole blocks and never reaches a row's new tokens: common_len <=
+min(seq_len - query_len), so every query sits after the whole prefix (the prefix pass needs no
+causal mask) and each row keeps at least its own new keys for the per-row pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The cascade pays when the prefix reads it saves outweigh what it adds: a second attention
+# launch and the merge (partial outputs written and read back, a few KB per row and KV head),
+# a few microseconds per layer. Saved: (rows - 1) x common_len keys of K and V per KV head. Below
+# 256 prefix tokens (one key split of the split-K kernel) the saving is under a key tile per row;
+# below 32 rows the split-K decode kernel already streams the prefix from L2 at full occupancy and
+# the fixed costs win (vLLM's heuristic: >= 256 prefix tokens and >= 8 rows, then a CTA count
+# model against flash-decoding, which our split-K kernel is).
+CASCADE_MIN_TOKENS = 256
+CASCADE_MIN_ROWS = 32
+
+
+def common_prefix_len(
+    block_tables: np.ndarray,  # [B, W] int32, the rows' block ids (padded)
+    seq_lens: np.ndarray,  # [B] context length after the step
+    query_lens: np.ndarray,  # [B] new tokens this step
+    block_size: int,
+) -> int:
+    """Tokens of the longest run of leading blocks that every row shares, capped so that it
+    covers no row's new tokens (rounded down to whole blocks); 0 for fewer than two rows."""
+    if len(seq_lens) < 2:
+        return 0
+    cached = np.asarray(seq_lens, dtype=np.int64) - np.asarray(query_lens, dtype=np.int64)
+    limit = min(int(cached.min()) // block_size, block_tables.shape[1])
+    if limit <= 0:
+        return 0
+    head = block_tables[:, :limit]
+    differs = (head != head[0]).any(axis=0)  # [limit] block j differs somewhere
+    blocks = int(np.argmax(differs)) if differs.any() else limit
+    return blocks * block_size
+
+
+def cascade_len(
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_lens: np.ndarray,
+    block_size: int,
+    min_rows: int = CASCADE_MIN_ROWS,
+    min_tokens: int = CASCADE_MIN_TOKENS,
+) -> int:
+    """The common prefix a step should attend once (0: run without the cascade)."""
+    if len(seq_lens) < min_rows:
+        return 0
+    n = common_prefix_len(block_tables, seq_lens, query_lens, block_size)
+    return n if n >= min_tokens else 0
