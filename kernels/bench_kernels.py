@@ -44,7 +44,7 @@ def random_batch(
     first `shared_blocks` blocks of every row are the same ones (a cached common prefix)."""
     rng = random.Random(seed)
     needed = [-(-(c + n) // block_size) for c, n in zip(computed, new, strict=True)]
-    num_blocks = sum(needed) + 3
+    num_blocks = sum(max(k - shared_blocks, 0) for k in needed) + shared_blocks + 3
     free = list(range(num_blocks))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(shared_blocks)]
