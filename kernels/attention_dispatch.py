@@ -121,14 +121,14 @@ def per_step_kind(
 def _cascade_warm_up(
     n: int, block_size: int, num_blocks: int, device: torch.device
 ) -> list[AttentionMetadata]:
-    """A mixed step of two rows over the same blocks (read only), the first whole ones shared
+    """A decode step of two rows over the same blocks (read only), the first whole ones shared
     as a cascade prefix; none when the cache is too small."""
     shared = -(-n // block_size) * block_size
-    blocks = -(-(shared + n) // block_size)
+    blocks = -(-(shared + 1) // block_size)
     if blocks > num_blocks:
         return []
     tables = [list(range(blocks))] * 2
-    meta = build_attention_metadata([shared] * 2, [n, 1], tables, block_size, device)[0]
+    meta = build_attention_metadata([shared] * 2, [1, 1], tables, block_size, device)[0]
     meta.cascade_len = shared
     meta.cascade_len_dev = torch.tensor([shared], dtype=torch.int32, device=device)
     return [meta]
@@ -142,8 +142,8 @@ def warm_up_attention(
     WARM_UP_TOKENS) and an eager mixed one (a prompt and a decode), over blocks of `kv_cache`
     (read only), so the first long prompt while serving finds its kernels compiled: the memory
     profile's rows are shorter (another FA4 variant) and graphs cover small steps only. With
-    `cascade`, also a mixed step whose rows share a prefix (the cascade's prompt-tile variant;
-    decode graphs compile the others). How many configurations ran."""
+    `cascade`, also a decode step whose rows share a prefix (for eager runs and a mixed step's
+    decode part; decode graphs compile the same variants). How many configurations ran."""
     n, block_size = WARM_UP_TOKENS, kv_cache.shape[2]
     blocks = -(-(n + 1) // block_size)
     if 2 * blocks > kv_cache.shape[0]:

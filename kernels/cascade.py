@@ -55,8 +55,10 @@ def cascade_len(
     min_rows: int = CASCADE_MIN_ROWS,
     min_tokens: int = CASCADE_MIN_TOKENS,
 ) -> int:
-    """The common prefix a step should attend once (0: run without the cascade)."""
-    if len(seq_lens) < min_rows:
+    """The common prefix a step should attend once (0: run without the cascade): it needs
+    `min_rows` decode rows (the kernels cascade decode batches only, a mixed step's decode part
+    when it runs apart; kernels/triton_attention.py says why)."""
+    if np.count_nonzero(np.asarray(query_lens) == 1) < min_rows:
         return 0
     n = common_prefix_len(block_tables, seq_lens, query_lens, block_size)
     return n if n >= min_tokens else 0

@@ -265,9 +265,18 @@ def choose_prefix_splits(programs: int, prefix_len: int, num_sms: int, max_split
 
 
 def _cascade(meta: AttentionMetadata, sliding_window: int | None) -> bool:
-    """Whether this call runs as a cascade: the step found a common prefix (kernels/cascade.py)
-    and the layer has no sliding window (the prefix pass knows no query positions)."""
-    return meta.cascade_len > 0 and meta.cascade_len_dev is not None and sliding_window is None
+    """Whether this call runs as a cascade: the step found a common prefix (kernels/cascade.py),
+    the batch is decodes only and the layer has no sliding window (the prefix pass knows no query
+    positions). A prompt row gains nothing: its own 128-row tiles already share each prefix key
+    tile among 32 of its tokens, as the prefix pass's would; decode rows, one token per tile
+    otherwise, each read the whole prefix. Mixed steps cascade their decode part when they run
+    as two calls (kernels/attention_dispatch.py)."""
+    return (
+        meta.cascade_len > 0
+        and meta.cascade_len_dev is not None
+        and meta.max_query_len == 1
+        and sliding_window is None
+    )
 
 
 def triton_paged_attention(
@@ -306,11 +315,14 @@ def triton_paged_attention(
             num_seqs, num_kv_heads, meta.max_query_len, max(own_len, 0), sms
         )
     n_prefix = 0
-    if cascade:
+    if cascade:  # at most MAX_SPLITS partial slots in all (the merge's width)
+        num_splits = min(num_splits, MAX_SPLITS - 1)
         prefix_block_m = max(prefix_block_m, group_pad)
         tiles = triton.cdiv(num_tokens, prefix_block_m // group_pad)
-        n_prefix = prefix_splits or choose_prefix_splits(
-            tiles * num_kv_heads, meta.cascade_len, sms, MAX_SPLITS - num_splits
+        n_prefix = min(
+            prefix_splits
+            or choose_prefix_splits(tiles * num_kv_heads, meta.cascade_len, sms, MAX_SPLITS),
+            MAX_SPLITS - num_splits,
         )
     slots = num_splits + n_prefix
     part_out = part_ml = out  # unused placeholders without splits

@@ -66,6 +66,9 @@ def test_cascade_len_thresholds():
     short = np.full(rows, 200)  # 192 shared tokens: under CASCADE_MIN_TOKENS
     assert cascade_len(tables, short, q_lens, 16) == 0
     assert cascade_len(tables, short, q_lens, 16, min_tokens=64) == 192
+    mixed = np.where(np.arange(rows) < 8, 20, 1)  # 8 prompt chunks: 32 decode rows remain
+    assert cascade_len(tables, seq_lens, mixed, 16) == 272  # the chunks' cap: 280 cached
+    assert cascade_len(tables, seq_lens, np.where(np.arange(rows) < 9, 20, 1), 16) == 0
 
 
 # ---------------------------------------------------------------- kernel
@@ -89,7 +92,7 @@ def _cascade(meta, length: int, bound: int | None = None):
 
 # (cached, new) per row: decodes sharing 3 blocks of 16, one row whose context is the prefix.
 DECODES = ([60, 50, 48, 70, 100], [1, 1, 1, 1, 1])
-MIXED = ([60, 48, 70, 50], [1, 9, 1, 20])  # prompt chunks after the shared prefix
+MIXED = ([60, 48, 70, 50, 49], [1, 9, 1, 20, 1])  # prompt chunks after the shared prefix
 
 
 @tiny
@@ -100,8 +103,7 @@ MIXED = ([60, 48, 70, 50], [1, 9, 1, 20])  # prompt chunks after the shared pref
         (DECODES, 4, 16, 2, 1, 128, 0.5),  # split per-row pass, soft-capped scores
         (DECODES, 6, 16, None, 3, 16, None),  # GQA group 3 (padded to 4 rows per token)
         (DECODES, 2, 32, None, None, 128, None),  # other block size, chosen splits
-        (MIXED, 4, 16, None, 2, 16, None),  # prefill chunks: the per-row pass is causal
-        (MIXED, 4, 8, 3, 2, 32, None),
+        (DECODES, 4, 8, 3, 2, 32, None),
     ],
 )
 def test_cascade_matches_reference(
@@ -117,20 +119,65 @@ def test_cascade_matches_reference(
     torch.testing.assert_close(out, ref, **TOL)
 
 
+def _spy_prefix_passes(monkeypatch) -> list[int]:
+    """Record each launch of the cascade's prefix pass (its number of query tokens)."""
+    from pagedserve.kernels import triton_attention
+
+    calls: list[int] = []
+    launch = triton_attention._launch
+
+    def spy(query, *args):
+        if args[-1]:  # `prefix`
+            calls.append(query.shape[0])
+        return launch(query, *args)
+
+    monkeypatch.setattr(triton_attention, "_launch", spy)
+    return calls
+
+
 @tiny
-def test_cascade_device_value_below_the_host_bound():
+def test_mixed_step_cascades_its_decode_part(monkeypatch):
+    """A mixed step run as one call takes the plain path (prompt rows gain nothing); run as its
+    decode and prompt parts, the decode part cascades. Both are the reference."""
+    from pagedserve.kernels.attention_dispatch import per_step_kind
+
+    calls = _spy_prefix_passes(monkeypatch)
+    q, kv, meta, length = _case(*MIXED, 3, seed=4)
+    assert length == 48
+    ref = paged_attention_ref(q, kv, meta, 0.25)
+    torch.testing.assert_close(triton_paged_attention(q, kv, _cascade(meta, 48), 0.25), ref, **TOL)
+    assert calls == []
+    split = per_step_kind(dict.fromkeys(("decode", "prefill", "mixed"), triton_paged_attention), 1)
+    torch.testing.assert_close(split(q, kv, meta, 0.25), ref, **TOL)
+    assert calls == [3]  # the three decode rows
+
+
+@tiny
+def test_cascade_device_value_below_the_host_bound(monkeypatch):
     """A CUDA graph's replays: the host holds an upper bound, the device the step's prefix (0,
     a block, or all of it); each is the reference."""
+    calls = _spy_prefix_passes(monkeypatch)
     q, kv, meta, length = _case(*DECODES, 3, seed=5)
     ref = paged_attention_ref(q, kv, meta, 0.25)
     for device_len in (0, 16, length):
         out = triton_paged_attention(q, kv, _cascade(meta, device_len, bound=4096), 0.25)
         torch.testing.assert_close(out, ref, **TOL)
+    assert calls == [5, 5, 5]
+
+
+def test_cascade_graph_buckets():
+    """Decode buckets with a cascade variant: multiples of 32 from 32 rows, and the largest."""
+    from pagedserve.worker.cuda_graphs import capture_sizes, cascade_sizes
+
+    assert cascade_sizes(capture_sizes(256)) == [256, 224, 192, 160, 128, 96, 64, 32]
+    assert cascade_sizes(capture_sizes(100)) == [100, 96, 64, 32]
+    assert cascade_sizes(capture_sizes(16)) == []
 
 
 @tiny
-def test_no_cascade_runs_as_before():
+def test_no_cascade_runs_as_before(monkeypatch):
     """cascade_len 0 (and a windowed layer, which refuses the cascade) take the plain path."""
+    calls = _spy_prefix_passes(monkeypatch)
     q, kv, meta, length = _case(*DECODES, 3, seed=6)
     plain = triton_paged_attention(q, kv, meta, 0.25)
     cleared = _cascade(meta, length)
@@ -139,11 +186,12 @@ def test_no_cascade_runs_as_before():
     ref = paged_attention_ref(q, kv, meta, 0.25, 9)
     out = triton_paged_attention(q, kv, _cascade(meta, length), 0.25, 9)
     torch.testing.assert_close(out, ref, **TOL)
+    assert calls == []
 
 
 @tiny
 def test_cascade_reads_fp8_cache():
-    q, kv, meta, length = _case(*MIXED, 3, seed=7)
+    q, kv, meta, length = _case(*DECODES, 3, seed=7)
     kv8 = kv.to(FP8)
     ref = paged_attention_ref(q, kv8, meta, 0.25, k_scale=0.7, v_scale=1.3)
     out = triton_paged_attention(
