@@ -77,7 +77,14 @@ def run_case(
 
 
 # W6 decode steps: rows sharing a 2,048-token prefix (128 blocks of 16), each with its own tokens.
-CASCADE_CASES = [(256, 128), (256, 256), (512, 128), (512, 256)]  # (rows, own tokens)
+CASCADE_CASES = [
+    (32, 128),
+    (64, 128),
+    (256, 128),
+    (256, 256),
+    (512, 128),
+    (512, 256),
+]  # (rows, own)
 PREFIX_TOKENS = 2048
 
 

@@ -166,11 +166,12 @@ def test_cascade_device_value_below_the_host_bound(monkeypatch):
 
 
 def test_cascade_graph_buckets():
-    """Decode buckets with a cascade variant: multiples of 32 from 32 rows, and the largest."""
+    """Decode buckets with a cascade variant: multiples of 64, and the largest (from 32 rows)."""
     from pagedserve.worker.cuda_graphs import capture_sizes, cascade_sizes
 
-    assert cascade_sizes(capture_sizes(256)) == [256, 224, 192, 160, 128, 96, 64, 32]
-    assert cascade_sizes(capture_sizes(100)) == [100, 96, 64, 32]
+    assert cascade_sizes(capture_sizes(256)) == [256, 192, 128, 64]
+    assert cascade_sizes(capture_sizes(100)) == [100, 64]
+    assert cascade_sizes(capture_sizes(40)) == [40]
     assert cascade_sizes(capture_sizes(16)) == []
 
 

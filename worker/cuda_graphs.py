@@ -24,7 +24,7 @@ prefix length travels in the int32 buffer, so one capture serves every prefix. T
 exist only for buckets of at least CASCADE_MIN_ROWS rows that are multiples of
 CASCADE_BUCKET_STEP (and the largest bucket): a cascade step pads up to one of them (a decode
 step's GEMMs cost about the same for a few more rows), which bounds the extra captures at start-up
-(8 for 256 rows). Smaller batches, and steps without a shared prefix, replay the graphs of before.
+(4 for 256 rows). Smaller batches, and steps without a shared prefix, replay the graphs of before.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pagedserve.worker.input_batch import StepInputs
 MIXED_TOKEN_SIZES = (3072, 2560, 2048, 1792, 1536, 1280, *range(1024, 0, -128), 64)
 MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
 HEAD_MAX_BATCH = 8  # decode buckets up to this run the LM head and argmax in their graph
-CASCADE_BUCKET_STEP = 32  # decode buckets with a cascade variant: multiples of this
+CASCADE_BUCKET_STEP = 64  # decode buckets with a cascade variant: multiples of this
 CASCADE_SLOT = 16  # int32 slots for the prefix length (one used; keeps the tables 16-aligned)
 
 GraphOutputs = tuple[torch.Tensor, ...]  # hidden [n, H], then (head) logits [n, V], ids [n]
