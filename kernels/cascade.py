@@ -14,7 +14,12 @@ causal mask) and each row keeps at least its own new keys for the per-row pass.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedserve.kernels.attention import AttentionMetadata
 
 # The cascade pays when the prefix reads it saves outweigh what it adds: a second attention
 # launch and the merge (partial outputs written and read back, a few KB per row and KV head),
@@ -25,6 +30,8 @@ import numpy as np
 # model against flash-decoding, which our split-K kernel is).
 CASCADE_MIN_TOKENS = 256
 CASCADE_MIN_ROWS = 32
+MAX_SPLITS = 32  # partial slots of the split-K merge (kernels/triton_attention.py)
+MIN_PREFIX_PER_SPLIT = 256  # prefix keys per split of the prefix pass, at least
 
 
 def common_prefix_len(
@@ -62,3 +69,26 @@ def cascade_len(
         return 0
     n = common_prefix_len(block_tables, seq_lens, query_lens, block_size)
     return n if n >= min_tokens else 0
+
+
+def use_cascade(meta: AttentionMetadata, sliding_window: int | None) -> bool:
+    """Whether an attention call runs as a cascade: the step found a common prefix, the batch
+    is decodes only and the layer has no sliding window (the prefix pass knows no query
+    positions). A prompt row gains nothing: its own 128-row tiles already share each prefix key
+    tile among 32 of its tokens, as the prefix pass's would; decode rows, one token per tile
+    otherwise, each read the whole prefix. A mixed step cascades its decode part when it runs as
+    two calls (kernels/attention_dispatch.py)."""
+    return (
+        meta.cascade_len > 0
+        and meta.cascade_len_dev is not None
+        and meta.max_query_len == 1
+        and sliding_window is None
+    )
+
+
+def choose_prefix_splits(programs: int, prefix_len: int, num_sms: int) -> int:
+    """Key splits of the prefix pass (`programs` = query tiles x KV heads): one wave of programs
+    (each a 128-row tile, 8x a decode tile's work per key); at least MIN_PREFIX_PER_SPLIT keys
+    each."""
+    by_occupancy = -(-num_sms // programs)
+    return max(1, min(by_occupancy, prefix_len // MIN_PREFIX_PER_SPLIT, MAX_SPLITS))

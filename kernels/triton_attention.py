@@ -24,6 +24,14 @@ Compiled variants: the split count and the batch sizes are runtime values, and t
 (decodes) or 128, so the start-up runs (memory profile, graph capture) compile every variant that
 serving meets: a Triton compile in the middle of serving is a second-long stall.
 
+Cascade (kernels/cascade.py): with `meta.cascade_len` set on a decode batch, the kernel runs twice
+from one body: a prefix pass (`PREFIX`) where the whole batch is one "row" of num_tokens queries
+tiled 128 (token, head) rows at a time over keys [0, prefix) of row 0's table, without a causal
+mask (every query follows the prefix), split over the prefix keys; and the per-row pass
+(`AFTER_PREFIX`) from key `prefix` on. Both write split-K partials (the prefix pass at slots after
+the per-row pass's) and `_reduce_kernel` merges them. The prefix length is read from device
+memory, so a CUDA graph replays with another prefix; 0 there makes the prefix pass empty.
+
 FP8 cache: K/V tiles load as e4m3 and convert to the query dtype for the dots; k_scale folds into
 the score scale and v_scale into the output, so dequantization costs no extra multiply per key.
 """
@@ -37,10 +45,10 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.cascade import MAX_SPLITS, choose_prefix_splits, use_cascade
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
-MAX_SPLITS = 32
 PREFIX_BLOCK_M = 128  # cascade prefix pass: 128-row tiles of (token, query head) pairs
 
 
@@ -256,29 +264,6 @@ def _check(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata)
         raise ValueError("query, kv_cache and the attention metadata must share one device")
 
 
-def choose_prefix_splits(programs: int, prefix_len: int, num_sms: int, max_splits: int) -> int:
-    """Key splits of the cascade's prefix pass (`programs` = query tiles x KV heads): one wave of
-    programs; each split keeps at least MIN_TOKENS_PER_SPLIT prefix keys."""
-    by_occupancy = triton.cdiv(num_sms, programs)
-    by_length = prefix_len // MIN_TOKENS_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, max_splits))
-
-
-def _cascade(meta: AttentionMetadata, sliding_window: int | None) -> bool:
-    """Whether this call runs as a cascade: the step found a common prefix (kernels/cascade.py),
-    the batch is decodes only and the layer has no sliding window (the prefix pass knows no query
-    positions). A prompt row gains nothing: its own 128-row tiles already share each prefix key
-    tile among 32 of its tokens, as the prefix pass's would; decode rows, one token per tile
-    otherwise, each read the whole prefix. Mixed steps cascade their decode part when they run
-    as two calls (kernels/attention_dispatch.py)."""
-    return (
-        meta.cascade_len > 0
-        and meta.cascade_len_dev is not None
-        and meta.max_query_len == 1
-        and sliding_window is None
-    )
-
-
 def triton_paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
@@ -307,7 +292,7 @@ def triton_paged_attention(
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     if block_m is None:  # two tile heights only, so start-up compiles every variant serving meets
         block_m = 16 if max(meta.max_query_len, 1) * group_pad <= 16 else 128
-    cascade = _cascade(meta, sliding_window)
+    cascade = use_cascade(meta, sliding_window)
     sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
     if num_splits is None:
         own_len = meta.max_seq_len - meta.cascade_len if cascade else meta.max_seq_len
@@ -320,8 +305,7 @@ def triton_paged_attention(
         prefix_block_m = max(prefix_block_m, group_pad)
         tiles = triton.cdiv(num_tokens, prefix_block_m // group_pad)
         n_prefix = min(
-            prefix_splits
-            or choose_prefix_splits(tiles * num_kv_heads, meta.cascade_len, sms, MAX_SPLITS),
+            prefix_splits or choose_prefix_splits(tiles * num_kv_heads, meta.cascade_len, sms),
             MAX_SPLITS - num_splits,
         )
     slots = num_splits + n_prefix
@@ -351,7 +335,7 @@ def _launch(
     out, part_out, part_ml, split, launch, block_m, num_splits, split_base, after_prefix, prefix,
 ) -> None:  # fmt: skip
     """One `_paged_attention_kernel` launch: the per-row pass (`after_prefix`: from the cascade's
-    prefix on) or the cascade's prefix pass (`prefix`), its partials at slots `split_base`.."""
+    prefix on) or the cascade's prefix pass (`prefix`), its partials from slot `split_base` on."""
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_seqs = meta.seq_lens.shape[0]

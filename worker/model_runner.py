@@ -310,7 +310,7 @@ class ModelRunner:
                     scratch={},
                     cascade_len=0,
                     cascade_len_dev=None,  # group 0's prefix only
-                )  # fmt: skip
+                )
                 for slots, table in zip(
                     inputs.group_slot_mappings, inputs.group_block_tables, strict=True
                 )
