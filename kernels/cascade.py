@@ -21,13 +21,13 @@ import numpy as np
 if TYPE_CHECKING:
     from pagedserve.kernels.attention import AttentionMetadata
 
-# The cascade pays when the prefix reads it saves outweigh what it adds: a second attention
-# launch and the merge (partial outputs written and read back, a few KB per row and KV head),
-# a few microseconds per layer. Saved: (rows - 1) x common_len keys of K and V per KV head. Below
-# 256 prefix tokens (one key split of the split-K kernel) the saving is under a key tile per row;
-# below 32 rows the split-K decode kernel already streams the prefix from L2 at full occupancy and
-# the fixed costs win (vLLM's heuristic: >= 256 prefix tokens and >= 8 rows, then a CTA count
-# model against flash-decoding, which our split-K kernel is).
+# When it pays (Llama-3-8B heads: a key costs 4 KB of K and V per layer). Saved per row: the
+# prefix's reads, common_len x 4 KB (from L2 at best). Added: two launches (the prefix pass and
+# the merge, ~3 us each in a graph) and the partials (1 + prefix splits slots of 32 heads x 130
+# floats per row, written and read back: ~130 KB a row at 3 prefix splits). At 256 prefix tokens
+# a row saves 1 MB against those 130 KB, and 32 rows save ~32 MB, about the two launches' time at
+# L2 bandwidth; longer prefixes only widen the margin. vLLM's rule is alike (>= 256 prefix tokens,
+# >= 8 rows, then a CTA-count model against flash-decoding). `cascade-bench` checks 32 and 64 rows.
 CASCADE_MIN_TOKENS = 256
 CASCADE_MIN_ROWS = 32
 MAX_SPLITS = 32  # partial slots of the split-K merge (kernels/triton_attention.py)
@@ -65,7 +65,7 @@ def cascade_len(
     """The common prefix a step should attend once (0: run without the cascade): it needs
     `min_rows` decode rows (the kernels cascade decode batches only, a mixed step's decode part
     when it runs apart; kernels/triton_attention.py says why)."""
-    if np.count_nonzero(np.asarray(query_lens) == 1) < min_rows:
+    if len(seq_lens) < min_rows or np.count_nonzero(np.asarray(query_lens) == 1) < min_rows:
         return 0
     n = common_prefix_len(block_tables, seq_lens, query_lens, block_size)
     return n if n >= min_tokens else 0
