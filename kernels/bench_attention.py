@@ -108,7 +108,7 @@ def run_cascade(rows: int, own: int, sweep: bool) -> dict[str, float]:
              for s in (1, 2, 4, 8) for m in (64, 128)}
         )  # fmt: skip
     cascade_meta = replace(meta, scratch={}, cascade_len=PREFIX_TOKENS)
-    cascade_meta.cascade_len_dev = torch.tensor([PREFIX_TOKENS], dtype=torch.int32, device="cuda")
+    cascade_meta.cascade_len_dev = torch.tensor([PREFIX_TOKENS], dtype=torch.int32, device=q.device)
     result = {}
     for name, kw in configs.items():
         m = meta if name == "off" else cascade_meta
