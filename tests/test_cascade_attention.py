@@ -21,6 +21,13 @@ if HAS_TRITON:
     from pagedserve.kernels.triton_attention import triton_paged_attention
 
 DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def kernel_test(fn):
+    """A kernel test: needs triton, runs compiled on a GPU or interpreted on a CPU."""
+    return needs_triton(tiny(fn))
+
+
 TOL = dict(atol=2e-2, rtol=2e-2) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)
 FP8 = torch.float8_e4m3fn
 
@@ -95,7 +102,7 @@ DECODES = ([60, 50, 48, 70, 100], [1, 1, 1, 1, 1])
 MIXED = ([60, 48, 70, 50, 49], [1, 9, 1, 20, 1])  # prompt chunks after the shared prefix
 
 
-@tiny
+@kernel_test
 @pytest.mark.parametrize(
     ("rows", "hq", "block_size", "num_splits", "prefix_splits", "prefix_block_m", "softcap"),
     [
@@ -135,7 +142,7 @@ def _spy_prefix_passes(monkeypatch) -> list[int]:
     return calls
 
 
-@tiny
+@kernel_test
 def test_mixed_step_cascades_its_decode_part(monkeypatch):
     """A mixed step run as one call takes the plain path (prompt rows gain nothing); run as its
     decode and prompt parts, the decode part cascades. Both are the reference."""
@@ -152,7 +159,7 @@ def test_mixed_step_cascades_its_decode_part(monkeypatch):
     assert calls == [3]  # the three decode rows
 
 
-@tiny
+@kernel_test
 def test_cascade_device_value_below_the_host_bound(monkeypatch):
     """A CUDA graph's replays: the host holds an upper bound, the device the step's prefix (0,
     a block, or all of it); each is the reference."""
@@ -175,7 +182,7 @@ def test_cascade_graph_buckets():
     assert cascade_sizes(capture_sizes(16)) == []
 
 
-@tiny
+@kernel_test
 def test_no_cascade_runs_as_before(monkeypatch):
     """cascade_len 0 (and a windowed layer, which refuses the cascade) take the plain path."""
     calls = _spy_prefix_passes(monkeypatch)
@@ -190,7 +197,7 @@ def test_no_cascade_runs_as_before(monkeypatch):
     assert calls == []
 
 
-@tiny
+@kernel_test
 def test_cascade_reads_fp8_cache():
     q, kv, meta, length = _case(*DECODES, 3, seed=7)
     kv8 = kv.to(FP8)
