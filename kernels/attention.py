@@ -56,6 +56,12 @@ class AttentionMetadata:
     # The other KV cache groups' layouts (groups 1..; kernels/attention.py `for_group`): the same
     # rows and tokens over their own block tables and slots. None: every group reads this one.
     group_metas: list[AttentionMetadata] | None = None
+    # Cascade attention (kernels/cascade.py): tokens of the leading blocks every row shares, to
+    # attend once for the whole batch (0: none). `cascade_len_dev` [1] int32 holds the exact
+    # value the kernels read; in a CUDA graph `cascade_len` is only an upper bound (the switch
+    # and the prefix pass's split count) and each replay writes the step's value on the device.
+    cascade_len: int = 0
+    cascade_len_dev: torch.Tensor | None = None
     # What a backend derives from the layout once per step and every layer reuses (the CPU
     # backend's padded groups and masks); a new step builds new metadata, so it never goes stale.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -75,6 +75,9 @@ def _sub_meta(meta: AttentionMetadata, rows: np.ndarray) -> tuple[AttentionMetad
         max_query_len=int(q_lens.max()),
         max_seq_len=int(seq_lens_cpu.max()),
         block_size=meta.block_size,
+        # A subset of the rows shares at least the whole batch's prefix (and its cap holds).
+        cascade_len=meta.cascade_len,
+        cascade_len_dev=meta.cascade_len_dev,
     )
     return sub, tokens
 
@@ -115,13 +118,32 @@ def per_step_kind(
     return attend
 
 
+def _cascade_warm_up(
+    n: int, block_size: int, num_blocks: int, device: torch.device
+) -> list[AttentionMetadata]:
+    """A decode step of two rows over the same blocks (read only), the first whole ones shared
+    as a cascade prefix; none when the cache is too small."""
+    shared = -(-n // block_size) * block_size
+    blocks = -(-(shared + 1) // block_size)
+    if blocks > num_blocks:
+        return []
+    tables = [list(range(blocks))] * 2
+    meta = build_attention_metadata([shared] * 2, [1, 1], tables, block_size, device)[0]
+    meta.cascade_len = shared
+    meta.cascade_len_dev = torch.tensor([shared], dtype=torch.int32, device=device)
+    return [meta]
+
+
 @torch.inference_mode()
-def warm_up_attention(layers: list[Attention], kv_cache: torch.Tensor, dtype: torch.dtype) -> int:
+def warm_up_attention(
+    layers: list[Attention], kv_cache: torch.Tensor, dtype: torch.dtype, cascade: bool = False
+) -> int:
     """Run each distinct attention layer configuration on an eager prefill step (two prompts of
     WARM_UP_TOKENS) and an eager mixed one (a prompt and a decode), over blocks of `kv_cache`
     (read only), so the first long prompt while serving finds its kernels compiled: the memory
-    profile's rows are shorter (another FA4 variant) and graphs cover small steps only. How many
-    configurations ran."""
+    profile's rows are shorter (another FA4 variant) and graphs cover small steps only. With
+    `cascade`, also a decode step whose rows share a prefix (for eager runs and a mixed step's
+    decode part; decode graphs compile the same variants). How many configurations ran."""
     n, block_size = WARM_UP_TOKENS, kv_cache.shape[2]
     blocks = -(-(n + 1) // block_size)
     if 2 * blocks > kv_cache.shape[0]:
@@ -132,6 +154,8 @@ def warm_up_attention(layers: list[Attention], kv_cache: torch.Tensor, dtype: to
         build_attention_metadata([0, 0], [n, n], tables, block_size, device)[0],  # prefill
         build_attention_metadata([0, n], [n, 1], tables, block_size, device)[0],  # mixed
     ]
+    if cascade:
+        metas += _cascade_warm_up(n, block_size, kv_cache.shape[0], device)
     seen = set()
     for layer in layers:
         kwargs = tuple(sorted(layer.backend_kwargs.items()))

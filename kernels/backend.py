@@ -15,7 +15,8 @@ Environment variables, read once per process (start-up settings, never flipped a
   measure each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV
   for <= 8 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
   projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
-  and argmax inside small decode graphs); `all` turns off every one.
+  and argmax inside small decode graphs), `cascade` (shared-prefix attention for large batches,
+  kernels/cascade.py, and its decode graphs); `all` turns off every one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -37,7 +38,7 @@ ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "flash")
 REQUESTABLE_BACKENDS = ("auto", "triton", "flash")  # --attention-backend
 STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
-FUSIONS = ("gemv", "gated-gemv", "rope-cache", "graph-head")
+FUSIONS = ("gemv", "gated-gemv", "rope-cache", "graph-head", "cascade")
 
 
 @functools.cache

@@ -6,7 +6,9 @@ checks both backends against the torch reference, then times them (median GPU ti
 replay, as the runner's graphs run them; eager when a backend does not capture). FA4 runs at our
 default block size 16 (its cp.async page gather) and at 128 (a page per key tile: TMA loads).
 `--write-choice` writes `{gpu name: {step kind: faster backend at block size 16}}`, the format of
-kernels/attention_choice.json that `--attention-backend auto` reads.
+kernels/attention_choice.json that `--attention-backend auto` reads. `--cascade [--sweep]` times
+the Triton kernel on W6 decode steps (256 / 512 rows behind a 2,048-token shared prefix) with the
+cascade off and on (kernels/cascade.py), and with `--sweep` over the prefix pass's settings.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -73,11 +76,75 @@ def run_case(
     return result
 
 
+# W6 decode steps: rows sharing a 2,048-token prefix (128 blocks of 16), each with its own tokens.
+CASCADE_CASES = [
+    (32, 128),
+    (64, 128),
+    (256, 128),
+    (256, 256),
+    (512, 128),
+    (512, 256),
+]  # (rows, own)
+PREFIX_TOKENS = 2048
+
+
+def run_cascade(rows: int, own: int, sweep: bool) -> dict[str, float]:
+    """The Triton kernel on one W6 decode step with the cascade off and on (ms per layer, graph
+    replay), with `sweep` also over the prefix pass's key splits and tile height."""
+    from pagedserve.kernels.triton_attention import triton_paged_attention
+
+    computed = [PREFIX_TOKENS + own - 1 - (i % 16) for i in range(rows)]
+    blocks = PREFIX_TOKENS // 16
+    q, kv, meta = random_batch(
+        computed, [1] * rows, HQ, HKV, D, 16, torch.bfloat16, "cuda", 0, blocks
+    )
+    scale = D**-0.5
+    ref = paged_attention_ref(q, kv, meta, scale)
+    plain = {"off": {}}
+    configs = dict(plain, on={})
+    if sweep:
+        configs.update(
+            {f"on_s{s}_m{m}": {"prefix_splits": s, "prefix_block_m": m}
+             for s in (1, 2, 4, 8) for m in (64, 128)}
+        )  # fmt: skip
+    cascade_meta = replace(meta, scratch={}, cascade_len=PREFIX_TOKENS)
+    cascade_meta.cascade_len_dev = torch.tensor([PREFIX_TOKENS], dtype=torch.int32, device=q.device)
+    result = {}
+    for name, kw in configs.items():
+        m = meta if name == "off" else cascade_meta
+        fn = lambda m=m, kw=kw: triton_paged_attention(q, kv, m, scale, **kw)  # noqa: E731
+        result[f"{name}_err"] = relative_error(fn(), ref)
+        result[f"{name}_ms"] = _time(fn)
+    return result
+
+
+def cascade_main(json_path: str | None, sweep: bool) -> None:
+    print(f"{'rows':>5} {'own':>5} {'off us':>8} {'on us':>8} {'speedup':>8}  best sweep")
+    rows_out = []
+    for rows, own in CASCADE_CASES:
+        r = run_cascade(rows, own, sweep)
+        rows_out.append({"rows": rows, "own": own, **r})
+        errs = max(v for k, v in r.items() if k.endswith("_err"))
+        best = min((k for k in r if k.endswith("_ms")), key=r.get)
+        print(
+            f"{rows:>5} {own:>5} {1e3 * r['off_ms']:>8.1f} {1e3 * r['on_ms']:>8.1f} "
+            f"{r['off_ms'] / r['on_ms']:>8.2f}  {best[:-3]} {1e3 * r[best]:.1f} us"
+            + ("  !! error" if errs > 1e-2 else "")
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows_out}, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write every row here")
     p.add_argument("--write-choice", help="write the per-step-kind choice here")
+    p.add_argument("--cascade", action="store_true", help="W6 decode steps, cascade off vs on")
+    p.add_argument("--sweep", action="store_true", help="with --cascade: prefix-pass configs")
     args = p.parse_args()
+    if args.cascade:
+        return cascade_main(args.json, args.sweep)
     rows, totals = [], {}
     print(f"{'kind':<8} {'case':<32} {'triton ms':>9} {'fa4 ms':>8} {'fa4@128':>8} {'max err':>8}")
     for kind, name, computed, new in CASES:

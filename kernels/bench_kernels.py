@@ -37,15 +37,18 @@ def random_batch(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = 0,
+    shared_blocks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Query [T, Hq, D], a random cache (spare blocks hold garbage) and metadata whose rows own
-    shuffled, disjoint blocks: row i has `computed[i]` cached tokens and adds `new[i]`."""
+    shuffled, disjoint blocks: row i has `computed[i]` cached tokens and adds `new[i]`; the
+    first `shared_blocks` blocks of every row are the same ones (a cached common prefix)."""
     rng = random.Random(seed)
     needed = [-(-(c + n) // block_size) for c, n in zip(computed, new, strict=True)]
-    num_blocks = sum(needed) + 3
+    num_blocks = sum(max(k - shared_blocks, 0) for k in needed) + shared_blocks + 3
     free = list(range(num_blocks))
     rng.shuffle(free)
-    tables = [[free.pop() for _ in range(k)] for k in needed]
+    shared = [free.pop() for _ in range(shared_blocks)]
+    tables = [shared[:k] + [free.pop() for _ in range(k - shared_blocks)] for k in needed]
     meta, _ = build_attention_metadata(computed, new, tables, block_size, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)

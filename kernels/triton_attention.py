@@ -24,6 +24,14 @@ Compiled variants: the split count and the batch sizes are runtime values, and t
 (decodes) or 128, so the start-up runs (memory profile, graph capture) compile every variant that
 serving meets: a Triton compile in the middle of serving is a second-long stall.
 
+Cascade (kernels/cascade.py): with `meta.cascade_len` set on a decode batch, the kernel runs twice
+from one body: a prefix pass (`PREFIX`) where the whole batch is one "row" of num_tokens queries
+tiled 128 (token, head) rows at a time over keys [0, prefix) of row 0's table, without a causal
+mask (every query follows the prefix), split over the prefix keys; and the per-row pass
+(`AFTER_PREFIX`) from key `prefix` on. Both write split-K partials (the prefix pass at slots after
+the per-row pass's) and `_reduce_kernel` merges them. The prefix length is read from device
+memory, so a CUDA graph replays with another prefix; 0 there makes the prefix pass empty.
+
 FP8 cache: K/V tiles load as e4m3 and convert to the query dtype for the dots; k_scale folds into
 the score scale and v_scale into the output, so dequantization costs no extra multiply per key.
 """
@@ -37,10 +45,11 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.cascade import MAX_SPLITS, choose_prefix_splits, use_cascade
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
-MAX_SPLITS = 32
+PREFIX_BLOCK_M = 128  # cascade prefix pass: 128-row tiles of (token, query head) pairs
 
 
 @triton.jit
@@ -69,31 +78,45 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 @triton.jit(
     do_not_specialize=[
         "num_seqs", "num_tokens", "num_splits", "query_start_loc_ptr", "seq_lens_ptr",
-        "block_tables_ptr", "stride_bt",
+        "block_tables_ptr", "stride_bt", "prefix_len_ptr", "split_base",
     ]
 )  # fmt: skip
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, prefix_len_ptr,
     num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, softcap, window, num_splits,
+    split_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, PREFIX: tl.constexpr, AFTER_PREFIX: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_tile = tile_idx - (q_start // BLOCK_Q + seq)
-    if local_tile * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len  # cached tokens before this step's first query
+    if PREFIX:  # cascade prefix pass: the whole batch is one row over the shared prefix keys
+        q_start = 0
+        q_len = num_tokens
+        local_tile = tile_idx
+        table_ptr = block_tables_ptr  # row 0's table: every row's, up to the prefix's end
+        seq_len = tl.load(prefix_len_ptr)
+        ctx_len = seq_len  # every query sits after the prefix (the host caps it so)
+        kv_start = 0
+    else:
+        seq = _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        local_tile = tile_idx - (q_start // BLOCK_Q + seq)
+        if local_tile * BLOCK_Q >= q_len:
+            return
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx_len = seq_len - q_len  # cached tokens before this step's first query
+        kv_start = 0
+        if AFTER_PREFIX:  # cascade per-row pass: the prefix pass covers keys [0, prefix_len)
+            kv_start = tl.load(prefix_len_ptr)
 
     rows = tl.arange(0, BLOCK_M)
     q_off = local_tile * BLOCK_Q + rows // GROUP_PAD  # [M] query index within the row
@@ -106,12 +129,13 @@ def _paged_attention_kernel(
     q_ptrs = query_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
 
-    # Keys this tile can see: causal end at its last query; the window trims the start.
+    # Keys this tile can see: causal end at its last query; the window (or the cascade's
+    # prefix, seen by the prefix pass) trims the start.
     kv_end = tl.minimum(seq_len, ctx_len + (local_tile + 1) * BLOCK_Q)
     if USE_WINDOW:
         first_tile = tl.maximum(ctx_len + local_tile * BLOCK_Q - window + 1, 0) // BLOCK_N
     else:
-        first_tile = 0
+        first_tile = kv_start // BLOCK_N
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
     per_split = tl.cdiv(num_kv_tiles - first_tile, num_splits)
     tile_lo = first_tile + split * per_split
@@ -121,10 +145,11 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(tile_lo, tile_hi):
         k_pos = t * BLOCK_N + n  # [N]
         k_ok = k_pos < kv_end
+        if AFTER_PREFIX:
+            k_ok = k_ok & (k_pos >= kv_start)
         block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_ptrs = kv_cache_ptr + kv_off[:, None] + d[None, :]
@@ -134,7 +159,10 @@ def _paged_attention_kernel(
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain (or s / cap, capped)
         if USE_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain: softcap = cap * log2(e)
             s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap
-        mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if PREFIX:  # non-causal: every query follows the whole prefix
+            mask = k_ok[None, :] & row_ok[:, None]
+        else:
+            mask = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
         s = tl.where(mask, s, float("-inf"))
@@ -154,7 +182,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Partials: out [S, T, Hq, BLOCK_D] and (max, sum) [S, T, Hq, 2], all contiguous.
-        row = (split * num_tokens + tok) * num_q_heads + head  # [M] int64
+        row = ((split_base + split) * num_tokens + tok) * num_q_heads + head  # [M] int64
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
@@ -249,53 +277,88 @@ def triton_paged_attention(
     launch: dict[str, int] | None = None,  # BLOCK_N, num_warps, num_stages (bench sweeps)
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    prefix_splits: int | None = None,  # cascade: None chooses (tests and benches force it)
+    prefix_block_m: int = PREFIX_BLOCK_M,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """`paged_attention_ref`'s contract, from device tensors and host ints only."""
+    """`paged_attention_ref`'s contract, from device tensors and host ints only; with
+    `meta.cascade_len` set, as a cascade (the module docstring)."""
     _check(query, kv_cache, meta)
     num_tokens, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[3]
     num_seqs = meta.seq_lens.shape[0]
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     if block_m is None:  # two tile heights only, so start-up compiles every variant serving meets
         block_m = 16 if max(meta.max_query_len, 1) * group_pad <= 16 else 128
-    block_m = max(block_m, group_pad)
+    cascade = use_cascade(meta, sliding_window)
+    sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
     if num_splits is None:
-        sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+        own_len = meta.max_seq_len - meta.cascade_len if cascade else meta.max_seq_len
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, meta.max_query_len, meta.max_seq_len, sms
+            num_seqs, num_kv_heads, meta.max_query_len, max(own_len, 0), sms
         )
-    block_q = block_m // group_pad
-    block_d = triton.next_power_of_2(head_dim)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    n_prefix = 0
+    if cascade:  # at most MAX_SPLITS partial slots in all (the merge's width)
+        num_splits = min(num_splits, MAX_SPLITS - 1)
+        prefix_block_m = max(prefix_block_m, group_pad)
+        tiles = triton.cdiv(num_tokens, prefix_block_m // group_pad)
+        n_prefix = min(
+            prefix_splits or choose_prefix_splits(tiles * num_kv_heads, meta.cascade_len, sms),
+            MAX_SPLITS - num_splits,
+        )
+    slots = num_splits + n_prefix
     part_out = part_ml = out  # unused placeholders without splits
+    if slots > 1:
+        f32 = dict(dtype=torch.float32, device=query.device)
+        part_out = torch.empty(
+            slots, num_tokens, num_q_heads, triton.next_power_of_2(head_dim), **f32
+        )
+        part_ml = torch.empty(slots, num_tokens, num_q_heads, 2, **f32)
+    args = (query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale)
+    bufs = (out, part_out, part_ml, slots > 1, launch)
+    _launch(*args, *bufs, block_m, num_splits, 0, cascade, False)
+    if cascade:
+        _launch(*args, *bufs, prefix_block_m, n_prefix, num_splits, False, True)
+    if slots > 1:
+        _reduce_kernel[(num_tokens, num_q_heads)](
+            part_out, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
+            slots, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
+            BLOCK_D=part_out.shape[3], HEAD_DIM=head_dim, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _launch(
+    query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale,
+    out, part_out, part_ml, split, launch, block_m, num_splits, split_base, after_prefix, prefix,
+) -> None:  # fmt: skip
+    """One `_paged_attention_kernel` launch: the per-row pass (`after_prefix`: from the cascade's
+    prefix on) or the cascade's prefix pass (`prefix`), its partials from slot `split_base` on."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_seqs = meta.seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(block_m, group_pad)
+    block_q = block_m // group_pad
+    tiles = triton.cdiv(num_tokens, block_q) if prefix else num_tokens // block_q + num_seqs
     qk_scale, softcap = scale * k_scale * LOG2E, 0.0
     if logit_softcap is not None:
         qk_scale, softcap = scale * k_scale / logit_softcap, logit_softcap * LOG2E
-    if num_splits > 1:
-        f32 = dict(dtype=torch.float32, device=query.device)
-        part_out = torch.empty(num_splits, num_tokens, num_q_heads, block_d, **f32)
-        part_ml = torch.empty(num_splits, num_tokens, num_q_heads, 2, **f32)
-    _paged_attention_kernel[grid](
+    prefix_len = meta.cascade_len_dev if (prefix or after_prefix) else meta.seq_lens
+    _paged_attention_kernel[(tiles, num_kv_heads, num_splits)](
         query, kv_cache, out, part_out, part_ml,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, prefix_len,
         num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, softcap, sliding_window or 0,
-        num_splits,
+        num_splits, split_base,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None,
+        BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        SPLIT=split, USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=logit_softcap is not None, PREFIX=prefix, AFTER_PREFIX=after_prefix,
         **(launch or _launch_config(block_m)),
     )  # fmt: skip
-    if num_splits > 1:
-        _reduce_kernel[(num_tokens, num_q_heads)](
-            part_out, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
-            num_splits, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
-            BLOCK_D=block_d, HEAD_DIM=head_dim, num_warps=4,
-        )  # fmt: skip
-    return out

@@ -17,6 +17,14 @@ padding tokens (they write nowhere and attend among themselves over block 0).
 
 For batch-1 latency, a decode bucket up to `HEAD_MAX_BATCH` rows also runs the LM head and the
 greedy argmax inside its graph (`head`).
+
+Cascade attention (kernels/cascade.py): a decode step whose rows share a prefix of at least
+CASCADE_MIN_TOKENS replays a second graph of its bucket, captured with the cascade on; the step's
+prefix length travels in the int32 buffer, so one capture serves every prefix. Those variants
+exist only for buckets of at least CASCADE_MIN_ROWS rows that are multiples of
+CASCADE_BUCKET_STEP (and the largest bucket): a cascade step pads up to one of them (a decode
+step's GEMMs cost about the same for a few more rows), which bounds the extra captures at start-up
+(4 for 256 rows). Smaller batches, and steps without a shared prefix, replay the graphs of before.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.attention import AttentionMetadata
+from pagedserve.kernels.cascade import CASCADE_MIN_ROWS
 from pagedserve.worker.input_batch import StepInputs
 
 # Token buckets of mixed-step graphs, captured largest first: 128 apart up to 1024 (online
@@ -34,8 +43,11 @@ from pagedserve.worker.input_batch import StepInputs
 MIXED_TOKEN_SIZES = (3072, 2560, 2048, 1792, 1536, 1280, *range(1024, 0, -128), 64)
 MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
 HEAD_MAX_BATCH = 8  # decode buckets up to this run the LM head and argmax in their graph
+CASCADE_BUCKET_STEP = 64  # decode buckets with a cascade variant: multiples of this
+CASCADE_SLOT = 16  # int32 slots for the prefix length (one used; keeps the tables 16-aligned)
 
 GraphOutputs = tuple[torch.Tensor, ...]  # hidden [n, H], then (head) logits [n, V], ids [n]
+GraphKey = tuple[int, bool]  # (bucket size, cascade)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -70,6 +82,7 @@ class _GraphSet:
     ) -> None:
         self.forward = forward
         self.sizes = sizes  # largest first
+        self.keys: list[GraphKey] = [(s, False) for s in sizes]  # what `capture` captures
         self.max_blocks = max_blocks
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -80,14 +93,14 @@ class _GraphSet:
         self._flip = 0
         self.input_ids, self.positions, self.slot_mapping = self.dev64
         self.slot_mapping.fill_(-1)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by bucket size
-        self.outputs: dict[int, GraphOutputs] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, GraphOutputs] = {}
         self.pool = None
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, key: GraphKey) -> AttentionMetadata:
         raise NotImplementedError
 
-    def _graph_forward(self, size: int, *args: object) -> GraphOutputs:
+    def _graph_forward(self, key: GraphKey, *args: object) -> GraphOutputs:
         return (self.forward(*args),)
 
     def _metadata(
@@ -114,18 +127,20 @@ class _GraphSet:
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
-        """Capture every bucket, largest first, into `pool` (shared with other graph sets)."""
+        """Capture every bucket, largest first (a cascade variant before its plain one), into
+        `pool` (shared with other graph sets)."""
         self.pool = pool
-        for size in self.sizes:
-            args = (self.input_ids[:size], self.positions[:size], self._meta(size))
-            self._graph_forward(size, *args)  # warm-up: autotuning, lazy init out of the graph
+        for key in sorted(self.keys, reverse=True):
+            size = key[0]
+            args = (self.input_ids[:size], self.positions[:size], self._meta(key))
+            self._graph_forward(key, *args)  # warm-up: autotuning, lazy init out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self._graph_forward(size, *args)
+                self.outputs[key] = self._graph_forward(key, *args)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def _host_buffers(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -138,27 +153,29 @@ class _GraphSet:
 
     def _replay(
         self,
-        size: int,
+        key: GraphKey,
         num_tokens: int,
         int32_end: int,
         fill: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> GraphOutputs:
         """Copy the staged host set (tokens up to the bucket, int32 up to `int32_end`), fill
-        the tokens only on the device, replay bucket `size`'s graph; its outputs for the real tokens
+        the tokens only on the device, replay graph `key`; its outputs for the real tokens
         (static buffers: valid until the next replay of that graph)."""
+        size = key[0]
         h64, h32 = self.host64[self._flip], self.host32[self._flip]
         self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
         self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
-        self.graphs[size].replay()
-        return tuple(out[:num_tokens] for out in self.outputs[size])
+        self.graphs[key].replay()
+        return tuple(out[:num_tokens] for out in self.outputs[key])
 
 
 class DecodeGraphs(_GraphSet):
-    """Decode-only steps, one graph per batch-size bucket; int32 = [seq_lens | block_tables].
-    `head`: hidden [n, H] -> (logits [n, V] float32, argmax ids [n]), run inside the graphs of
-    buckets up to HEAD_MAX_BATCH."""
+    """Decode-only steps, one graph per batch-size bucket (and `cascade`: a cascade one per
+    cascade bucket); int32 = [seq_lens | prefix length (CASCADE_SLOT) | block_tables]. `head`:
+    hidden [n, H] -> (logits [n, V] float32, argmax ids [n]), run inside the graphs of buckets up
+    to HEAD_MAX_BATCH."""
 
     def __init__(
         self,
@@ -169,47 +186,65 @@ class DecodeGraphs(_GraphSet):
         block_size: int,
         device: torch.device,
         head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        cascade: bool = False,
     ) -> None:
         self.head = head
         sizes = capture_sizes(max_batch)
         b = sizes[0]
+        self.tables_at = t = b + CASCADE_SLOT
         super().__init__(
-            forward, sizes, b, b + b * max_blocks, max_blocks, max_model_len, block_size, device
+            forward, sizes, b, t + b * max_blocks, max_blocks, max_model_len, block_size, device
         )
         self.seq_lens = self.dev32[:b]
         self.seq_lens.fill_(1)
-        self.block_tables = self.dev32[b:].view(b, max_blocks)
+        self.cascade_len = self.dev32[b : b + 1]
+        self.block_tables = self.dev32[t:].view(b, max_blocks)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.cascade_sizes = cascade_sizes(sizes) if cascade else []
+        self.keys += [(s, True) for s in self.cascade_sizes]
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        return self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
+    def _meta(self, key: GraphKey) -> AttentionMetadata:
+        size, cascade = key
+        meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
+        if cascade:  # an upper bound on the host; each replay writes the step's value
+            meta.cascade_len, meta.cascade_len_dev = self.max_model_len, self.cascade_len
+        return meta
 
-    def _graph_forward(self, size: int, *args: object) -> GraphOutputs:
+    def _graph_forward(self, key: GraphKey, *args: object) -> GraphOutputs:
         hidden = self.forward(*args)
-        if self.head is None or size > HEAD_MAX_BATCH:
+        if self.head is None or key[0] > HEAD_MAX_BATCH:
             return (hidden,)
         return (hidden, *self.head(hidden))
 
-    def bucket(self, num_seqs: int) -> int | None:
-        return self._smallest_fit(num_seqs)
+    def bucket(self, num_seqs: int, cascade: bool = False) -> GraphKey | None:
+        """The graph for a decode step of `num_seqs` rows: a cascade one when the step has a
+        common prefix and a cascade bucket holds it, else the plain bucket (None: eager)."""
+        fits = [s for s in self.cascade_sizes if s >= num_seqs] if cascade else []
+        if fits:
+            return (min(fits), True)
+        size = self._smallest_fit(num_seqs)
+        return None if size is None else (size, False)
 
     def run(
         self,
         inputs: StepInputs,
-        size: int,
+        key: GraphKey,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> GraphOutputs:
         """Copy a decode batch into the static buffers, replay; hidden states [n, H] (and with
         the head, logits [n, V] and argmax ids [n]). `fill`: (token indices, ids) of input
-        tokens that are only on the device."""
+        tokens that are only on the device. A cascade graph's padding rows attend the prefix
+        too (their output is dropped)."""
+        (size, cascade), t = key, self.tables_at
         n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
         a64, a32 = self._host_buffers(inputs)
         a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
         a32[:n], a32[n:size] = inputs.seq_lens, 1
-        tables = a32[b : b + size * self.max_blocks].reshape(size, self.max_blocks)
+        a32[b] = inputs.cascade_len if cascade else 0
+        tables = a32[t : t + size * self.max_blocks].reshape(size, self.max_blocks)
         tables[:n, :width] = inputs.block_tables
         tables[n:size, 0] = 0
-        return self._replay(size, n, b + size * self.max_blocks, fill)
+        return self._replay(key, n, t + size * self.max_blocks, fill)
 
 
 class MixedGraphs(_GraphSet):
@@ -239,9 +274,9 @@ class MixedGraphs(_GraphSet):
         self.seq_lens = self.dev32[s + 1 : 2 * s + 1]
         self.block_tables = self.dev32[2 * s + 1 :].view(s, max_blocks)
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, key: GraphKey) -> AttentionMetadata:
         unknown = np.zeros(self.slots + 1, dtype=np.int32)  # set per replay, on the device only
-        return self._metadata(size, self.slots, size, unknown)
+        return self._metadata(key[0], self.slots, key[0], unknown)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         pad_capacity = self.max_blocks * self.block_size
@@ -256,7 +291,16 @@ class MixedGraphs(_GraphSet):
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay(size, len(inputs.input_ids), end, fill)[0]
+        return self._replay((size, False), len(inputs.input_ids), end, fill)[0]
+
+
+def cascade_sizes(sizes: list[int]) -> list[int]:
+    """Decode buckets that get a cascade variant: multiples of CASCADE_BUCKET_STEP from
+    CASCADE_MIN_ROWS rows on, and the largest (so every batch the cascade applies to has one)."""
+    picked = [s for s in sizes if s >= CASCADE_MIN_ROWS and s % CASCADE_BUCKET_STEP == 0]
+    if sizes and sizes[0] >= CASCADE_MIN_ROWS and sizes[0] not in picked:
+        picked.append(sizes[0])
+    return sorted(picked, reverse=True)
 
 
 def mixed_bucket(

@@ -26,6 +26,7 @@ from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
+from pagedserve.kernels.cascade import cascade_len
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers, eligible
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
@@ -136,6 +137,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.cpu_compiler: CpuCompiler | None = None  # the compiled CPU forward, once built
+        backend = attention_backend_name(device, config.model.attention_backend, kv_fp8)
+        self.cascade = (  # shared-prefix attention (kernels/cascade.py): the Triton kernel's
+            device.type == "cuda" and backend in ("triton", "auto") and fusion_enabled("cascade")
+        )
         # Structured outputs (sampling ranks only): matchers of the constrained rows in the batch.
         self.grammars = GrammarCompiler(config.model.tokenizer_path, config.model.vocab_size)
         self.matchers: dict[str, RowMatcher] = {}
@@ -224,7 +229,8 @@ class ModelRunner:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
         if self.device.type == "cuda" and self.kv_caches:
             t1 = time.perf_counter()
-            warm_up_attention(attention_layers(self.model), self.kv_caches[0], self.dtype)
+            layers = attention_layers(self.model)
+            warm_up_attention(layers, self.kv_caches[0], self.dtype, cascade=self.cascade)
             timings["attention warm-up"] = time.perf_counter() - t1
         if self._use_cuda_graphs():
 
@@ -244,8 +250,9 @@ class ModelRunner:
             )
             self.mixed_graphs.capture()  # the largest activations first: one pool for all
             self.graphs = DecodeGraphs(
-                forward, max_batch=min(sched.max_num_seqs, 512), head=self._graph_head(), **shape
-            )
+                forward, max_batch=min(sched.max_num_seqs, 512), head=self._graph_head(),
+                cascade=self.cascade, **shape,
+            )  # fmt: skip
             self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         return timings
@@ -296,10 +303,18 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()),
             block_size=self.block_size,
         )
+        if inputs.cascade_len:
+            meta.cascade_len = inputs.cascade_len
+            meta.cascade_len_dev = to_dev(np.array([inputs.cascade_len], dtype=np.int32))
         if inputs.group_block_tables:  # KV cache groups 1..: the same rows over their own tables
             meta.group_metas = [
                 dataclasses.replace(
-                    meta, slot_mapping=to_dev(slots), block_tables=to_dev(table), scratch={}
+                    meta,
+                    slot_mapping=to_dev(slots),
+                    block_tables=to_dev(table),
+                    scratch={},
+                    cascade_len=0,
+                    cascade_len_dev=None,  # group 0's prefix only
                 )
                 for slots, table in zip(
                     inputs.group_slot_mappings, inputs.group_block_tables, strict=True
@@ -332,6 +347,11 @@ class ModelRunner:
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        if self.cascade:
+            q_lens = np.diff(inputs.query_start_loc)
+            inputs.cascade_len = cascade_len(
+                inputs.block_tables, inputs.seq_lens, q_lens, self.block_size
+            )
         fill = self._device_fill(inputs, prev)
         info = self.info
         intermediate = None
@@ -429,11 +449,11 @@ class ModelRunner:
                 logprobs[i] = step.logprobs[j]
         return StepResult(plan.step_id, sampled, logprobs)
 
-    def _graph_bucket(self, inputs: StepInputs) -> int | None:
+    def _graph_bucket(self, inputs: StepInputs) -> tuple[int, bool] | None:
         num_seqs = len(inputs.seq_lens)
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
             return None
-        return self.graphs.bucket(num_seqs)
+        return self.graphs.bucket(num_seqs, inputs.cascade_len > 0)
 
     def _mixed_bucket(self, inputs: StepInputs) -> int | None:
         if self.mixed_graphs is None:

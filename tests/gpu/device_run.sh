@@ -37,6 +37,12 @@
 # and shared-prefix workloads with `--attention-backend ${ATTN:-auto}`, or the backend a step
 # name carries after `@` (`w5@flash`); W5_FLAGS / W6_FLAGS add engine flags (`--block-size 128`):
 #   STEPS="fa4-install w5@triton w5@flash w6@triton w6@flash w6-online@flash" bash tests/gpu/device_run.sh
+# Cascade attention (issue 18, W6): `cascade-tests` runs the cascade kernel tests compiled (incl.
+# a CUDA graph replayed with other prefixes) and the engine's cascade-vs-plain token equality;
+# `cascade-bench` times one attention layer of W6 decode steps (256/512 rows behind a 2,048-token
+# prefix) with the cascade off and on, and sweeps the prefix pass (cascade-bench.json);
+# `w6-nocascade` is `w6` with PAGEDSERVE_DISABLE_FUSIONS=cascade, the end-to-end A/B:
+#   STEPS="cascade-tests cascade-bench w6 w6-nocascade w3 w4" bash tests/gpu/device_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -193,9 +199,16 @@ PY
     w5) $T $PS bench throughput --model $M32 --load-format dummy --dtype bfloat16 $ATTN_FLAG $X \
           --input-len 16384 --output-len 256 --num-prompts ${W5_PROMPTS:-64} ${W5_FLAGS:-} \
           --output-json "$OUT/$name.json" 2>&1 | tail -14 ;;
-    w6) $T $PS bench throughput $COMMON $ATTN_FLAG $X --random-prefix-len 2048 --input-len 128 \
+    w6|w6-nocascade) [ $step = w6-nocascade ] && off=cascade || off=${PAGEDSERVE_DISABLE_FUSIONS:-}
+        PAGEDSERVE_DISABLE_FUSIONS=$off $T $PS bench throughput $COMMON $ATTN_FLAG $X \
+          --random-prefix-len 2048 --input-len 128 \
           --output-len 128 --num-prompts ${W6_PROMPTS:-2000} ${W6_FLAGS:-} \
           --output-json "$OUT/$name.json" 2>&1 | tail -14 ;;
+    cascade-tests) { $T python3 -m pytest -q tests/test_cascade_attention.py
+          $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k cascade; } \
+          2>&1 | tee "$OUT/cascade-tests.txt" | tail -20 ;;
+    cascade-bench) $T python3 -m pagedserve.kernels.bench_attention --cascade --sweep \
+          --json "$OUT/cascade-bench.json" 2>&1 | tee "$OUT/cascade-bench.txt" ;;
     w6-online) $PS launch $COMMON $ATTN_FLAG --port 8013 --host 127.0.0.1 > "$OUT/$name-server.log" 2>&1 &
         srv=$!
         for _ in $(seq 600); do curl -sf localhost:8013/health >/dev/null && break; sleep 0.2; done
