@@ -52,17 +52,27 @@ template <int Locality, typename T>
 }
 
 // A row's blocks are anywhere in the cache, and the keys' or values' part of a block is one page
-// for the embedded model (4 KiB), where the hardware prefetcher stops: so the next row's blocks
-// are fetched into L2 while this row is computed on (cold caches: 2x faster), and each next
-// block's part into L1 while this block is. (Inlined on purpose: GCC takes a function that only
-// prefetches for one without effects and drops the call.)
+// for the embedded model (4 KiB), where the hardware prefetcher stops. So the next row's blocks
+// are fetched into L2 while this row's keys are read, one of its blocks per block of this row
+// (all at once, a burst stalls on the miss buffers), and each next block's part into L1 while
+// this block is worked on.
 template <typename T>
-[[gnu::always_inline]] inline void prefetch_row(const T* cache, const int64_t* table, int64_t last, const Shape& s) {
-  const int64_t block_elements = 2 * s.block_size * s.kv_heads * s.head_dim;
-  for (int64_t b = first_key(last, s) / s.block_size; b * s.block_size < last; ++b) {
-    prefetch<2>(cache + table[b] * block_elements, block_elements);
+struct NextRow {
+  const T* cache;
+  const int64_t* table;
+  int64_t block, end, block_elements;
+
+  NextRow(const T* cache_, const int64_t* table_, int64_t last, const Shape& s)
+      : cache(cache_), table(table_), block(first_key(last, s) / s.block_size),
+        end(table_ ? (last + s.block_size - 1) / s.block_size : 0),
+        block_elements(2 * s.block_size * s.kv_heads * s.head_dim) {}
+
+  void fetch(int64_t blocks) {  // the next `blocks` of its blocks, both K and V
+    for (const int64_t stop = std::min(end, block + blocks); block < stop; ++block) {
+      prefetch<2>(cache + table[block] * block_elements, block_elements);
+    }
   }
-}
+};
 
 // Calls visit(i, rows, run) for each stretch of a row's tokens first .. last - 1 that lies in
 // one block, in order: i is the stretch's first token counted from `first`, rows its K (part 0)
@@ -89,6 +99,8 @@ inline void for_each_block(const T* cache, const int64_t* table, int part, int64
 template <int D, typename T>
 inline void dots(const float* q, const T* keys, int64_t run, int64_t stride, int64_t d,
                  float* scores) {
+  // A horizontal sum per key: a transpose-and-add tree over 16 keys at a time measured no
+  // faster, the loads from L3 or memory bound this loop.
   for (int64_t j = 0; j < run; ++j) {
     const T* k = keys + j * stride;
     float dot = 0.0f;
@@ -119,15 +131,17 @@ inline void weighted_sum(const float* probs, const T* values, int64_t run, int64
 
 template <int D, typename T>
 void decode_row(const float* q, const T* cache, const int64_t* table, int64_t first,
-                int64_t last, const Shape& s, float* scores, float* out) {
+                int64_t last, const Shape& s, NextRow<T>& next, float* scores, float* out) {
   const int64_t d = D ? D : s.head_dim, heads = s.kv_heads * s.group, n = last - first;
   const int64_t stride = s.kv_heads * d;
   // scores [heads, n], a block at a time: its keys stay in L1 for every query head.
   for_each_block(cache, table, 0, first, last, s, [&](int64_t i, const T* keys, int64_t run) {
+    next.fetch(1);
     for (int64_t h = 0; h < heads; ++h) {
       dots<D>(q + h * d, keys + (h / s.group) * d, run, stride, d, scores + h * n + i);
     }
   });
+  next.fetch(next.end);  // a longer next row: the rest of it
   std::vector<float> norm(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * n;
@@ -165,11 +179,14 @@ void decode(const float* query, const T* cache, const int64_t* tables, const int
       std::fill(o, o + per_row, 0.0f);
       continue;
     }
-    if (r + 1 < rows) prefetch_row(cache, tables + (r + 1) * s.table_width, seq_lens[r + 1], s);
+    const bool more = r + 1 < rows;
+    NextRow<T> next(cache, more ? tables + (r + 1) * s.table_width : nullptr,
+                    more ? seq_lens[r + 1] : 0, s);
     q.resize(per_row);
     for (int64_t i = 0; i < per_row; ++i) q[i] = query[r * per_row + i] * s.scale;
     scores.resize(s.kv_heads * s.group * (last - first));
-    decode_row<D>(q.data(), cache, tables + r * s.table_width, first, last, s, scores.data(), o);
+    decode_row<D>(q.data(), cache, tables + r * s.table_width, first, last, s, next,
+                  scores.data(), o);
   }
 }
 
