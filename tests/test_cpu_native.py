@@ -7,6 +7,7 @@ path serving."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -98,6 +99,10 @@ def test_failed_build_or_setting_leaves_torch_serving(fresh_kernel, tmp_path, ca
 def test_build_goes_to_the_cache_once(fresh_kernel, tmp_path):
     fresh_kernel.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     assert cpu_native.available()
+    # Loading it leaves the process's floating point alone (a library linked with -ffast-math
+    # turns on flush-to-zero for everyone: subnormals would become 0).
+    assert float(sys.float_info.min) / 2.0 > 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() * 1.0 > 0.0
     built = list((tmp_path / "cpu_kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"  # no partial file left behind
     mtime = built[0].stat().st_mtime_ns
