@@ -40,11 +40,25 @@ class PaddedGroup:
     out_index: torch.Tensor | None  # [N] int64: padded positions that hold real tokens
     dest: torch.Tensor | None  # [N] int64: those tokens' indices in the step (None: all, in order)
     block_tables: torch.Tensor  # [B, nb] int64
-    q_pos: torch.Tensor  # [B, 1, G * L, 1] absolute position of each query (padding repeats)
-    k_pos: torch.Tensor  # [1, 1, 1, S]
-    mask: torch.Tensor  # [B, 1, G * L, S] bool: causal, so inside the row's context
+    query_positions: np.ndarray  # [B, G * L] absolute position of each query (padding repeats)
+    num_keys: int  # S = nb * block_size
     max_query_len: int  # L
     seq_lens: torch.Tensor  # [B] int64
+    _masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_pos [B, 1, G * L, 1], k_pos [1, 1, 1, S], causal mask [B, 1, G * L, S] bool) for
+        SDPA, made on first use: decode rows that run the C++ kernel never need them."""
+        if self._masks is None:
+            device = self.seq_lens.device
+            k_pos = np.arange(self.num_keys)  # [S]
+            q_pos = self.query_positions
+            mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, G * L, S]; q_pos < seq_len
+            self._masks = tuple(
+                torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                for a in (q_pos[:, None, :, None], k_pos[None, None, None, :], mask[:, None])
+            )
+        return self._masks
 
 
 def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -> PaddedGroup:
@@ -61,8 +75,6 @@ def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -
     # Padding queries repeat the row's last position, so every query row sees some key.
     q_pos = seq_lens[:, None] - q_lens[:, None] + np.minimum(j, q_lens[:, None] - 1)  # [B, L]
     q_pos = np.tile(q_pos, (1, group))  # [B, G * L]
-    k_pos = np.arange(nb * meta.block_size)  # [S]
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, G * L, S]; q_pos < seq_len
     device = meta.seq_lens.device
     block_tables = meta.block_tables[torch.from_numpy(rows).to(device), :nb].long()
     flat_real = np.nonzero(real.reshape(-1))[0]
@@ -75,9 +87,8 @@ def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -
         out_index=None if dense else dev(flat_real),
         dest=None if dense else dev(tokens.reshape(-1)[flat_real]),
         block_tables=block_tables,
-        q_pos=dev(q_pos[:, None, :, None]),
-        k_pos=dev(k_pos[None, None, None, :]),
-        mask=dev(mask[:, None]),
+        query_positions=q_pos,
+        num_keys=nb * meta.block_size,
         max_query_len=max_q,
         seq_lens=dev(seq_lens),
     )
@@ -198,9 +209,9 @@ def _attend_group(
     q = q.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G*L, D]
     key = _gather(kv_cache[:, 0], group.block_tables)  # [B, Hkv, S, D]
     value = _gather(kv_cache[:, 1], group.block_tables)  # [B, Hkv, S, D]
-    mask = group.mask
+    q_pos, k_pos, mask = group.masks()
     if sliding_window is not None:
-        mask = mask & (group.q_pos - group.k_pos < sliding_window)
+        mask = mask & (q_pos - k_pos < sliding_window)
     out = F.scaled_dot_product_attention(
         q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask, scale=scale
     )  # [B, Hkv, G * L, D]
