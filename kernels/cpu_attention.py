@@ -18,6 +18,7 @@ SDPA call, 2-5x faster than gather + SDPA at 1-32 rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,21 +45,19 @@ class PaddedGroup:
     num_keys: int  # S = nb * block_size
     max_query_len: int  # L
     seq_lens: torch.Tensor  # [B] int64
-    _masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @functools.cached_property
     def masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_pos [B, 1, G * L, 1], k_pos [1, 1, 1, S], causal mask [B, 1, G * L, S] bool) for
         SDPA, made on first use: decode rows that run the C++ kernel never need them."""
-        if self._masks is None:
-            device = self.seq_lens.device
-            k_pos = np.arange(self.num_keys)  # [S]
-            q_pos = self.query_positions
-            mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, G * L, S]; q_pos < seq_len
-            self._masks = tuple(
-                torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                for a in (q_pos[:, None, :, None], k_pos[None, None, None, :], mask[:, None])
-            )
-        return self._masks
+        k_pos = np.arange(self.num_keys)  # [S]
+        q_pos = self.query_positions
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, G * L, S]; q_pos < seq_len
+        q_pos, k_pos, mask = (
+            torch.from_numpy(np.ascontiguousarray(a)).to(self.seq_lens.device)
+            for a in (q_pos[:, None, :, None], k_pos[None, None, None, :], mask[:, None])
+        )
+        return q_pos, k_pos, mask
 
 
 def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -> PaddedGroup:
@@ -209,7 +208,7 @@ def _attend_group(
     q = q.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, head_dim)  # [B, Hkv, G*L, D]
     key = _gather(kv_cache[:, 0], group.block_tables)  # [B, Hkv, S, D]
     value = _gather(kv_cache[:, 1], group.block_tables)  # [B, Hkv, S, D]
-    q_pos, k_pos, mask = group.masks()
+    q_pos, k_pos, mask = group.masks
     if sliding_window is not None:
         mask = mask & (q_pos - k_pos < sliding_window)
     out = F.scaled_dot_product_attention(

@@ -9,10 +9,10 @@
 //   out     [rows, kv_heads, group, head_dim] float32
 // A row attends to keys max(0, seq_len - window) .. seq_len - 1 (window <= 0: all of them).
 //
-// Per (row, KV head): the group's scores for every key in one pass over the keys (each key row
-// is loaded once for all the group's query heads), an exact softmax over them, then one pass over
-// the values accumulating every query head's output. The inner loops run over head_dim with
-// unit stride, which the compiler vectorizes (built with -O3 -march=native -ffast-math; nothing
+// Per row: every query head's scores in one pass over the keys (each key row, all KV heads, is
+// loaded once), an exact softmax, then one pass over the values accumulating every head's
+// output; the row's blocks are prefetched by hand (NextRow). The inner loops run over head_dim
+// with unit stride, which the compiler vectorizes (built with -O3 -march=native -ffast-math; nothing
 // here produces an infinity or a NaN from finite inputs, so fast-math's assumptions hold).
 
 #include <algorithm>
@@ -131,7 +131,8 @@ inline void weighted_sum(const float* probs, const T* values, int64_t run, int64
 
 template <int D, typename T>
 void decode_row(const float* q, const T* cache, const int64_t* table, int64_t first,
-                int64_t last, const Shape& s, NextRow<T>& next, float* scores, float* out) {
+                int64_t last, const Shape& s, NextRow<T>& next, float* scores, float* norm,
+                float* out) {
   const int64_t d = D ? D : s.head_dim, heads = s.kv_heads * s.group, n = last - first;
   const int64_t stride = s.kv_heads * d;
   // scores [heads, n], a block at a time: its keys stay in L1 for every query head.
@@ -142,7 +143,6 @@ void decode_row(const float* q, const T* cache, const int64_t* table, int64_t fi
     }
   });
   next.fetch(next.end);  // a longer next row: the rest of it
-  std::vector<float> norm(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * n;
     const float top = *std::max_element(sh, sh + n);
@@ -171,7 +171,7 @@ void decode(const float* query, const T* cache, const int64_t* tables, const int
   // Rows in parallel over torch's OpenMP threads (one runtime: torch loaded it first).
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
   for (int64_t r = 0; r < rows; ++r) {
-    thread_local std::vector<float> q, scores;
+    thread_local std::vector<float> q, scores, norm;
     const int64_t last = seq_lens[r];
     const int64_t first = first_key(last, s);
     float* o = out + r * per_row;
@@ -179,14 +179,16 @@ void decode(const float* query, const T* cache, const int64_t* tables, const int
       std::fill(o, o + per_row, 0.0f);
       continue;
     }
+    // With several threads row r + 1 may be another thread's: a wasted prefetch, no more.
     const bool more = r + 1 < rows;
     NextRow<T> next(cache, more ? tables + (r + 1) * s.table_width : nullptr,
                     more ? seq_lens[r + 1] : 0, s);
     q.resize(per_row);
     for (int64_t i = 0; i < per_row; ++i) q[i] = query[r * per_row + i] * s.scale;
     scores.resize(s.kv_heads * s.group * (last - first));
+    norm.resize(s.kv_heads * s.group);
     decode_row<D>(q.data(), cache, tables + r * s.table_width, first, last, s, next,
-                  scores.data(), o);
+                  scores.data(), norm.data(), o);
   }
 }
 

@@ -9,6 +9,7 @@ rounds, as in a served step). One thread, as a CPU worker of a small model runs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -30,7 +31,6 @@ def main() -> None:
     torch.set_num_threads(1)
     num_heads, num_kv_heads, head_dim = a.heads
     assert cpu_native.available(), "the C++ kernel did not build (see the warning)"
-    kernel_available = cpu_native.available
     caches = [torch.randn(NUM_BLOCKS, 2, BLOCK, num_kv_heads, head_dim) for _ in range(LAYERS)]
     flush = torch.empty(8 << 20)
     per_row = -(-(a.context + 1) // BLOCK)
@@ -38,8 +38,9 @@ def main() -> None:
         tables = [[(i * per_row + j) * 3 % NUM_BLOCKS for j in range(per_row)] for i in range(rows)]
         query = torch.randn(rows, num_heads, head_dim)
         times: dict[str, list[float]] = {}
-        for name, use_kernel in (("gather + SDPA", False), ("C++ kernel", True)):
-            cpu_native.available = kernel_available if use_kernel else lambda: False
+        for name, setting in (("gather + SDPA", "torch"), ("C++ kernel", "native")):
+            os.environ["PAGEDSERVE_CPU_KERNELS"] = setting  # read by the next lookup
+            cpu_native._kernel.cache_clear()
             for temp, layers in (("warm", caches[:1] * LAYERS), ("cold", caches)):
                 samples = times.setdefault(f"{name}, {temp}", [])
                 for _ in range(30):
