@@ -16,7 +16,10 @@ Environment variables, read once per process (start-up settings, never flipped a
   for <= 8 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
   projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
   and argmax inside small decode graphs), `cascade` (shared-prefix attention for large batches,
-  kernels/cascade.py, and its decode graphs); `all` turns off every one.
+  kernels/cascade.py, and its decode graphs), `fp8-fast-accum` (FP8 prefill GEMMs accumulate
+  at the tensor cores' own precision, kernels/fp8.py), `norm-quant` (the RMSNorm before an FP8
+  layer writes its per-token quantized input, kernels/triton_norm.py); `all` turns off every
+  one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -38,7 +41,9 @@ ATTENTION_BACKENDS = ("torch", "sdpa", "triton", "flash")
 REQUESTABLE_BACKENDS = ("auto", "triton", "flash")  # --attention-backend
 STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
-FUSIONS = ("gemv", "gated-gemv", "rope-cache", "graph-head", "cascade")
+FUSIONS = (
+    "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
+)  # fmt: skip
 
 
 @functools.cache

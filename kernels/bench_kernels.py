@@ -201,12 +201,54 @@ def sweep_attention(dev: str) -> None:
             )
 
 
+def sweep_decode(dev: str) -> None:
+    """Decode batches (W1's 256 and 512 rows at ~1,100 tokens, 64 at 2,048) over a bf16 and an
+    FP8 cache: every launch configuration (key tile x warps x stages; for FP8 also the float16
+    dots) with its GB/s of KV read, the best per case last."""
+    import itertools
+
+    from triton.testing import do_bench_cudagraph
+
+    from pagedserve.kernels.triton_attention import triton_paged_attention
+
+    best = []
+    for rows, ctx in ((256, 1088), (512, 1088), (64, 2048)):
+        q, kv, meta = random_batch([ctx] * rows, [1] * rows, HQ, HKV, D, BLOCK_SIZE,
+                                   torch.bfloat16, dev)  # fmt: skip
+        for cache in ("bf16", "fp8"):
+            cache_kv = kv if cache == "bf16" else kv.to(torch.float8_e4m3fn)
+            nbytes = rows * (ctx + 1) * HKV * D * 2 * cache_kv.element_size()
+            results = []
+            for block_n, warps, stages, f16 in itertools.product(
+                (32, 64, 128), (4, 8), (2, 3, 4), (False, True) if cache == "fp8" else (False,)
+            ):
+                launch = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, DOT_F16=f16)
+                fn = lambda q=q, kv=cache_kv, meta=meta, launch=launch: (  # noqa: E731
+                    triton_paged_attention(q, kv, meta, D**-0.5, launch=launch)
+                )
+                try:
+                    ms = do_bench_cudagraph(fn, return_mode="median")
+                except Exception as e:  # out of shared memory for the largest tiles
+                    print(f"{rows}x{ctx} {cache} {launch}: {type(e).__name__}")
+                    continue
+                results.append((ms, launch))
+                print(f"{rows}x{ctx} {cache} {launch}: {1e3 * ms:7.1f} us "
+                      f"{nbytes / ms / 1e6:6.0f} GB/s")  # fmt: skip
+            ms, launch = min(results, key=lambda r: r[0])
+            best.append(f"{rows}x{ctx} {cache}: best {launch} {1e3 * ms:.1f} us "
+                        f"{nbytes / ms / 1e6:.0f} GB/s")  # fmt: skip
+    print("\n".join(best))
+
+
 def main() -> None:
     import sys
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     torch.manual_seed(0)
+    if "--sweep-decode" in sys.argv[1:]:
+        sweep_decode("cuda")
+        return
     if "--sweep" in sys.argv[1:]:
         sweep_attention("cuda")
         return

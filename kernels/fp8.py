@@ -18,20 +18,32 @@ run with a one-sequence one token for token); the GPU gives that up at M = SMALL
 speed, as GPU GEMMs already do by picking tiles by M. `fp8_weight_only_ref` is what the small-M
 kernel is tested against. `fp8_silu_mul_linear` is a gated MLP's down projection: above
 SMALL_M on CUDA with per-token activations, `silu(gate) * up` is quantized in the same kernel
-that computes it (one pass over the gate/up product, no model-dtype intermediate).
+that computes it (one pass over the gate/up product, no model-dtype intermediate); likewise
+the RMSNorm before a per-token layer may hand it `Fp8Rows` (see `takes_fp8_rows`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pagedserve.kernels.activation import silu_and_mul
-from pagedserve.kernels.backend import use_triton
+from pagedserve.kernels.backend import fusion_enabled, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
 SMALL_M = 16  # up to this many rows: weight-only (no activation quantization)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token, by the RMSNorm before the layer (kernels/
+    triton_norm.py): what `fp8_linear`'s large-M path would make of the model-dtype rows."""
+
+    q: torch.Tensor  # [M, K] fp8
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the model dtype, which the linear layer returns
 
 
 def require_fp8_device(device: torch.device | str, what: str) -> None:
@@ -105,12 +117,20 @@ def fp8_weight_only_ref(
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor | Fp8Rows,  # [M, K]
     weight: torch.Tensor,  # [N, K] fp8
     weight_scale: torch.Tensor,  # [N, 1] or [N, K/G] float32
     bias: torch.Tensor | None = None,
     group: int | None = None,  # activation / weight column group (block weights)
 ) -> torch.Tensor:  # [M, N]
+    if isinstance(x, Fp8Rows):  # quantized per token by the norm before (never block weights)
+        if not x.q.is_cuda:
+            out = (dequantize(x.q, x.scale, None) @ dequantize(weight, weight_scale, None).t()).to(
+                x.dtype
+            )
+        else:
+            out = scaled_mm_rowwise(x.q, x.scale, weight, weight_scale, x.dtype)
+        return out + bias if bias is not None else out
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
     if x.shape[0] <= SMALL_M:
@@ -125,6 +145,19 @@ def fp8_linear(
     else:
         out = scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
     return out + bias if bias is not None else out
+
+
+def takes_fp8_rows(x: torch.Tensor, group: int | None) -> bool:
+    """Whether `fp8_linear(x, ...)` of a per-channel layer (group None) would quantize x per token
+    and run `_scaled_mm`, so that the norm producing x may quantize instead (fusion
+    `norm-quant`)."""
+    return (
+        group is None
+        and use_triton(x)
+        and x.dim() == 2
+        and x.shape[0] > SMALL_M
+        and fusion_enabled("norm-quant")
+    )
 
 
 def fp8_silu_mul_linear(
@@ -151,8 +184,12 @@ def scaled_mm_rowwise(
     weight_scale: torch.Tensor,  # [N, 1] float32
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [M, N]
-    """`torch._scaled_mm` with one scale per row of each operand (bf16 out, cast if needed)."""
+    """`torch._scaled_mm` with one scale per row of each operand (bf16 out, cast if needed).
+    Fast accumulation (Hopper's FP8 tensor cores add into their own reduced-precision accumulator
+    rather than promoting to float32 every few K steps, as vLLM's CUTLASS FP8 kernels do) unless
+    `PAGEDSERVE_DISABLE_FUSIONS=fp8-fast-accum`."""
     out = torch._scaled_mm(
-        xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16
-    )
+        xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16,
+        use_fast_accum=fusion_enabled("fp8-fast-accum"),
+    )  # fmt: skip
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

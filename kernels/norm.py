@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -13,12 +15,17 @@ class RMSNorm(nn.Module):
 
     The add happens in the model dtype (as transformers does), so the new residual is bit-equal to
     the unfused `x + residual`; only the normalization runs in float32.
+
+    `fp8_consumer`, set by a decoder layer whose next linear layer is FP8 with per-token
+    activation scales, is that layer's `takes_fp8_rows`: where it says yes for x, the Triton
+    kernel returns the normed rows quantized (`Fp8Rows`) instead of in the model dtype.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fp8_consumer: Callable[[torch.Tensor], bool] | None = None
 
     def forward(
         self,
@@ -28,7 +35,11 @@ class RMSNorm(nn.Module):
         if use_triton(x):
             from pagedserve.kernels.triton_norm import triton_rms_norm
 
-            return triton_rms_norm(x, self.kernel_weight(), self.eps, residual)
+            weight = self.kernel_weight()
+            quantize = (
+                self.fp8_consumer is not None and weight.dtype == x.dtype and self.fp8_consumer(x)
+            )
+            return triton_rms_norm(x, weight, self.eps, residual, quantize)
         if residual is not None:
             x = x + residual
             return self.reference(x), x

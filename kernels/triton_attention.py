@@ -92,6 +92,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PREFIX: tl.constexpr, AFTER_PREFIX: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,6 +129,8 @@ def _paged_attention_kernel(
     tok = (q_start + q_off).to(tl.int64)
     q_ptrs = query_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    if DOT_F16:  # an FP8 cache converts to float16 in one instruction per pair (see the doc)
+        q = q.to(tl.float16)
 
     # Keys this tile can see: causal end at its last query; the window (or the cascade's
     # prefix, seen by the prefix pass) trims the start.
@@ -360,5 +363,5 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=logit_softcap is not None, PREFIX=prefix, AFTER_PREFIX=after_prefix,
-        **(launch or _launch_config(block_m)),
+        **{"DOT_F16": False, **(launch or _launch_config(block_m))},
     )  # fmt: skip

@@ -5,6 +5,11 @@ One program normalizes one row of `H` features held whole in registers (`BLOCK =
 reference's several passes over memory. The rounding follows the reference step by step (the add
 in the model dtype, the normalized value cast back to it before the weight multiply) so the fast
 path matches it to the last bit in most elements.
+
+`quantize=True` (an FP8 linear layer with per-token activation scales comes next) writes the
+normalized row as float8_e4m3fn with one float32 scale instead of in the model dtype: the same
+values `triton_quantize_rows` would make of the model-dtype output (it is rounded to the model
+dtype first), without writing that output and reading it back.
 """
 
 from __future__ import annotations
@@ -13,12 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.fp8 import FP8, Fp8Rows
+from pagedserve.kernels.triton_fp8 import FP8_MAX
+
+Normed = torch.Tensor | Fp8Rows
+
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -32,7 +42,15 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+    y = normed * w
+    if QUANTIZE:  # as triton_fp8's per-token quantization of the model-dtype output
+        y = y.to(x.dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, 1e-12)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(x: torch.Tensor, hidden: int) -> torch.Tensor:  # [..., H] -> [N, H], unit col stride
@@ -45,8 +63,10 @@ def triton_rms_norm(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., H]
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`rms_norm(x, weight, eps)`, or with a residual `(rms_norm(x + residual), x + residual)`."""
+    quantize: bool = False,
+) -> Normed | tuple[Normed, torch.Tensor]:
+    """`rms_norm(x, weight, eps)`, or with a residual `(rms_norm(x + residual), x + residual)`;
+    with `quantize` the normed part is `Fp8Rows` of a 2-D x (see the module doc)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden}")
@@ -57,18 +77,21 @@ def triton_rms_norm(
         )
     if weight.stride(0) != 1 or hidden > 65536:
         raise ValueError(f"weight must be contiguous and hidden <= 65536 (got {hidden})")
+    if quantize and (x.dim() != 2 or weight.dtype != x.dtype):
+        raise ValueError("the quantizing RMSNorm takes [T, H] rows and a weight of their dtype")
     x2 = _rows(x, hidden)
     r2 = _rows(residual, hidden) if residual is not None else x2
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    r_out = torch.empty_like(x2) if residual is not None else out
+    out_dtype = FP8 if quantize else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    r_out = torch.empty_like(x2) if residual is not None else x2
+    scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device) if quantize else out
     if x2.shape[0]:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, r_out,
+            x2, r2, weight, out, r_out, scale,
             x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=block,
             num_warps=min(max(block // 256, 1), 16),
         )  # fmt: skip
-    if residual is None:
-        return out.view(x.shape)
-    return out.view(x.shape), r_out.view(x.shape)
+    normed = Fp8Rows(out, scale, x.dtype) if quantize else out.view(x.shape)
+    return normed if residual is None else (normed, r_out.view(x.shape))

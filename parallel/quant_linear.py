@@ -33,6 +33,7 @@ from pagedserve.kernels.fp8 import (
     fp8_linear,
     fp8_silu_mul_linear,
     quantize_rows,
+    takes_fp8_rows,
 )
 from pagedserve.kernels.linear import gated_linear, linear
 from pagedserve.parallel.state import tp_size
@@ -99,6 +100,13 @@ class LinearBase(nn.Module):
         if gated:
             return fp8_silu_mul_linear(x, self.weight, self.weight_scale, bias, group)
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether the RMSNorm making x may hand it over quantized per token (`Fp8Rows`): what
+        `matmul` would do with x itself (kernels/fp8.py)."""
+        if self.weight_scale is None or self.quant is None:
+            return False
+        return takes_fp8_rows(x, self.quant.act_group)
 
     def after_loading(self) -> None:
         """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales; on a CPU,

@@ -256,3 +256,74 @@ def test_gpu_fp8_gemm_timing():
                 )
             cols = "  ".join(f"{key} {ms * 1e3:8.1f} us" for key, ms in times.items())
             print(f"\nGEMM M={m:>5} N={n:>5} K={k:>5}: {cols}")
+
+
+@tiny
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantize_is_norm_then_quantize(with_residual):
+    """The quantizing RMSNorm hands over exactly what per-token quantization makes of the plain
+    norm's output (scales to the bit), and the same new residual."""
+    from pagedserve.kernels.triton_norm import triton_rms_norm
+
+    dtype = torch.bfloat16
+    x = (torch.randn(7, 300, device=DEV) * torch.logspace(-2, 2, 7, device=DEV)[:, None]).to(dtype)
+    r = torch.randn_like(x) if with_residual else None
+    w = (torch.rand(300, device=DEV) + 0.5).to(dtype)
+    plain = triton_rms_norm(x, w, 1e-5, r)
+    fused = triton_rms_norm(x, w, 1e-5, r, quantize=True)
+    if with_residual:
+        (plain, plain_r), (fused, fused_r) = plain, fused
+        assert torch.equal(fused_r, plain_r)
+    assert isinstance(fused, fp8.Fp8Rows) and fused.dtype == dtype
+    q_ref, scale_ref = triton_quantize_rows(plain)
+    torch.testing.assert_close(fused.scale, scale_ref, rtol=0, atol=0)
+    same_fp8(fused.q, q_ref)
+
+
+def test_fp8_linear_takes_rows_quantized_before():
+    """`fp8_linear` of `Fp8Rows` is the per-token path on the same quantized rows (CPU: the
+    reference; a GPU runs _scaled_mm on them, checked in the model test below)."""
+    x = torch.randn(20, 64)
+    wq, ws = fp8.quantize_rows(torch.randn(48, 64) * 0.1)
+    bias = torch.randn(48)
+    q, scale = fp8.quantize_rows(x)
+    got = fp8.fp8_linear(fp8.Fp8Rows(q, scale, x.dtype), wq, ws, bias)
+    torch.testing.assert_close(got, fp8.fp8_linear_ref(x, wq, ws, bias, None))
+    assert not fp8.takes_fp8_rows(x, None)  # a CPU tensor: the norm never quantizes
+
+
+@pytest.mark.gpu
+def test_gpu_model_with_quantizing_norms_is_unchanged(tmp_path, monkeypatch):
+    """A tiny Llama with `--quantization fp8` on the GPU: the norms hand the qkv and gate/up
+    layers quantized rows above SMALL_M tokens (counted), and the logits are bit-equal to the
+    model with that fusion off."""
+    from pagedserve.config import ModelConfig
+    from pagedserve.kernels import backend, triton_norm
+    from pagedserve.kernels.attention import build_attention_metadata
+    from pagedserve.tests.tiny_models import tiny_model_dir
+    from pagedserve.worker.models import build_model
+
+    path = tiny_model_dir("llama", str(tmp_path))
+    model = build_model(ModelConfig(model=path, quantization="fp8"), torch.bfloat16, "cuda")
+    calls = []
+    real = triton_norm.triton_rms_norm
+    monkeypatch.setattr(triton_norm, "triton_rms_norm", lambda *a: calls.append(a[4]) or real(*a))
+
+    layers = len(model.model.layers)
+
+    def logits(fusions_off: str) -> torch.Tensor:
+        monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", fusions_off)
+        backend.disabled_fusions.cache_clear()
+        tokens = torch.randint(3, 100, (40,), device="cuda")
+        meta, positions = build_attention_metadata([0], [40], [list(range(5))], 8, device="cuda")
+        shape = (5, 2, 8, model.num_kv_heads_per_rank, model.head_dim)
+        caches = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+        with torch.no_grad():
+            return model.compute_logits(model(tokens, positions, caches, meta))
+
+    torch.manual_seed(0)
+    fused = logits("")
+    assert sum(calls) == 2 * layers, calls
+    torch.manual_seed(0)
+    assert torch.equal(fused, logits("norm-quant"))
+    backend.disabled_fusions.cache_clear()
