@@ -204,7 +204,8 @@ def sweep_attention(dev: str) -> None:
 def sweep_decode(dev: str) -> None:
     """Decode batches (W1's 256 and 512 rows at ~1,100 tokens, 64 at 2,048) over a bf16 and an
     FP8 cache: every launch configuration (key tile x warps x stages; for FP8 also the float16
-    dots) with its GB/s of KV read, the best per case last."""
+    dots) with its GB/s of KV read, the best per case last; then W1's prefill and mixed steps
+    over an FP8 cache with bfloat16 or float16 dots."""
     import itertools
 
     from triton.testing import do_bench_cudagraph
@@ -237,6 +238,19 @@ def sweep_decode(dev: str) -> None:
             ms, launch = min(results, key=lambda r: r[0])
             best.append(f"{rows}x{ctx} {cache}: best {launch} {1e3 * ms:.1f} us "
                         f"{nbytes / ms / 1e6:.0f} GB/s")  # fmt: skip
+    # 128-row tiles over an FP8 cache: bfloat16 or float16 dots at the configs near the default
+    for name, computed, new in (
+        ("prefill 8x1024", [0] * 8, [1024] * 8),
+        ("mixed 256 dec@1100+7x1024", [1100] * 256 + [0] * 7, [1] * 256 + [1024] * 7),
+    ):
+        q, kv, meta = random_batch(computed, new, HQ, HKV, D, BLOCK_SIZE, torch.bfloat16, dev)
+        kv8 = kv.to(torch.float8_e4m3fn)
+        for block_n, stages, f16 in itertools.product((32, 64), (2, 3), (False, True)):
+            launch = dict(BLOCK_N=block_n, num_warps=4, num_stages=stages, DOT_F16=f16)
+            fn = lambda q=q, kv=kv8, meta=meta, launch=launch: (  # noqa: E731
+                triton_paged_attention(q, kv, meta, D**-0.5, launch=launch)
+            )
+            print(f"{name} fp8 {launch}: {1e3 * do_bench_cudagraph(fn):7.1f} us")
     print("\n".join(best))
 
 

@@ -32,8 +32,13 @@ mask (every query follows the prefix), split over the prefix keys; and the per-r
 the per-row pass's) and `_reduce_kernel` merges them. The prefix length is read from device
 memory, so a CUDA graph replays with another prefix; 0 there makes the prefix pass empty.
 
-FP8 cache: K/V tiles load as e4m3 and convert to the query dtype for the dots; k_scale folds into
-the score scale and v_scale into the output, so dequantization costs no extra multiply per key.
+FP8 cache: K/V tiles load as e4m3 and convert for the dots; k_scale folds into the score scale
+and v_scale into the output, so dequantization costs no extra multiply per key. Decode tiles
+(`DOT_F16`) convert to float16, one instruction per pair of values, where bfloat16 takes several:
+a decode batch over an FP8 cache is bound by that conversion, not by memory (256 rows at 1,088
+tokens: 330 -> 287 us a layer on an H100, `bench_kernels --sweep-decode`). The query is
+multiplied by the score scale in float32 before its cast to float16, which keeps it far from
+float16's range limit; p is in [0, 1].
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import triton.language as tl
 from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.cascade import MAX_SPLITS, choose_prefix_splits, use_cascade
 
+FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
 PREFIX_BLOCK_M = 128  # cascade prefix pass: 128-row tiles of (token, query head) pairs
@@ -129,8 +135,8 @@ def _paged_attention_kernel(
     tok = (q_start + q_off).to(tl.int64)
     q_ptrs = query_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-    if DOT_F16:  # an FP8 cache converts to float16 in one instruction per pair (see the doc)
-        q = q.to(tl.float16)
+    if DOT_F16:  # float16 dots over an FP8 cache (see the module doc); q pre-scaled
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
 
     # Keys this tile can see: causal end at its last query; the window (or the cascade's
     # prefix, seen by the prefix pass) trims the start.
@@ -159,7 +165,9 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain (or s / cap, capped)
+        s = tl.dot(q, tl.trans(k))  # [M, N], log2 domain (or s / cap, capped)
+        if not DOT_F16:
+            s = s * qk_scale
         if USE_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain: softcap = cap * log2(e)
             s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap
         if PREFIX:  # non-causal: every query follows the whole prefix
@@ -230,15 +238,24 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _launch_config(block_m: int) -> dict[str, int]:
+def _f16_dots(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether decode tiles may dot in float16: an FP8 cache read by 16-bit queries (float32
+    queries keep float32 precision)."""
+    return kv_cache.dtype == FP8 and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def _launch_config(block_m: int, f16_dots: bool) -> dict[str, int]:
     """Key tile and pipelining per tile height, measured on an H100 (Llama-3-8B heads, bf16):
     128-row tiles (prefill, mixed) run fastest with 32-key tiles over 3 stages and 4 warps: an
     8 x 1024-token prefill takes 295 us a layer against 337 us with 64-key tiles, 8 warps and 2
     stages (a mixed batch of 256 decodes and 7 prompts 844 against 1005 us); 16-row decode
-    tiles keep 64-key tiles (decode batches reach 96-99% of copy bandwidth). The sweep:
-    `python -m pagedserve.kernels.bench_kernels --sweep`."""
+    tiles keep 64-key tiles (decode batches reach 96-99% of copy bandwidth), over an FP8 cache
+    with 3 stages and float16 dots (the module doc). The sweeps: `python -m
+    pagedserve.kernels.bench_kernels --sweep` and `--sweep-decode`."""
     if block_m >= 128:
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+    if f16_dots:
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "DOT_F16": True}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -363,5 +380,5 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=logit_softcap is not None, PREFIX=prefix, AFTER_PREFIX=after_prefix,
-        **{"DOT_F16": False, **(launch or _launch_config(block_m))},
+        **{"DOT_F16": False, **(launch or _launch_config(block_m, _f16_dots(query, kv_cache)))},
     )  # fmt: skip
