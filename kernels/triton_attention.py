@@ -33,12 +33,11 @@ the per-row pass's) and `_reduce_kernel` merges them. The prefix length is read 
 memory, so a CUDA graph replays with another prefix; 0 there makes the prefix pass empty.
 
 FP8 cache: K/V tiles load as e4m3 and convert for the dots; k_scale folds into the score scale
-and v_scale into the output, so dequantization costs no extra multiply per key. Decode tiles
-(`DOT_F16`) convert to float16, one instruction per pair of values, where bfloat16 takes several:
-a decode batch over an FP8 cache is bound by that conversion, not by memory (256 rows at 1,088
-tokens: 330 -> 287 us a layer on an H100, `bench_kernels --sweep-decode`). The query is
-multiplied by the score scale in float32 before its cast to float16, which keeps it far from
-float16's range limit; p is in [0, 1].
+and v_scale into the output, so dequantization costs no extra multiply per key. With 16-bit
+queries the tiles convert to float16 (`DOT_F16`), one instruction per pair of values, where
+bfloat16 takes several: attention over an FP8 cache is bound by that conversion, not by memory
+(`_launch_config` has the times). The query is multiplied by the score scale in float32 before
+its cast to float16, which keeps it far from float16's range limit; p is in [0, 1].
 """
 
 from __future__ import annotations
@@ -239,8 +238,8 @@ def choose_num_splits(
 
 
 def _f16_dots(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether decode tiles may dot in float16: an FP8 cache read by 16-bit queries (float32
-    queries keep float32 precision)."""
+    """Whether the tiles dot in float16: over an FP8 cache, for 16-bit queries (float32 queries
+    keep float32 precision)."""
     return kv_cache.dtype == FP8 and query.dtype in (torch.bfloat16, torch.float16)
 
 
@@ -249,13 +248,14 @@ def _launch_config(block_m: int, f16_dots: bool) -> dict[str, int]:
     128-row tiles (prefill, mixed) run fastest with 32-key tiles over 3 stages and 4 warps: an
     8 x 1024-token prefill takes 295 us a layer against 337 us with 64-key tiles, 8 warps and 2
     stages (a mixed batch of 256 decodes and 7 prompts 844 against 1005 us); 16-row decode
-    tiles keep 64-key tiles (decode batches reach 96-99% of copy bandwidth), over an FP8 cache
-    with 3 stages and float16 dots (the module doc). The sweeps: `python -m
-    pagedserve.kernels.bench_kernels --sweep` and `--sweep-decode`."""
-    if block_m >= 128:
-        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+    tiles keep 64-key tiles (decode batches reach 96-99% of copy bandwidth). Over an FP8 cache
+    every tile takes 64 keys, 3 stages and float16 dots (the module doc): 256 decodes at 1,088
+    tokens 330 -> 287 us, the 8 x 1024 prefill 375 -> 308 us, the mixed batch 1,031 -> 834 us.
+    The sweeps: `python -m pagedserve.kernels.bench_kernels --sweep` and `--sweep-decode`."""
     if f16_dots:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "DOT_F16": True}
+    if block_m >= 128:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
