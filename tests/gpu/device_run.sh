@@ -20,6 +20,12 @@
 # weight shapes and sweeps its launch configs; `decode-tests` runs the fused kernels' GPU tests;
 # `w3-ablate` runs W3 once with every fusion on, then with each one off, then all off:
 #   STEPS="decode-tests kernels-b1 w3-ablate w3 w1" bash tests/gpu/device_run.sh
+# FP8 round 3 (issue 17): `fp8-probe` times `_scaled_mm` with row-wise / tensor-wise scales and
+# exact / fast accumulation at prefill M, and PDL on a W3-shaped chain (tests/gpu/probe_fp8_pdl.py);
+# `attn-sweep-decode` sweeps the attention kernel's launch configs on decode batches over bf16 and
+# FP8 caches and W1's prefill / mixed tiles over FP8 (float16 dots or not); the end-to-end A/B of
+# a fusion is a W step with PAGEDSERVE_DISABLE_FUSIONS=fp8-fast-accum (or norm-quant):
+#   STEPS="fp8-probe attn-sweep-decode w1-fp8" bash tests/gpu/device_run.sh
 # `structured`: the device grammar masks against the CPU ones, `bench structured` at 0/50/100%
 # JSON-schema requests (issue 14's cost target), then the grammar host work per step on this
 # machine's CPU (tests/bench_grammar_step.py).
@@ -154,6 +160,9 @@ for label, step, key in rows:
 PY
     ;;
     kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
+    fp8-probe) $T python3 tests/gpu/probe_fp8_pdl.py 2>&1 | tee "$OUT/fp8-probe.txt" ;;
+    attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
+          --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
     kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
           2>&1 | tee "$OUT/kernels-b1.txt" ;;
     decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py
