@@ -124,12 +124,11 @@ def fp8_linear(
     group: int | None = None,  # activation / weight column group (block weights)
 ) -> torch.Tensor:  # [M, N]
     if isinstance(x, Fp8Rows):  # quantized per token by the norm before (never block weights)
-        if not x.q.is_cuda:
-            out = (dequantize(x.q, x.scale, None) @ dequantize(weight, weight_scale, None).t()).to(
-                x.dtype
-            )
-        else:
+        if x.q.is_cuda:
             out = scaled_mm_rowwise(x.q, x.scale, weight, weight_scale, x.dtype)
+        else:  # the reference's matmul, on the rows as given
+            out = dequantize(x.q, x.scale, None) @ dequantize(weight, weight_scale, None).t()
+            out = out.to(x.dtype)
         return out + bias if bias is not None else out
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
