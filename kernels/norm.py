@@ -8,6 +8,9 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.backend import use_triton
+from pagedserve.kernels.fp8 import Fp8Rows
+
+Normed = torch.Tensor | Fp8Rows  # the normed rows: model dtype, or FP8 for an FP8 layer
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +34,7 @@ class RMSNorm(nn.Module):
         self,
         x: torch.Tensor,  # [..., H]
         residual: torch.Tensor | None = None,  # [..., H]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Normed | tuple[Normed, torch.Tensor]:
         if use_triton(x):
             from pagedserve.kernels.triton_norm import triton_rms_norm
 

@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.fp8 import FP8, Fp8Rows
+from pagedserve.kernels.norm import Normed
 from pagedserve.kernels.triton_fp8 import FP8_MAX
-
-Normed = torch.Tensor | Fp8Rows
 
 
 @triton.jit
