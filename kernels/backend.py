@@ -11,7 +11,7 @@ Environment variables, read once per process (start-up settings, never flipped a
 - `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
 - `PAGEDSERVE_MIXED_SPLIT_TOKENS=N` (default 1024; 0: never): eager mixed steps of at least N
   tokens attend as a decode part and a prompt part (kernels/attention_dispatch.py).
-- `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single decode-latency fusions on CUDA, to
+- `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single fusions and fast paths on CUDA, to
   measure each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV
   for <= 8 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
   projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
@@ -75,7 +75,7 @@ def disabled_fusions() -> frozenset[str]:
 
 
 def fusion_enabled(name: str) -> bool:
-    """Whether the decode fusion `name` (one of FUSIONS) is on (the default)."""
+    """Whether the fusion or fast path `name` (one of FUSIONS) is on (the default)."""
     assert name in FUSIONS, name
     return name not in disabled_fusions()
 
