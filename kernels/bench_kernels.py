@@ -25,6 +25,11 @@ from pagedserve.kernels.attention import (
 
 HQ, HKV, D, HIDDEN, INTER, BLOCK_SIZE = 32, 8, 128, 4096, 14336, 16
 PEAK_GBPS = 3000.0
+# W1's steps with 128-row tiles (name, cached tokens per row, new tokens per row): the sweeps'
+PROMPT_CASES = (
+    ("prefill 8x1024", [0] * 8, [1024] * 8),
+    ("mixed 256 dec@1100+7x1024", [1100] * 256 + [0] * 7, [1] * 256 + [1024] * 7),
+)
 
 
 def random_batch(
@@ -180,11 +185,7 @@ def sweep_attention(dev: str) -> None:
 
     from pagedserve.kernels.triton_attention import triton_paged_attention
 
-    cases = [
-        ("prefill 8x1024", [0] * 8, [1024] * 8),
-        ("mixed 256 dec@1100+7x1024", [1100] * 256 + [0] * 7, [1] * 256 + [1024] * 7),
-    ]
-    for name, computed, new in cases:
+    for name, computed, new in PROMPT_CASES:
         q, kv, meta = random_batch(computed, new, HQ, HKV, D, BLOCK_SIZE, torch.bfloat16, dev)
         flops = sum(4 * n * (c + n / 2) * HQ * D for c, n in zip(computed, new, strict=True))
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
@@ -239,10 +240,7 @@ def sweep_decode(dev: str) -> None:
             best.append(f"{rows}x{ctx} {cache}: best {launch} {1e3 * ms:.1f} us "
                         f"{nbytes / ms / 1e6:.0f} GB/s")  # fmt: skip
     # 128-row tiles over an FP8 cache: bfloat16 or float16 dots at the configs near the default
-    for name, computed, new in (
-        ("prefill 8x1024", [0] * 8, [1024] * 8),
-        ("mixed 256 dec@1100+7x1024", [1100] * 256 + [0] * 7, [1] * 256 + [1024] * 7),
-    ):
+    for name, computed, new in PROMPT_CASES:
         q, kv, meta = random_batch(computed, new, HQ, HKV, D, BLOCK_SIZE, torch.bfloat16, dev)
         kv8 = kv.to(torch.float8_e4m3fn)
         for block_n, stages, f16 in itertools.product((32, 64), (2, 3), (False, True)):

@@ -96,10 +96,23 @@ def fp8_linear_ref(
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """The reference: quantize activations as the fast path does, dequantize both, matmul."""
     xq, x_scale = quantize_rows(x, group)
+    return fp8_rows_ref(xq, x_scale, weight, weight_scale, bias, group, x.dtype)
+
+
+def fp8_rows_ref(
+    xq: torch.Tensor,  # [M, K] fp8
+    x_scale: torch.Tensor,  # [M, 1] or [M, K/G] float32
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] or [N, K/G] float32
+    bias: torch.Tensor | None,
+    group: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in dtype
+    """The reference matmul of rows quantized already: dequantize both, matmul in float32."""
     out = dequantize(xq, x_scale, group) @ dequantize(weight, weight_scale, group).t()
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def fp8_weight_only_ref(
@@ -124,11 +137,9 @@ def fp8_linear(
     group: int | None = None,  # activation / weight column group (block weights)
 ) -> torch.Tensor:  # [M, N]
     if isinstance(x, Fp8Rows):  # quantized per token by the norm before (never block weights)
-        if x.q.is_cuda:
-            out = scaled_mm_rowwise(x.q, x.scale, weight, weight_scale, x.dtype)
-        else:  # the reference's matmul, on the rows as given
-            out = dequantize(x.q, x.scale, None) @ dequantize(weight, weight_scale, None).t()
-            out = out.to(x.dtype)
+        if not x.q.is_cuda:
+            return fp8_rows_ref(x.q, x.scale, weight, weight_scale, bias, None, x.dtype)
+        out = scaled_mm_rowwise(x.q, x.scale, weight, weight_scale, x.dtype)
         return out + bias if bias is not None else out
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias, group)

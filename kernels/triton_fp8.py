@@ -63,6 +63,15 @@ def _row_chunk(x_ptr, row_off, start, cols, num_cols, GATED: tl.constexpr):
 
 
 @triton.jit
+def quantize_row(x):
+    """One row held in registers (float32, zero where masked) -> (its values scaled into e4m3's
+    range, still float32, and the scale): per-token quantization, shared with the quantizing
+    RMSNorm (kernels/triton_norm.py) so the two agree to the bit."""
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def _quant_token_kernel(
     x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q,
     BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, GATED: tl.constexpr,
@@ -71,9 +80,7 @@ def _quant_token_kernel(
     x_off, q_off = row * stride_x, row * stride_q
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:  # the whole row in registers: one read (decode latency is what matters here)
-        x = _row_chunk(x_ptr, x_off, 0, cols, num_cols, GATED)
-        scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12)
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        q, scale = quantize_row(_row_chunk(x_ptr, x_off, 0, cols, num_cols, GATED))
         tl.store(q_ptr + q_off + cols, q.to(q_ptr.dtype.element_ty), mask=cols < num_cols)
     else:
         amax = tl.zeros([BLOCK], tl.float32)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pagedserve.kernels.fp8 import FP8, Fp8Rows
 from pagedserve.kernels.norm import Normed
-from pagedserve.kernels.triton_fp8 import FP8_MAX
+from pagedserve.kernels.triton_fp8 import quantize_row
 
 
 @triton.jit
@@ -42,10 +42,8 @@ def _rms_norm_kernel(
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     y = normed * w
-    if QUANTIZE:  # as triton_fp8's per-token quantization of the model-dtype output
-        y = y.to(x.dtype).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, 1e-12)
-        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    if QUANTIZE:  # triton_fp8's per-token quantization of the model-dtype output
+        q, scale = quantize_row(y.to(x.dtype).to(tl.float32))
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + row, scale)
     else:

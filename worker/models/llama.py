@@ -188,10 +188,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = make_mlp(hf, layer_idx, opts.quant)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
-        # FP8 layers take their input quantized by the norm before them (kernels/norm.py)
-        self.input_layernorm.fp8_consumer = self.self_attn.qkv_proj.takes_fp8_rows
-        if isinstance(self.mlp, LlamaMLP):
-            self.post_attention_layernorm.fp8_consumer = self.mlp.gate_up_proj.takes_fp8_rows
+        if opts.quant is not None:  # FP8 layers take their input quantized by the norm before
+            self.input_layernorm.fp8_consumer = self.self_attn.qkv_proj.takes_fp8_rows
+            if isinstance(self.mlp, LlamaMLP):
+                self.post_attention_layernorm.fp8_consumer = self.mlp.gate_up_proj.takes_fp8_rows
 
     def forward(
         self,
