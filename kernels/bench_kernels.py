@@ -252,12 +252,56 @@ def sweep_decode(dev: str) -> None:
     print("\n".join(best))
 
 
+def sweep_long(dev: str) -> None:
+    """W5's decode-only steps: 12-40 rows at 16k tokens, bf16 cache of 16- and 128-token blocks,
+    over split counts and launch configurations, GB/s of KV read; the best per case last (what
+    `choose_num_splits` and `_launch_config` should pick there)."""
+    import itertools
+
+    from triton.testing import do_bench_cudagraph
+
+    from pagedserve.kernels.triton_attention import (
+        _launch_config,
+        _num_sms,
+        choose_num_splits,
+        triton_paged_attention,
+    )
+
+    best = []
+    for block_size, rows, ctx in itertools.product((16, 128), (12, 24, 40), (16384,)):
+        q, kv, meta = random_batch([ctx] * rows, [1] * rows, HQ, HKV, D, block_size,
+                                   torch.bfloat16, dev)  # fmt: skip
+        nbytes = rows * (ctx + 1) * HKV * D * 2 * kv.element_size()
+        results = []
+        configs = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4)]
+        for splits, (block_n, warps, stages) in itertools.product((1, 2, 3, 4, 6, 8), configs):
+            launch = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            fn = lambda q=q, kv=kv, meta=meta, launch=launch, s=splits: (  # noqa: E731
+                triton_paged_attention(q, kv, meta, D**-0.5, launch=launch, num_splits=s)
+            )
+            ms = do_bench_cudagraph(fn, return_mode="median")
+            results.append((ms, splits, launch))
+            print(f"bs{block_size} {rows}x{ctx} splits={splits} {launch}: {1e3 * ms:7.1f} us "
+                  f"{nbytes / ms / 1e6:6.0f} GB/s")  # fmt: skip
+        now = [r for r in results if r[2] == _launch_config(16, False)]
+        chosen = choose_num_splits(rows, HKV, 1, 32768, _num_sms(0))
+        picks = {"best": results, f"default config (choose_num_splits: {chosen})": now}
+        for label, picked in picks.items():
+            ms, splits, launch = min(picked, key=lambda r: r[0])
+            best.append(f"bs{block_size} {rows}x{ctx}: {label} splits={splits} {launch} "
+                        f"{1e3 * ms:.1f} us {nbytes / ms / 1e6:.0f} GB/s")  # fmt: skip
+    print("\n".join(best))
+
+
 def main() -> None:
     import sys
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     torch.manual_seed(0)
+    if "--sweep-long" in sys.argv[1:]:
+        sweep_long("cuda")
+        return
     if "--sweep-decode" in sys.argv[1:]:
         sweep_decode("cuda")
         return

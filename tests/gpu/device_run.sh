@@ -26,6 +26,9 @@
 # FP8 caches and W1's prefill / mixed tiles over FP8 (float16 dots or not); the end-to-end A/B of
 # a fusion is a W step with PAGEDSERVE_DISABLE_FUSIONS=fp8-fast-accum (or norm-quant):
 #   STEPS="fp8-probe attn-sweep-decode w1-fp8" bash tests/gpu/device_run.sh
+# W5's decode-only steps (issue 18): `attn-sweep-long` sweeps split counts x launch configs on
+# 12-40 rows at 16k tokens (block sizes 16 and 128):
+#   STEPS="attn-sweep-long w5" bash tests/gpu/device_run.sh
 # `structured`: the device grammar masks against the CPU ones, `bench structured` at 0/50/100%
 # JSON-schema requests (issue 14's cost target), then the grammar host work per step on this
 # machine's CPU (tests/bench_grammar_step.py).
@@ -129,7 +132,7 @@ for step in $STEPS; do
         done ;;
     moe-prof) $T python3 tests/gpu/profile_moe.py $MOE --batch 1 64 --json "$OUT/moe-prof.json" \
           2>&1 | grep -v "^USDT" | tail -4 ;;
-    profile) $T python3 tests/gpu/profile_step.py $M ${X:+--fp8} 2>&1 | tee "$OUT/$name.txt" | tail -60 ;;
+    profile) $T python3 tests/gpu/profile_step.py $M ${X:+--fp8} ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/$name.txt" | tail -60 ;;
     fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40
         $T python3 -m pagedserve.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;
     fp8-sweep) $T python3 -m pagedserve.kernels.bench_fp8 --sweep > "$OUT/fp8_block_configs.json" ;;
@@ -163,6 +166,8 @@ PY
     fp8-probe) $T python3 tests/gpu/probe_fp8_pdl.py 2>&1 | tee "$OUT/fp8-probe.txt" ;;
     attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
+    attn-sweep-long) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
+          --sweep-long 2>&1 | tee "$OUT/attn-sweep-long.txt" | tail -20 ;;
     kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
           2>&1 | tee "$OUT/kernels-b1.txt" ;;
     decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py

@@ -52,6 +52,23 @@ def step_kinds(prof: torch.profiler.profile) -> str:
     return f"{whole:.0f} us: {shares}"
 
 
+def kernel_gaps(prof: torch.profiler.profile) -> str:
+    """Kernels of a profiled step on the GPU's timeline: how many, their summed time, and the
+    idle time between one kernel's end and the next one's start (launch gaps, even in a graph)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    busy = sum(end - start for start, end in spans)
+    idle, last_end = 0.0, None
+    for start, end in spans:
+        if last_end is not None and start > last_end:
+            idle += start - last_end
+        last_end = end if last_end is None else max(last_end, end)
+    return f"{len(spans)} kernels, {busy:.0f} us busy, {idle:.0f} us idle between them"
+
+
 def prefill_plan(batch: int, ctx: int, block_size: int) -> StepPlan:
     blocks_per = -(-(ctx + 160) // block_size)
     news = [
@@ -99,9 +116,10 @@ def profile_batch(runner: ModelRunner, batch: int, ctx: int) -> dict[str, float]
         runner.execute(decode_plan(99, batch, ctx + 36 + n))
         torch.cuda.synchronize()
     print(f"--- batch {batch}: one decode step by kind: {step_kinds(prof)}")
+    print(f"--- batch {batch}: {kernel_gaps(prof)}")
     print(f"--- batch {batch}: top CUDA kernels of one step")
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60)
     )
     runner.execute(StepPlan(100, [], [], finished_ids=[f"r{i}" for i in range(batch)]))
     return {"batch": batch, "graph_replay_ms": replay_ms, "execute_ms": host_ms,
