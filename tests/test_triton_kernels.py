@@ -87,6 +87,15 @@ def test_attention_decode_auto_splits():
     torch.testing.assert_close(out, paged_attention_ref(q, kv, meta, 0.25), **TOL)
 
 
+def test_choose_num_splits_fills_resident_slots():
+    """Decode programs x splits come near 3 per SM (132 SMs, 8 KV heads): W5's 24 rows at 16k
+    take 2 splits, not 1; batches past the slots, prefills and short rows stay unsplit."""
+    picks = {rows: choose_num_splits(rows, 8, 1, 32768, 132) for rows in (1, 12, 16, 24, 40, 256)}
+    assert picks == {1: 32, 12: 4, 16: 3, 24: 2, 40: 1, 256: 1}
+    assert choose_num_splits(24, 8, 2, 32768, 132) == 1  # a prompt in the batch
+    assert choose_num_splits(1, 8, 1, 600, 132) == 2  # 256 keys a split at least
+
+
 @tiny
 def test_attention_module_writes_then_attends():
     """Through `Attention` (write, then attend): the Triton backend sees the step's own K/V."""
