@@ -103,17 +103,12 @@ def profile_batch(runner: ModelRunner, batch: int, ctx: int) -> dict[str, float]
     end.record()
     torch.cuda.synchronize()
     replay_ms = start.elapsed_time(end) / n
-    # As the worker runs under async scheduling: step N+1 starts before step N is finished.
-    pending = runner.sample(runner.start(decode_plan(60, batch, ctx + 35), None))
-    t0 = time.perf_counter()
-    for step in range(n):
-        started = runner.start(decode_plan(61 + step, batch, ctx + 36 + step), pending)
-        runner.finish(pending)
-        pending = runner.sample(started)
-    runner.finish(pending)
-    pipelined_ms = 1000 * (time.perf_counter() - t0) / n
+    pipelined_ms = pipelined(runner, batch, ctx + 35, 60, n)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner.execute(decode_plan(99, batch, ctx + 36 + n))
+        pipelined(runner, batch, ctx + 36 + n, 60 + n + 1, 5)
+    print(f"--- batch {batch}: 5 pipelined steps: {kernel_gaps(prof)}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.execute(decode_plan(99, batch, ctx + 42 + n))
         torch.cuda.synchronize()
     print(f"--- batch {batch}: one decode step by kind: {step_kinds(prof)}")
     print(f"--- batch {batch}: {kernel_gaps(prof)}")
@@ -124,6 +119,19 @@ def profile_batch(runner: ModelRunner, batch: int, ctx: int) -> dict[str, float]
     runner.execute(StepPlan(100, [], [], finished_ids=[f"r{i}" for i in range(batch)]))
     return {"batch": batch, "graph_replay_ms": replay_ms, "execute_ms": host_ms,
             "pipelined_ms": pipelined_ms}  # fmt: skip
+
+
+def pipelined(runner: ModelRunner, batch: int, ctx: int, first_step: int, n: int) -> float:
+    """ms per decode step run as the worker runs them under async scheduling: step N+1 is
+    queued before step N's sampled ids are read back."""
+    pending = runner.sample(runner.start(decode_plan(first_step, batch, ctx), None))
+    t0 = time.perf_counter()
+    for step in range(n):
+        started = runner.start(decode_plan(first_step + 1 + step, batch, ctx + 1 + step), pending)
+        runner.finish(pending)
+        pending = runner.sample(started)
+    runner.finish(pending)
+    return 1000 * (time.perf_counter() - t0) / n
 
 
 def profile_prefill(runner: ModelRunner, num_seqs: int, prompt_len: int) -> None:
