@@ -93,15 +93,60 @@ def sweep() -> dict[str, dict[str, int]]:
     return best
 
 
+def sweep_cold() -> dict[str, dict[str, int]]:
+    """As `sweep`, but as the decode chain meets the weights: each timed call runs the GEMV over
+    enough distinct copies of the weight (>= 400 MB) that none is in the 50 MB L2 when its turn
+    comes (one copy timed alone reads the smaller shapes partly from L2). M = 1; cuBLAS, the
+    current config and every candidate; `down` also in the silu-folded (gated) form."""
+    cases = [(name, n, k, False) for name, (n, k) in SHAPES.items()]
+    cases.append(("down+silu", *SHAPES["down"], True))
+    return {name: _cold_case(name, n, k, gated) for name, n, k, gated in cases}
+
+
+def _cold_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
+    from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
+
+    copies = max(2, -(-400_000_000 // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+
+    def per_gemv(one) -> float:
+        return _ms(lambda: [one(w) for w in ws]) / copies
+
+    def cublas(w: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(F.silu(x[:, :k]) * x[:, k:] if gated else x, w.t())
+
+    timed = [(per_gemv(cublas), "cublas")]
+    for cfg in [gemv_config(n, k), *candidates()]:
+        try:
+            timed.append((per_gemv(lambda w, c=cfg: triton_gemv(x, w, gated=gated, config=c)), cfg))
+        except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
+            print(f"  {name} {cfg}: {type(exc).__name__}")
+    gb = n * k * 2 / 1e6
+    for ms, cfg in timed[:2]:
+        print(f"{name:<9} {ms * 1e3:7.1f} us {gb / ms:6.0f} GB/s {cfg}")
+    ms, cfg = min(timed[1:], key=lambda t: t[0])
+    print(f"{name:<9} best {ms * 1e3:7.1f} us {gb / ms:6.0f} GB/s {cfg} "
+          f"({timed[0][0] / ms:.2f}x cuBLAS)")  # fmt: skip
+    return cfg
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="sweep_cold only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA device")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "bf16 GEMV vs cuBLAS, Llama-3-8B weight shapes")
+    if args.cold:
+        result = {"cold": sweep_cold()}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     result = {"compare": compare()}
     if args.sweep:
         result["sweep"] = sweep()
