@@ -4,9 +4,10 @@ the weight once without cuBLAS' split-K reduce kernel.
 
 Which one runs is measured, not assumed: the first call for a (rows, N, K, gated) key outside a
 CUDA-graph capture times both (a few runs each, CUDA events) and keeps the faster for the rest of
-the process, so the GEMV only replaces cuBLAS where it wins on this GPU. Decode graphs warm up
-before they capture, so every choice they hold is made then; an eager step meeting a new key
-pays one short synchronizing measurement. The row count is a host int, fixed per graph bucket.
+the process, so the GEMV only replaces cuBLAS where it wins on this GPU. Each call is timed after
+an L2 flush, as a decode step meets its weights. Decode graphs warm up before they capture, so
+every choice they hold is made then; an eager step meeting a new key pays one short
+synchronizing measurement. The row count is a host int, fixed per graph bucket.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import fusion_enabled, use_triton
 
 GEMV_MAX_M = 8  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
-TIMING_RUNS = 5
+TIMING_RUNS = 9
 # (rows, N, K, gated, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it)
 GEMV_WINS: dict[tuple[object, ...], bool] = {}
 
@@ -73,18 +74,30 @@ def _gemv_wins(
     if won is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return True  # nothing to time against here (the interpreter; a capture's first call)
-        won = GEMV_WINS[key] = _median_ms(fast) <= _median_ms(slow)
+        from triton.runtime.errors import OutOfResources
+
+        try:
+            won = _median_ms(fast) <= _median_ms(slow)
+        except OutOfResources:  # a launch config this GPU's shared memory cannot hold
+            won = False
+        GEMV_WINS[key] = won
     return won
 
 
 def _median_ms(fn: Callable[[], torch.Tensor]) -> float:
+    """Median time of one call with the L2 cache flushed before it: in a decode step every
+    weight arrives from memory (the layers before streamed 15 GB through the cache), and timed
+    back to back the smaller weights (qkv, o_proj) would be read partly from L2."""
     fn()  # compile / cuBLAS heuristics outside the timing
+    device = torch.cuda.current_device()
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device=device)
     times = []
     for _ in range(TIMING_RUNS):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(3):  # a few back to back, as a graph runs them
-            fn()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
