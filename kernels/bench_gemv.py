@@ -117,7 +117,7 @@ def _cold_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
         return torch.matmul(F.silu(x[:, :k]) * x[:, k:] if gated else x, w.t())
 
     timed = [(per_gemv(cublas), "cublas")]
-    for cfg in [gemv_config(n, k), *candidates()]:
+    for cfg in [gemv_config(n, k, gated), *candidates()]:
         try:
             timed.append((per_gemv(lambda w, c=cfg: triton_gemv(x, w, gated=gated, config=c)), cfg))
         except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)

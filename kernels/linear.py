@@ -22,6 +22,7 @@ from pagedserve.kernels.backend import fusion_enabled, use_triton
 
 GEMV_MAX_M = 8  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
 TIMING_RUNS = 9
+LAUNCH_COVER_CYCLES = 500_000  # GPU spin before each timed call: ~0.3 ms, past its host launch
 # (rows, N, K, gated, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it)
 GEMV_WINS: dict[tuple[object, ...], bool] = {}
 
@@ -85,9 +86,11 @@ def _gemv_wins(
 
 
 def _median_ms(fn: Callable[[], torch.Tensor]) -> float:
-    """Median time of one call with the L2 cache flushed before it: in a decode step every
-    weight arrives from memory (the layers before streamed 15 GB through the cache), and timed
-    back to back the smaller weights (qkv, o_proj) would be read partly from L2."""
+    """Median GPU time of one call, as a decode graph runs it: the L2 cache flushed before it
+    (in a decode step every weight arrives from memory; timed back to back the smaller ones,
+    qkv and o_proj, would be read partly from L2), and the GPU kept busy past the host's
+    launch of it (a Triton launch takes the host tens of microseconds, longer than the kernel:
+    timed bare, the GPU's wait for it would count, though a graph replay has none)."""
     fn()  # compile / cuBLAS heuristics outside the timing
     device = torch.cuda.current_device()
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
@@ -95,6 +98,7 @@ def _median_ms(fn: Callable[[], torch.Tensor]) -> float:
     times = []
     for _ in range(TIMING_RUNS):
         flush.zero_()
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

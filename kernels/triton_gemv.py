@@ -62,13 +62,15 @@ def _gemv_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv_config(n: int, k: int) -> dict[str, int]:
+def gemv_config(n: int, k: int, gated: bool = False) -> dict[str, int]:
     """BLOCK_N, BLOCK_K, warps and stages for an `[n, k]` weight: 32 x 512 tiles, 3 stages, 5 for
-    wide layers (gate/up, the LM head). At M = 1 with the weights out of L2, as the decode chain
-    reads them (`python -m pagedserve.kernels.bench_gemv --cold`, H100, us per GEMV against
-    cuBLAS): o_proj 14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs 81.5, LM head 336.6 vs
-    374.7; the former 16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
-    return {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 5 if n > 8192 else 3}
+    wide layers (gate/up, the LM head; the gated form pipelines two input tiles too, and at 5
+    stages overflows an H100's shared memory). At M = 1 with the weights out of L2, as the
+    decode chain reads them (`python -m pagedserve.kernels.bench_gemv --cold`, H100, us per
+    GEMV against cuBLAS): o_proj 14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs 81.5, LM head
+    336.6 vs 374.7; the former 16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
+    stages = 5 if n > 8192 and not gated else 3
+    return {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": stages}
 
 
 def triton_gemv(
@@ -92,7 +94,7 @@ def triton_gemv(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or gemv_config(n, k)
+    cfg = config or gemv_config(n, k, gated)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out, m, n, k,
