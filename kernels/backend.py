@@ -13,7 +13,7 @@ Environment variables, read once per process (start-up settings, never flipped a
   tokens attend as a decode part and a prompt part (kernels/attention_dispatch.py).
 - `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single fusions and fast paths on CUDA, to
   measure each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV
-  for <= 8 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
+  for <= 32 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
   projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
   and argmax inside small decode graphs), `cascade` (shared-prefix attention for large batches,
   kernels/cascade.py, and its decode graphs), `fp8-fast-accum` (FP8 prefill GEMMs accumulate

@@ -1,5 +1,5 @@
 """The model-dtype matmul of every linear layer and the LM head: `F.linear`, except that on CUDA
-a few rows (a decode batch of <= 8) may take the Triton GEMV (kernels/triton_gemv.py), which reads
+a few rows (a decode batch of <= 32) may take the Triton GEMV (kernels/triton_gemv.py), which reads
 the weight once without cuBLAS' split-K reduce kernel.
 
 Which one runs is measured, not assumed: the first call for a (rows, N, K, gated) key outside a
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import fusion_enabled, use_triton
 
-GEMV_MAX_M = 8  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
+GEMV_MAX_M = 32  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
 TIMING_RUNS = 9
 LAUNCH_COVER_CYCLES = 500_000  # GPU spin before each timed call: ~0.3 ms, past its host launch
 # (rows, N, K, gated, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it)

@@ -1,13 +1,14 @@
-"""`x @ W^T (+ b)` for a few rows of bf16/fp16 (decode at batch <= 8), in Triton.
+"""`x @ W^T (+ b)` for a few rows of bf16/fp16 (decode at batch <= 32), in Triton.
 
 Why: at batch 1 a decode step is bound by reading the weights once, and cuBLAS' heuristics pick
-split-K kernels for these shapes, which add a reduce kernel per matmul (four per layer, 128
-launches per token of Llama-3-8B). Here each program owns `BLOCK_N` output features and streams
-their whole `[BLOCK_N, K]` slice of the weight, `BLOCK_K` columns at a time, into one `tl.dot`
-per step with the rows of `x` padded to 16 (the smallest dot; the padding rows are never
-loaded). The dot lets Triton's pipeliner keep `num_stages` weight tiles in flight, and no program
-shares an output, so there is no reduce. The weight is `[N, K]` row-major (the checkpoint's
-layout), read transposed.
+split-K kernels for these shapes, which add a reduce kernel per matmul (four per layer, 128 launches
+per token of Llama-3-8B). Here each program owns `BLOCK_N` output features and streams their whole
+`[BLOCK_N, K]` slice of the weight, `BLOCK_K` columns at a time, into one `tl.dot` per step with the
+rows of `x` padded to 16 (the smallest dot; the padding rows are never loaded), or to 32 above 16
+rows: up to there a decode step still streams the weights at memory speed, where cuBLAS' small-M
+kernels reach 2.2-2.7 TB/s (W5's batches of ~24 rows). The dot lets Triton's pipeliner keep
+`num_stages` weight tiles in flight, and no program shares an output, so there is no reduce. The
+weight is `[N, K]` row-major (the checkpoint's layout), read transposed.
 
 `GATED`: the input is a merged gate/up output `[M, 2K]` and the kernel applies
 `silu(gate) * up` (rounded to the model dtype like `silu_and_mul_ref`) while loading it, so the
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_M = 8  # rows up to this take the GEMV; more go to cuBLAS (a real GEMM)
+GEMV_MAX_M = 32  # rows up to this may take the GEMV; more go to cuBLAS (a real GEMM)
 
 
 @triton.jit
@@ -62,14 +63,14 @@ def _gemv_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv_config(n: int, k: int, gated: bool = False) -> dict[str, int]:
-    """BLOCK_N, BLOCK_K, warps and stages for an `[n, k]` weight: 32 x 512 tiles, 3 stages, 5 for
-    wide layers (gate/up, the LM head; the gated form pipelines two input tiles too, and at 5
-    stages overflows an H100's shared memory). At M = 1 with the weights out of L2, as the
-    decode chain reads them (`python -m pagedserve.kernels.bench_gemv --cold`, H100, us per
-    GEMV against cuBLAS): o_proj 14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs 81.5, LM head
-    336.6 vs 374.7; the former 16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
-    stages = 5 if n > 8192 and not gated else 3
+def gemv_config(n: int, k: int, gated: bool = False, m: int = 1) -> dict[str, int]:
+    """BLOCK_N, BLOCK_K, warps and stages for an `[n, k]` weight: 32 x 512 tiles, 3 stages, 5
+    for wide layers (gate/up, the LM head; the gated form pipelines two input tiles too, and at
+    5 stages overflows an H100's shared memory, as do 32-row inputs). At M = 1 with the weights
+    out of L2, as the decode chain reads them (`python -m pagedserve.kernels.bench_gemv --cold`,
+    H100, us per GEMV against cuBLAS): o_proj 14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs
+    81.5, LM head 336.6 vs 374.7; the former 16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
+    stages = 5 if n > 8192 and not gated and m <= 16 else 3
     return {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": stages}
 
 
@@ -94,12 +95,13 @@ def triton_gemv(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or gemv_config(n, k, gated)
+    cfg = config or gemv_config(n, k, gated, m)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else out, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated,
-        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0, BLOCK_M=16, **cfg,
+        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0,
+        BLOCK_M=16 if m <= 16 else 32, **cfg,
     )  # fmt: skip
     return out

@@ -164,3 +164,21 @@ def test_sampling_frequencies_match_softmax(temperature):
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).float() / n
     probs = torch.softmax(logits[0] / temperature, -1)
     assert (freq - probs).abs().max().item() < 0.015
+
+
+def test_argmax_rows_split_matches_argmax():
+    """The two-pass argmax (CUDA's path, forced here) returns torch's: the first maximum,
+    across chunk borders and within a chunk; vocabularies without a useful split take one pass."""
+    from pagedserve.worker.sampler import _argmax_chunk, argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 128256, generator=gen)
+    x[1, 384 * 7 + 5] = x[1, 384 * 200 + 3] = 99.0  # ties in two chunks: the first one wins
+    x[2, 10] = x[2, 11] = 99.0  # a tie inside one chunk
+    x[3] = 0.0  # every value tied: index 0
+    assert _argmax_chunk(128256) == 384
+    torch.testing.assert_close(argmax_rows(x, split=True), x.argmax(dim=-1))
+    assert argmax_rows(x, split=True).tolist()[1:4] == [384 * 7 + 5, 10, 0]
+    assert _argmax_chunk(131) == 131  # prime: no split
+    y = torch.randn(2, 131, generator=gen)
+    torch.testing.assert_close(argmax_rows(y, split=True), y.argmax(dim=-1))

@@ -39,9 +39,10 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 @tiny
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 200), (3, 64, 128), (8, 33, 130)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 200), (3, 64, 128), (8, 33, 130), (21, 40, 70)])
 def test_gemv(dtype, m, n, k):
-    """Rows 1-8, N not a multiple of the tile, K with a ragged last step; bias; gated input."""
+    """Rows 1-21 (16- and 32-row tiles), N not a multiple of the tile, K with a ragged last
+    step; bias; gated input."""
     gen = torch.Generator().manual_seed(m * n)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
     b, xg = torch.randn(n, generator=gen), torch.randn(m, 2 * k, generator=gen)
@@ -61,7 +62,7 @@ def test_gemv(dtype, m, n, k):
 def test_gemv_rejects_bad_inputs():
     w = torch.randn(16, 32, device=DEV)
     with pytest.raises(ValueError, match="at most"):
-        triton_gemv(torch.randn(9, 32, device=DEV), w)
+        triton_gemv(torch.randn(33, 32, device=DEV), w)
     with pytest.raises(ValueError, match="does not fit"):
         triton_gemv(torch.randn(2, 32, device=DEV), w, gated=True)
 
@@ -197,7 +198,7 @@ def test_gpu_gemv_8b_shapes(n, k):
     from pagedserve.kernels.bench_kernels import relative_error
 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    for m in (1, 2, 4, 8):
+    for m in (1, 2, 4, 8, 16, 24, 32):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         assert relative_error(triton_gemv(x, w), F.linear(x, w)) < 1e-2
     xg = torch.randn(3, 2 * k, device="cuda", dtype=torch.bfloat16)

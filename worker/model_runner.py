@@ -35,7 +35,13 @@ from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher, fill_threa
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
-from pagedserve.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
+from pagedserve.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    argmax_rows,
+    compute_logprobs,
+    to_device,
+)
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -264,7 +270,7 @@ class ModelRunner:
 
         def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.model.compute_logits(hidden)  # [n, V] float32
-            return logits, logits.argmax(dim=-1)
+            return logits, argmax_rows(logits)
 
         return head
 
