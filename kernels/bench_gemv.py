@@ -62,7 +62,7 @@ def compare() -> list[dict[str, float]]:
                          "cublas_us": theirs * 1e3, "gemv_gbps": gb / ours,
                          "cublas_gbps": gb / theirs, "rel_err": err})  # fmt: skip
             linear(x, w, None)  # what the model's dispatch picks, by its own measurement
-            picked = "gemv" if GEMV_WINS[(m, n, k, False, x.dtype, x.device)] else "cublas"
+            picked = "gemv" if GEMV_WINS[(m, n, k, "plain", x.dtype, x.device)] else "cublas"
             flag = f"  picks {picked}" + (f"  !! rel_err {err:.1e}" if err > 1e-2 else "")
             print(f"{name:<8} {n:>6}x{k:<6} {m:>2} {ours * 1e3:8.1f} {gb / ours:6.0f} "
                   f"{theirs * 1e3:9.1f} {gb / theirs:6.0f} {theirs / ours:6.2f}x  "

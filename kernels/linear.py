@@ -2,7 +2,7 @@
 a few rows (a decode batch of <= 32) may take the Triton GEMV (kernels/triton_gemv.py), which reads
 the weight once without cuBLAS' split-K reduce kernel.
 
-Which one runs is measured, not assumed: the first call for a (rows, N, K, gated) key outside a
+Which one runs is measured, not assumed: the first call for a (rows, N, K, kind) key outside a
 CUDA-graph capture times both (a few runs each, CUDA events) and keeps the faster for the rest of
 the process, so the GEMV only replaces cuBLAS where it wins on this GPU. Each call is timed after
 an L2 flush, as a decode step meets its weights. Decode graphs warm up before they capture, so
@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import fusion_enabled, use_triton
+from pagedserve.kernels.norm import NormRows
 
 GEMV_MAX_M = 32  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
 TIMING_RUNS = 9
 LAUNCH_COVER_CYCLES = 500_000  # GPU spin before each timed call: ~0.3 ms, past its host launch
-# (rows, N, K, gated, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it)
+# (rows, N, K, kind, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it);
+# kind: "plain", "gated" (silu folded in) or "norm" (the RMSNorm before folded in)
 GEMV_WINS: dict[tuple[object, ...], bool] = {}
 
 
@@ -40,15 +42,38 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: x [M, K], weight [N, K] -> [M, N]."""
+def linear(
+    x: torch.Tensor | NormRows, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: x [M, K], weight [N, K] -> [M, N]; `NormRows` (the norm
+    before said `takes_norm_rows`) are normalized inside the GEMV."""
+    if isinstance(x, NormRows):
+        from pagedserve.kernels.triton_gemv import triton_gemv
+
+        return triton_gemv(x.x, weight, bias, norm=x)
     if use_gemv(x, weight):
         from pagedserve.kernels.triton_gemv import triton_gemv
 
         fast = lambda: triton_gemv(x, weight, bias)  # noqa: E731
-        if _gemv_wins(x, weight, False, fast, lambda: F.linear(x, weight, bias)):
+        if _gemv_wins(x, weight, "plain", fast, lambda: F.linear(x, weight, bias)):
             return fast()
     return F.linear(x, weight, bias)
+
+
+def takes_norm_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the RMSNorm making x (its input rows, [M, K]) should leave them to this weight's
+    GEMV (`NormRows`): at GEMV batch sizes where, measured, the fused kernel beats the norm
+    kernel plus this layer's own matmul."""
+    if not (use_gemv(x, weight) and fusion_enabled("norm-gemv")):
+        return False
+    from pagedserve.kernels.triton_gemv import triton_gemv
+    from pagedserve.kernels.triton_norm import triton_rms_norm
+
+    ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    rows = NormRows(x, x, ones, 1e-6, torch.empty_like(x))
+    fast = lambda: triton_gemv(x, weight, None, norm=rows)  # noqa: E731
+    slow = lambda: linear(triton_rms_norm(x, ones, 1e-6, x)[0], weight, None)  # noqa: E731
+    return _gemv_wins(x, weight, "norm", fast, slow)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -59,18 +84,18 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
         fast = lambda: triton_gemv(x, weight, bias, gated=True)  # noqa: E731
         slow = lambda: linear(silu_and_mul(x), weight, bias)  # noqa: E731
-        return fast() if _gemv_wins(x, weight, True, fast, slow) else slow()
+        return fast() if _gemv_wins(x, weight, "gated", fast, slow) else slow()
     return linear(silu_and_mul(x), weight, bias)
 
 
 def _gemv_wins(
     x: torch.Tensor,
     weight: torch.Tensor,
-    gated: bool,
+    kind: str,
     fast: Callable[[], torch.Tensor],
     slow: Callable[[], torch.Tensor],
 ) -> bool:
-    key = (x.shape[0], *weight.shape, gated, x.dtype, x.device)
+    key = (x.shape[0], *weight.shape, kind, x.dtype, x.device)
     won = GEMV_WINS.get(key)
     if won is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
