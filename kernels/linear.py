@@ -66,6 +66,9 @@ def takes_norm_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     kernel plus this layer's own matmul."""
     if not (use_gemv(x, weight) and fusion_enabled("norm-gemv")):
         return False
+    won = GEMV_WINS.get(_gemv_key(x, weight, "norm"))
+    if won is not None:  # (measured: no timing tensors to make, inside a graph least of all)
+        return won
     from pagedserve.kernels.triton_gemv import triton_gemv
     from pagedserve.kernels.triton_norm import triton_rms_norm
 
@@ -95,7 +98,7 @@ def _gemv_wins(
     fast: Callable[[], torch.Tensor],
     slow: Callable[[], torch.Tensor],
 ) -> bool:
-    key = (x.shape[0], *weight.shape, kind, x.dtype, x.device)
+    key = _gemv_key(x, weight, kind)
     won = GEMV_WINS.get(key)
     if won is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -108,6 +111,10 @@ def _gemv_wins(
             won = False
         GEMV_WINS[key] = won
     return won
+
+
+def _gemv_key(x: torch.Tensor, weight: torch.Tensor, kind: str) -> tuple[object, ...]:
+    return (x.shape[0], *weight.shape, kind, x.dtype, x.device)
 
 
 def _median_ms(fn: Callable[[], torch.Tensor]) -> float:

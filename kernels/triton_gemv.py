@@ -67,14 +67,26 @@ def _gemv_kernel(
             act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
             row = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
             x = tl.where(rm[:, None] == 0, row[None, :], 0.0).to(up.dtype)  # [BM, BK]
-        else:
+        elif not (NORM and ONE_ROW):  # (that branch loads its one row below)
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BM, BK]
         if GATED and not ONE_ROW:  # silu(gate) * up, each rounded to the model dtype as torch
             up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-        if NORM:  # (x + residual) * norm weight; the 1 / rms, a per-row scalar, comes last
+        if NORM and ONE_ROW:  # as below, on the one real row only
+            xr = tl.load(x_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0)
+            if HAS_RES:
+                rr = tl.load(res_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0)
+                xr = (xr.to(tl.float32) + rr.to(tl.float32)).to(xr.dtype)
+                if writes_res:
+                    tl.store(res_out_ptr + k * BLOCK_K + rk, xr, mask=k_ok)
+            xf = xr.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, 0)
+            nw = tl.load(nw_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0).to(tl.float32)
+            row = (xf * nw).to(xr.dtype)
+            x = tl.where(rm[:, None] == 0, row[None, :], 0.0).to(xr.dtype)  # [BM, BK]
+        elif NORM:  # (x + residual) * norm weight; the 1 / rms, a per-row scalar, comes last
             if HAS_RES:
                 r = tl.load(r_ptrs, mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounds like torch's add

@@ -62,7 +62,7 @@ def test_gemv(dtype, m, n, k):
 @tiny
 @tiny
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("m", "with_residual"), [(1, True), (3, False), (21, True)])
+@pytest.mark.parametrize(("m", "with_residual"), [(1, True), (1, False), (3, False), (21, True)])
 def test_gemv_with_norm(dtype, m, with_residual):
     """The RMSNorm folded into the GEMV (`NormRows`): the linear of rms_norm(x + residual), and
     x + residual stored as the new residual, bit-equal to the add in the model dtype."""
