@@ -11,15 +11,15 @@ Environment variables, read once per process (start-up settings, never flipped a
 - `PAGEDSERVE_DISABLE_TRITON=1` sends every op to the torch reference (debugging a fast path).
 - `PAGEDSERVE_MIXED_SPLIT_TOKENS=N` (default 1024; 0: never): eager mixed steps of at least N
   tokens attend as a decode part and a prompt part (kernels/attention_dispatch.py).
-- `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single fusions and fast paths on CUDA, to measure
-  each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV for <= 32
-  rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down projection's GEMV),
-  `norm-gemv` (the RMSNorm before qkv and gate/up folded into their GEMV, kernels/norm.py's
-  `NormRows`), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head and argmax
-  inside small decode graphs), `cascade` (shared-prefix attention for large batches,
-  kernels/cascade.py, and its decode graphs), `fp8-fast-accum` (FP8 prefill GEMMs accumulate at the
-  tensor cores' own precision, kernels/fp8.py), `norm-quant` (the RMSNorm before an FP8 layer writes
-  its per-token quantized input, kernels/triton_norm.py); `all` turns off every one.
+- `PAGEDSERVE_DISABLE_FUSIONS=name,...` turns off single fusions and fast paths on CUDA, to
+  measure each one's gain (`tests/gpu/device_run.sh` step `w3-ablate`): `gemv` (the Triton GEMV
+  for <= 32 rows, kernels/triton_gemv.py), `gated-gemv` (silu_and_mul folded into the down
+  projection's GEMV), `rope-cache` (rotary fused with the KV-cache write), `graph-head` (LM head
+  and argmax inside small decode graphs), `cascade` (shared-prefix attention for large batches,
+  kernels/cascade.py, and its decode graphs), `fp8-fast-accum` (FP8 prefill GEMMs accumulate
+  at the tensor cores' own precision, kernels/fp8.py), `norm-quant` (the RMSNorm before an FP8
+  layer writes its per-token quantized input, kernels/triton_norm.py); `all` turns off every
+  one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -42,8 +42,7 @@ REQUESTABLE_BACKENDS = ("auto", "triton", "flash")  # --attention-backend
 STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
 FUSIONS = (
-    "gemv", "gated-gemv", "norm-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum",
-    "norm-quant",
+    "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
 )  # fmt: skip
 
 

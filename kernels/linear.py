@@ -19,13 +19,12 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import fusion_enabled, use_triton
-from pagedserve.kernels.norm import NormRows
 
 GEMV_MAX_M = 32  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
 TIMING_RUNS = 9
 LAUNCH_COVER_CYCLES = 500_000  # GPU spin before each timed call: ~0.3 ms, past its host launch
 # (rows, N, K, kind, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it);
-# kind: "plain", "gated" (silu folded in) or "norm" (the RMSNorm before folded in)
+# kind: "plain" or "gated" (silu folded in)
 GEMV_WINS: dict[tuple[object, ...], bool] = {}
 
 
@@ -42,15 +41,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(
-    x: torch.Tensor | NormRows, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: x [M, K], weight [N, K] -> [M, N]; `NormRows` (the norm
-    before said `takes_norm_rows`) are normalized inside the GEMV."""
-    if isinstance(x, NormRows):
-        from pagedserve.kernels.triton_gemv import triton_gemv
-
-        return triton_gemv(x.x, weight, bias, norm=x)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: x [M, K], weight [N, K] -> [M, N]."""
     if use_gemv(x, weight):
         from pagedserve.kernels.triton_gemv import triton_gemv
 
@@ -58,25 +50,6 @@ def linear(
         if _gemv_wins(x, weight, "plain", fast, lambda: F.linear(x, weight, bias)):
             return fast()
     return F.linear(x, weight, bias)
-
-
-def takes_norm_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the RMSNorm making x (its input rows, [M, K]) should leave them to this weight's
-    GEMV (`NormRows`): at GEMV batch sizes where, measured, the fused kernel beats the norm
-    kernel plus this layer's own matmul."""
-    if not (use_gemv(x, weight) and fusion_enabled("norm-gemv")):
-        return False
-    won = GEMV_WINS.get(_gemv_key(x, weight, "norm"))
-    if won is not None:  # (measured: no timing tensors to make, inside a graph least of all)
-        return won
-    from pagedserve.kernels.triton_gemv import triton_gemv
-    from pagedserve.kernels.triton_norm import triton_rms_norm
-
-    ones = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    rows = NormRows(x, x, ones, 1e-6, torch.empty_like(x))
-    fast = lambda: triton_gemv(x, weight, None, norm=rows)  # noqa: E731
-    slow = lambda: linear(triton_rms_norm(x, ones, 1e-6, x)[0], weight, None)  # noqa: E731
-    return _gemv_wins(x, weight, "norm", fast, slow)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +71,7 @@ def _gemv_wins(
     fast: Callable[[], torch.Tensor],
     slow: Callable[[], torch.Tensor],
 ) -> bool:
-    key = _gemv_key(x, weight, kind)
+    key = (x.shape[0], *weight.shape, kind, x.dtype, x.device)
     won = GEMV_WINS.get(key)
     if won is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -111,10 +84,6 @@ def _gemv_wins(
             won = False
         GEMV_WINS[key] = won
     return won
-
-
-def _gemv_key(x: torch.Tensor, weight: torch.Tensor, kind: str) -> tuple[object, ...]:
-    return (x.shape[0], *weight.shape, kind, x.dtype, x.device)
 
 
 def _median_ms(fn: Callable[[], torch.Tensor]) -> float:

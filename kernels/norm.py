@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -11,22 +10,7 @@ from torch import nn
 from pagedserve.kernels.backend import use_triton
 from pagedserve.kernels.fp8 import Fp8Rows
 
-
-class NormRows(NamedTuple):
-    """Rows an RMSNorm leaves to the next layer's GEMV (kernels/triton_gemv.py) to normalize:
-    at decode batch sizes that kernel adds the residual, multiplies by the norm weight and
-    scales by 1 / rms in its own loop over the row, and stores x + residual into
-    `residual_out`, the tensor the norm already returned as the new residual."""
-
-    x: torch.Tensor  # [M, K]
-    residual: torch.Tensor | None  # [M, K]
-    weight: torch.Tensor  # [K], in x's dtype (the norm's kernel weight)
-    eps: float
-    residual_out: torch.Tensor | None  # [M, K], written by the GEMV
-
-
-# The normed rows: model dtype, FP8 for an FP8 layer, or left to the next layer's GEMV.
-Normed = torch.Tensor | Fp8Rows | NormRows
+Normed = torch.Tensor | Fp8Rows  # the normed rows: model dtype, or FP8 for an FP8 layer
 
 
 class RMSNorm(nn.Module):
@@ -38,10 +22,6 @@ class RMSNorm(nn.Module):
     `fp8_consumer`, set by a decoder layer whose next linear layer is FP8 with per-token
     activation scales, is that layer's `takes_fp8_rows`: where it says yes for x, the Triton
     kernel returns the normed rows quantized (`Fp8Rows`) instead of in the model dtype.
-
-    `norm_consumer`, set by a decoder layer of a model-dtype model, is the next layer's
-    `takes_norm_rows`: where it says yes for x (a batch the layer's GEMV takes and, measured,
-    the fused form wins), the norm returns `NormRows` and launches nothing itself.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -49,7 +29,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.fp8_consumer: Callable[[torch.Tensor], bool] | None = None
-        self.norm_consumer: Callable[[torch.Tensor], bool] | None = None
 
     def forward(
         self,
@@ -60,16 +39,6 @@ class RMSNorm(nn.Module):
             from pagedserve.kernels.triton_norm import triton_rms_norm
 
             weight = self.kernel_weight()
-            if (
-                self.norm_consumer is not None
-                and weight.dtype == x.dtype
-                and (residual is None or residual.stride(-1) == 1)
-                and self.norm_consumer(x)
-            ):
-                if residual is None:
-                    return NormRows(x, None, weight, self.eps, None)
-                residual_out = torch.empty_like(x)
-                return NormRows(x, residual, weight, self.eps, residual_out), residual_out
             quantize = (
                 self.fp8_consumer is not None and weight.dtype == x.dtype and self.fp8_consumer(x)
             )

@@ -14,17 +14,10 @@ weight is `[N, K]` row-major (the checkpoint's layout), read transposed.
 `silu(gate) * up` (rounded to the model dtype like `silu_and_mul_ref`) while loading it, so the
 MLP's down projection needs no separate activation kernel at small batches. With one row the
 activation is computed once per tile, not for the 15 padding rows too (which made the gated form
-4x slower than the plain one).
-
-`NORM` (`norm=NormRows`, kernels/norm.py): the input is the RMSNorm's input, normalized here: each
-tile of `x (+ residual)` is summed in the model dtype (program 0 stores it as the new residual),
-its squares accumulated, multiplied by the norm weight and dotted; the per-row `1 / rms` is a
-scalar of the whole row, so it scales the accumulator once at the end. One kernel per norm fewer
-(two per layer); the products round in the other order than the norm kernel's, within bf16's
-precision.
+~4x slower than the plain one: `bench_gemv --cold`, 154 against 42 us for Llama-3-8B's down).
 
 Launch configurations per weight shape come from `gemv_config`; `python -m
-pagedserve.kernels.bench_gemv --sweep` times the candidates on a GPU.
+pagedserve.kernels.bench_gemv --sweep` (`--cold`: weights out of L2) times the candidates on a GPU.
 """
 
 from __future__ import annotations
@@ -33,17 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.norm import NormRows
-
 GEMV_MAX_M = 32  # rows up to this may take the GEMV; more go to cuBLAS (a real GEMM)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, nw_ptr, res_ptr, res_out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    ONE_ROW: tl.constexpr, EVEN: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,11 +42,7 @@ def _gemv_kernel(
     m_ok = rm < M
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    r_ptrs = res_ptr + rm[:, None] * stride_rm + rk[None, :]
-    ro_ptrs = res_out_ptr + rm[:, None] * stride_rom + rk[None, :]
-    writes_res = tl.program_id(0) == 0  # one program stores the new residual
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = rk < K - k * BLOCK_K
         x_mask = m_ok[:, None] & k_ok[None, :]
@@ -67,37 +52,13 @@ def _gemv_kernel(
             act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
             row = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
             x = tl.where(rm[:, None] == 0, row[None, :], 0.0).to(up.dtype)  # [BM, BK]
-        elif not (NORM and ONE_ROW):  # (that branch loads its one row below)
+        else:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BM, BK]
         if GATED and not ONE_ROW:  # silu(gate) * up, each rounded to the model dtype as torch
             up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-        if NORM and ONE_ROW:  # as below, on the one real row only
-            xr = tl.load(x_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0)
-            if HAS_RES:
-                rr = tl.load(res_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0)
-                xr = (xr.to(tl.float32) + rr.to(tl.float32)).to(xr.dtype)
-                if writes_res:
-                    tl.store(res_out_ptr + k * BLOCK_K + rk, xr, mask=k_ok)
-            xf = xr.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, 0)
-            nw = tl.load(nw_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0).to(tl.float32)
-            row = (xf * nw).to(xr.dtype)
-            x = tl.where(rm[:, None] == 0, row[None, :], 0.0).to(xr.dtype)  # [BM, BK]
-        elif NORM:  # (x + residual) * norm weight; the 1 / rms, a per-row scalar, comes last
-            if HAS_RES:
-                r = tl.load(r_ptrs, mask=x_mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounds like torch's add
-                if writes_res:
-                    tl.store(ro_ptrs, x, mask=x_mask)
-                r_ptrs += BLOCK_K
-                ro_ptrs += BLOCK_K
-            xf = x.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, 1)
-            nw = tl.load(nw_ptr + k * BLOCK_K + rk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(x.dtype)
         if EVEN:  # N and K whole tiles (every 8B shape): unmasked, fully vectorized loads
             w = tl.load(w_ptrs)  # [BN, BK]
         else:
@@ -105,8 +66,6 @@ def _gemv_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if NORM:
-        acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
@@ -133,20 +92,13 @@ def triton_gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     gated: bool = False,
-    norm: NormRows | None = None,  # x's rows normalized here (RMSNorm fused); x is norm.x
     config: dict[str, int] | None = None,  # bench sweeps
 ) -> torch.Tensor:  # [M, N] in x.dtype
-    """`F.linear(x, weight, bias)`; with `gated` `F.linear(silu_and_mul(x), weight, bias)`; with
-    `norm` the linear of the RMSNorm of `norm.x` (+ `norm.residual`, the sum stored into
-    `norm.residual_out`), x unused (see kernels/norm.py's `NormRows`)."""
-    if norm is not None:
-        x = norm.x
-        if norm.weight.shape != (x.shape[-1],) or norm.weight.dtype != x.dtype:
-            raise ValueError("the norm weight must be [K] in x's dtype")
+    """`F.linear(x, weight, bias)`, or with `gated` `F.linear(silu_and_mul(x), weight, bias)`."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"expected x [M, K] and weight [N, K], got {x.shape}, {weight.shape}")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k) or (gated and norm is not None):
+    if x.shape[1] != (2 * k if gated else k):
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     if m > GEMV_MAX_M:
         raise ValueError(f"the GEMV takes at most {GEMV_MAX_M} rows, got {m}")
@@ -155,21 +107,13 @@ def triton_gemv(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    res = norm.residual if norm is not None and norm.residual is not None else None
-    res_out = norm.residual_out if res is not None else None
-    if res is not None and (res.shape != x.shape or res.stride(1) != 1 or res_out.stride(1) != 1):
-        raise ValueError("the residual must match x, with contiguous rows")
     cfg = config or gemv_config(n, k, gated, m, x.element_size())
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](
-        x, weight, bias if bias is not None else out, out,
-        norm.weight if norm is not None else out, res if res is not None else out,
-        res_out if res_out is not None else out, m, n, k,
+        x, weight, bias if bias is not None else out, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        res.stride(0) if res is not None else 0, res_out.stride(0) if res_out is not None else 0,
-        norm.eps if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RES=res is not None,
-        ONE_ROW=m == 1, EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0,
+        HAS_BIAS=bias is not None, GATED=gated, ONE_ROW=m == 1,
+        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0,
         BLOCK_M=16 if m <= 16 else 32, **cfg,
     )  # fmt: skip
     return out

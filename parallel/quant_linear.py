@@ -35,7 +35,7 @@ from pagedserve.kernels.fp8 import (
     quantize_rows,
     takes_fp8_rows,
 )
-from pagedserve.kernels.linear import gated_linear, linear, takes_norm_rows
+from pagedserve.kernels.linear import gated_linear, linear
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
 
@@ -100,13 +100,6 @@ class LinearBase(nn.Module):
         if gated:
             return fp8_silu_mul_linear(x, self.weight, self.weight_scale, bias, group)
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
-
-    def takes_norm_rows(self, x: torch.Tensor) -> bool:
-        """Whether the RMSNorm making x may leave its rows to this layer's GEMV to normalize
-        (`NormRows`, kernels/linear.py): model-dtype weights only."""
-        if self.weight_scale is not None or self.packed is not None or self.weight is None:
-            return False
-        return takes_norm_rows(x, self.weight)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether the RMSNorm making x may hand it over quantized per token (`Fp8Rows`): what

@@ -21,7 +21,6 @@ from pagedserve.kernels import backend  # noqa: E402
 from pagedserve.kernels.activation import silu_and_mul_ref  # noqa: E402
 from pagedserve.kernels.attention import write_kv_cache_ref  # noqa: E402
 from pagedserve.kernels.linear import gated_linear, linear  # noqa: E402
-from pagedserve.kernels.norm import NormRows, rms_norm  # noqa: E402
 from pagedserve.kernels.rotary import RotaryEmbedding, rope_config  # noqa: E402
 
 if HAS_TRITON:
@@ -60,29 +59,6 @@ def test_gemv(dtype, m, n, k):
 
 
 @tiny
-@tiny
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("m", "with_residual"), [(1, True), (1, False), (3, False), (21, True)])
-def test_gemv_with_norm(dtype, m, with_residual):
-    """The RMSNorm folded into the GEMV (`NormRows`): the linear of rms_norm(x + residual), and
-    x + residual stored as the new residual, bit-equal to the add in the model dtype."""
-    n, k = 40, 130
-    gen = torch.Generator().manual_seed(m)
-    x, r = torch.randn(m, k, generator=gen), torch.randn(m, k, generator=gen)
-    w, b = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
-    nw = 1.0 + 0.1 * torch.randn(k, generator=gen)
-    x, r, w, b, nw = (t.to(DEV, dtype) for t in (x, r, w, b, nw))
-    summed = x + r if with_residual else x
-    want = F.linear(rms_norm(summed, nw, 1e-5).float(), w.float(), b.float())
-    rows = NormRows(x, r if with_residual else None, nw, 1e-5,
-                    torch.empty_like(x) if with_residual else None)  # fmt: skip
-    got = triton_gemv(x, w, b, norm=rows, config=SMALL)
-    torch.testing.assert_close(got.float(), want, **_tol(dtype))
-    if with_residual:
-        assert torch.equal(rows.residual_out, summed)
-    torch.testing.assert_close(linear(rows, w, b), got)  # the layer's dispatch of NormRows
-
-
 def test_gemv_rejects_bad_inputs():
     w = torch.randn(16, 32, device=DEV)
     with pytest.raises(ValueError, match="at most"):
@@ -174,8 +150,8 @@ def _decode_logits(monkeypatch, fast: bool) -> tuple[torch.Tensor, list[torch.Te
 @tiny
 def test_decoder_through_fused_kernels(monkeypatch):
     """The whole decoder with rotary fused into the cache write, the GEMV for every projection
-    and the LM head, silu_and_mul inside the down projection, the RMSNorms inside the qkv and
-    gate/up GEMVs: the torch reference's logits and cache."""
+    and the LM head, silu_and_mul inside the down projection: the torch reference's logits and
+    cache."""
     from pagedserve.kernels import triton_gemv, triton_rope_cache
 
     calls: list[str] = []
@@ -186,17 +162,14 @@ def test_decoder_through_fused_kernels(monkeypatch):
         fn = getattr(module, name)
 
         def traced(*a, fn=fn, name=name, **k):
-            kind = "-gated" if k.get("gated") else "-norm" if k.get("norm") is not None else ""
-            calls.append(name + kind)
+            calls.append(name + ("-gated" if k.get("gated") else ""))
             return fn(*a, **k)
 
         monkeypatch.setattr(module, name, traced)
     want_logits, want_kv = _decode_logits(monkeypatch, fast=False)
     assert not calls
     logits, kv = _decode_logits(monkeypatch, fast=True)
-    assert sorted(set(calls)) == [
-        "triton_gemv", "triton_gemv-gated", "triton_gemv-norm", "triton_rope_and_cache"
-    ]  # fmt: skip
+    assert sorted(set(calls)) == ["triton_gemv", "triton_gemv-gated", "triton_rope_and_cache"]
     torch.testing.assert_close(logits, want_logits, atol=1e-2, rtol=1e-2)
     for got, want in zip(kv, want_kv, strict=True):
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)

@@ -188,11 +188,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = make_mlp(hf, layer_idx, opts.quant)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
-        if opts.quant is None:  # at GEMV batch sizes the norm may run inside the next GEMV
-            self.input_layernorm.norm_consumer = self.self_attn.qkv_proj.takes_norm_rows
-            if isinstance(self.mlp, LlamaMLP):
-                self.post_attention_layernorm.norm_consumer = self.mlp.gate_up_proj.takes_norm_rows
-        else:  # FP8 layers take their input quantized by the norm before
+        if opts.quant is not None:  # FP8 layers take their input quantized by the norm before
             self.input_layernorm.fp8_consumer = self.self_attn.qkv_proj.takes_fp8_rows
             if isinstance(self.mlp, LlamaMLP):
                 self.post_attention_layernorm.fp8_consumer = self.mlp.gate_up_proj.takes_fp8_rows
