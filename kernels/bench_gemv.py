@@ -1,12 +1,13 @@
 """The small-batch GEMV (kernels/triton_gemv.py) against `torch.matmul` (cuBLAS) at Llama-3-8B's
-weight shapes, bf16, on a GPU: GB/s of weight read (the figure of merit at M <= 8; the H100's
+weight shapes, bf16, on a GPU: GB/s of weight read (the figure of merit at small M; the H100's
 copy ceiling is ~3000 GB/s) for M = 1, 2, 4, 8, both timed replaying a CUDA graph, and which one
 the model's dispatch (kernels/linear.py, which measures both itself) picks.
 
     python -m pagedserve.kernels.bench_gemv [--sweep] [--json PATH]
 
-`--sweep` also times every candidate launch configuration per shape at M = 1 and prints the best
-(what `gemv_config` should return). Each row checks the GEMV against F.linear first.
+`--sweep` also times every candidate launch configuration per shape at M = 1, the weights out of
+L2 as a decode step reads them, and prints the best (what `gemv_config` should return). Each row
+checks the GEMV against F.linear first.
 """
 
 from __future__ import annotations
@@ -74,36 +75,17 @@ def compare() -> list[dict[str, float]]:
 
 
 def sweep() -> dict[str, dict[str, int]]:
-    from pagedserve.kernels.triton_gemv import triton_gemv
-
-    best = {}
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        timed = []
-        for cfg in candidates():
-            try:
-                fn = lambda x=x, w=w, cfg=cfg: triton_gemv(x, w, config=cfg)  # noqa: E731
-                timed.append((_ms(fn), cfg))
-            except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
-                print(f"  {name} {cfg}: {type(exc).__name__}")
-        ms, cfg = min(timed, key=lambda t: t[0])
-        best[name] = cfg
-        print(f"{name:<8} best {ms * 1e3:7.1f} us {n * k * 2 / ms / 1e6:6.0f} GB/s {cfg}")
-    return best
-
-
-def sweep_cold() -> dict[str, dict[str, int]]:
-    """As `sweep`, but as the decode chain meets the weights: each timed call runs the GEMV over
-    enough distinct copies of the weight (>= 400 MB) that none is in the 50 MB L2 when its turn
-    comes (one copy timed alone reads the smaller shapes partly from L2). M = 1; cuBLAS, the
-    current config and every candidate; `down` also in the silu-folded (gated) form."""
+    """Every candidate launch config per shape at M = 1, timed as the decode chain meets the
+    weights: each timed call runs the GEMV over enough distinct copies of the weight (>= 400 MB)
+    that none is in the 50 MB L2 when its turn comes (one copy timed alone reads the smaller
+    shapes partly from L2). Prints cuBLAS, the current config and the best; `down` also in the
+    silu-folded (gated) form."""
     cases = [(name, n, k, False) for name, (n, k) in SHAPES.items()]
     cases.append(("down+silu", *SHAPES["down"], True))
-    return {name: _cold_case(name, n, k, gated) for name, n, k, gated in cases}
+    return {name: _sweep_case(name, n, k, gated) for name, n, k, gated in cases}
 
 
-def _cold_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
+def _sweep_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
     from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
 
     copies = max(2, -(-400_000_000 // (n * k * 2)))
@@ -134,19 +116,12 @@ def _cold_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--cold", action="store_true", help="sweep_cold only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA device")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "bf16 GEMV vs cuBLAS, Llama-3-8B weight shapes")
-    if args.cold:
-        result = {"cold": sweep_cold()}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-        return
     result = {"compare": compare()}
     if args.sweep:
         result["sweep"] = sweep()

@@ -14,10 +14,10 @@ weight is `[N, K]` row-major (the checkpoint's layout), read transposed.
 `silu(gate) * up` (rounded to the model dtype like `silu_and_mul_ref`) while loading it, so the
 MLP's down projection needs no separate activation kernel at small batches. With one row the
 activation is computed once per tile, not for the 15 padding rows too (which made the gated form
-~4x slower than the plain one: `bench_gemv --cold`, 154 against 42 us for Llama-3-8B's down).
+~4x slower than the plain one: `bench_gemv --sweep`, 154 against 42 us for Llama-3-8B's down).
 
 Launch configurations per weight shape come from `gemv_config`; `python -m
-pagedserve.kernels.bench_gemv --sweep` (`--cold`: weights out of L2) times the candidates on a GPU.
+pagedserve.kernels.bench_gemv --sweep` times the candidates on a GPU, weights out of L2.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def gemv_config(
     """BLOCK_N, BLOCK_K, warps and stages for an `[n, k]` weight: 32 x 512 tiles, 3 stages, 5
     for wide layers (gate/up, the LM head; the gated form pipelines two input tiles too, and at
     5 stages overflows an H100's shared memory, as do 32-row inputs). At M = 1 with the weights
-    out of L2, as the decode chain reads them (`python -m pagedserve.kernels.bench_gemv --cold`,
+    out of L2, as the decode chain reads them (`python -m pagedserve.kernels.bench_gemv --sweep`,
     H100, us per GEMV against cuBLAS): o_proj 14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs
     81.5, LM head 336.6 vs 374.7; the former 16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
     stages = 5 if n > 8192 and not gated and m <= 16 else 3

@@ -23,6 +23,7 @@ import torch
 from pagedserve.ipc.messages import SamplingParams, TokenLogprobs
 
 _MASK = float("-inf")
+ARGMAX_SPLIT_MAX_ROWS = 16  # argmax_rows: more rows fill the GPU with one block each
 
 
 @dataclass
@@ -67,9 +68,6 @@ def argmax_rows(x: torch.Tensor, split: bool | None = None) -> torch.Tensor:
     best, where = x.reshape(n, v // chunk, chunk).max(dim=-1)  # [N, C] each chunk's first maximum
     pick = best.argmax(dim=-1, keepdim=True)  # [N, 1] the first chunk holding the row's maximum
     return (pick * chunk + where.gather(1, pick)).squeeze(1)
-
-
-ARGMAX_SPLIT_MAX_ROWS = 16  # more rows fill the GPU with one block each
 
 
 @functools.cache

@@ -20,8 +20,6 @@
 # weight shapes and sweeps its launch configs; `decode-tests` runs the fused kernels' GPU tests;
 # `w3-ablate` runs W3 once with every fusion on, then with each one off, then all off:
 #   STEPS="decode-tests kernels-b1 w3-ablate w3 w1" bash tests/gpu/device_run.sh
-# `gemv-cold`: the same sweep with the weights out of L2, as the decode chain reads them
-# (`bench_gemv --cold`; a single copy of qkv or o_proj timed alone stays partly in L2).
 # FP8 round 3 (issue 17): `fp8-probe` times `_scaled_mm` with row-wise / tensor-wise scales and
 # exact / fast accumulation at prefill M, and PDL on a W3-shaped chain (tests/gpu/probe_fp8_pdl.py);
 # `attn-sweep-decode` sweeps the attention kernel's launch configs on decode batches over bf16 and
@@ -170,8 +168,6 @@ PY
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
     attn-sweep-long) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
           --sweep-long 2>&1 | tee "$OUT/attn-sweep-long.txt" | tail -20 ;;
-    gemv-cold) timeout ${SWEEP_TIMEOUT:-400} python3 -m pagedserve.kernels.bench_gemv --cold \
-          --json "$OUT/gemv-cold.json" 2>&1 | tee "$OUT/gemv-cold.txt" | grep -v "^  " ;;
     kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
           2>&1 | tee "$OUT/kernels-b1.txt" ;;
     decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py
