@@ -18,8 +18,9 @@ Environment variables, read once per process (start-up settings, never flipped a
   and argmax inside small decode graphs), `cascade` (shared-prefix attention for large batches,
   kernels/cascade.py, and its decode graphs), `fp8-fast-accum` (FP8 prefill GEMMs accumulate
   at the tensor cores' own precision, kernels/fp8.py), `norm-quant` (the RMSNorm before an FP8
-  layer writes its per-token quantized input, kernels/triton_norm.py); `all` turns off every
-  one.
+  layer writes its per-token quantized input, kernels/triton_norm.py), `l2-prefetch` (o_proj's
+  weight pulled into L2 during a decode batch's attention, kernels/prefetch.py); `all` turns off
+  every one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -43,6 +44,7 @@ STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
 FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
+    "l2-prefetch",
 )  # fmt: skip
 
 

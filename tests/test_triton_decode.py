@@ -239,3 +239,45 @@ def test_gpu_rope_and_cache(cache_dtype):
     )  # fmt: skip
     torch.testing.assert_close(q, want_q)
     assert torch.equal(kv_d.float(), want_kv.float())
+
+
+def test_l2_prefetch_only_on_gpu_decode_batches():
+    """CPU tensors never fork a prefetch (and joining is then a no-op)."""
+    from pagedserve.kernels import prefetch
+
+    x = torch.randn(1, 64)
+    assert not prefetch.prefetch_wanted(x)
+    prefetch.prefetch_weight(x, torch.randn(64, 64))
+    prefetch.join_prefetches(x)
+    assert not prefetch._FORKED
+
+
+@pytest.mark.gpu
+def test_gpu_l2_prefetch_in_graph():
+    """A prefetch forked on the side stream and joined, captured and replayed: the matmul after
+    it reads the same weight and gives the same result; every fork is joined."""
+    from pagedserve.kernels import prefetch
+    from pagedserve.kernels.triton_prefetch import prefetch_span
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("bulk L2 prefetch needs compute capability 9.0+")
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert prefetch.prefetch_wanted(x) and not prefetch.prefetch_wanted(x.repeat(9, 1))
+    assert prefetch_span(w, 1 << 20) == (w.data_ptr(), 1 << 20)
+
+    def step():
+        prefetch.prefetch_weight(x, w)
+        out = linear(x, w, None)
+        prefetch.join_prefetches(x)
+        return out
+
+    torch.testing.assert_close(step(), F.linear(x, w), atol=0.5, rtol=2e-2)
+    assert not prefetch._FORKED
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert not prefetch._FORKED
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, F.linear(x, w), atol=0.5, rtol=2e-2)

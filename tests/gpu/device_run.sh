@@ -29,6 +29,10 @@
 # W5's decode-only steps (issue 18): `attn-sweep-long` sweeps split counts x launch configs on
 # 12-40 rows at 16k tokens (block sizes 16 and 128):
 #   STEPS="attn-sweep-long w5" bash tests/gpu/device_run.sh
+# `l2-probe` (issue 18, W3): L2 prefetch of the next weight on a side stream, on a W3-shaped
+# chain (tests/gpu/probe_l2_prefetch.py); the engine's A/B is `ABLATE="none l2-prefetch"`
+# with `w3-ablate` (ABLATE lists the fusions to turn off in turn, `none` for all on):
+#   ABLATE="none l2-prefetch" STEPS="l2-probe w3-ablate" bash tests/gpu/device_run.sh
 # `structured`: the device grammar masks against the CPU ones, `bench structured` at 0/50/100%
 # JSON-schema requests (issue 14's cost target), then the grammar host work per step on this
 # machine's CPU (tests/bench_grammar_step.py).
@@ -164,6 +168,7 @@ PY
     ;;
     kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     fp8-probe) $T python3 tests/gpu/probe_fp8_pdl.py 2>&1 | tee "$OUT/fp8-probe.txt" ;;
+    l2-probe) $T python3 tests/gpu/probe_l2_prefetch.py 2>&1 | tee "$OUT/l2-probe.txt" ;;
     attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
     attn-sweep-long) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
@@ -174,7 +179,7 @@ PY
           $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k "graph or bf16"; } \
           2>&1 | tee "$OUT/decode-tests.txt" | tail -20 ;;
     w3-ablate)  # W3 with each decode fusion off in turn (kernels/backend.py: PAGEDSERVE_DISABLE_FUSIONS)
-        for off in none gemv gated-gemv rope-cache graph-head all; do
+        for off in ${ABLATE:-none gemv gated-gemv rope-cache graph-head l2-prefetch all}; do
           [ $off = none ] && fus="" || fus=$off
           PAGEDSERVE_DISABLE_FUSIONS=$fus timeout 60 $PS bench latency $COMMON --batch-size 1 \
             --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \

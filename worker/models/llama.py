@@ -21,6 +21,7 @@ from torch import nn
 from pagedserve.config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
 from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.kernels.norm import RMSNorm
+from pagedserve.kernels.prefetch import join_prefetches, prefetch_weight
 from pagedserve.kernels.rotary import RopeConfig, RotaryEmbedding, rope_config
 from pagedserve.parallel.layers import (
     FusedShards,
@@ -156,6 +157,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D] x2
+        prefetch_weight(hidden, self.o_proj.weight)  # into L2 while attention runs (decode)
         if self.qk_norm:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
@@ -262,6 +264,7 @@ class LlamaModel(nn.Module):
         assert len(kv_caches) == len(self.layers), "one kv cache per decoder layer of this stage"
         for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        join_prefetches(hidden)
         if not self.is_last:
             return hidden, residual
         return self.norm(hidden, residual)[0]
