@@ -30,6 +30,7 @@ from pagedserve.kernels.backend import (
     fusion_enabled,
     use_triton_cache_write,
 )
+from pagedserve.kernels.linear import rope_cache_linear, use_gemv
 from pagedserve.kernels.rotary import RotaryEmbedding
 
 QUERY_CHUNK = 1024  # query rows per score matrix in the reference
@@ -336,6 +337,35 @@ class Attention(nn.Module):
         if self.opaque_index is not None:
             return torch.ops.pagedserve.attention(q, k, v, self.opaque_index)
         return self.attend(q, k, v, kv_cache, meta)
+
+    def project_rope_cache(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # the qkv projection's [(Hq + 2 Hkv) * D, H]
+        bias: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [T, Hq * D], rotated; None: not here
+        """The qkv projection with rotary and the cache write in its epilogue, for a decode-sized
+        batch on CUDA (kernels/triton_qkv_rope.py): the rotated query, for `attend(q, None,
+        None, ...)`. None where that does not apply: the caller projects, then `forward`."""
+        if not (
+            fuse_rope_and_cache(rotary, kv_cache)
+            and use_gemv(hidden, weight)
+            and fusion_enabled("qkv-rope")
+        ):
+            return None
+        from pagedserve.kernels.triton_qkv_rope import qkv_rope_applies
+
+        if not qkv_rope_applies(hidden, weight, rotary.rotary_dim, self.head_dim):
+            return None
+        slots = meta.for_group(self.kv_group).slot_mapping
+        return rope_cache_linear(
+            hidden, weight, bias, self.num_heads, positions, rotary.cos_sin_cache, kv_cache,
+            slots, *self.kv_scales,
+        )  # fmt: skip
 
     def attend(
         self,

@@ -19,8 +19,9 @@ Environment variables, read once per process (start-up settings, never flipped a
   kernels/cascade.py, and its decode graphs), `fp8-fast-accum` (FP8 prefill GEMMs accumulate
   at the tensor cores' own precision, kernels/fp8.py), `norm-quant` (the RMSNorm before an FP8
   layer writes its per-token quantized input, kernels/triton_norm.py), `l2-prefetch` (o_proj's
-  weight pulled into L2 during a decode batch's attention, kernels/prefetch.py); `all` turns off
-  every one.
+  weight pulled into L2 during a decode batch's attention, kernels/prefetch.py), `qkv-rope`
+  (rotary and the cache write in the qkv GEMV's epilogue, kernels/triton_qkv_rope.py); `all`
+  turns off every one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -44,7 +45,7 @@ STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
 FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
-    "l2-prefetch",
+    "l2-prefetch", "qkv-rope",
 )  # fmt: skip
 
 

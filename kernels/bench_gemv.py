@@ -3,11 +3,13 @@ weight shapes, bf16, on a GPU: GB/s of weight read (the figure of merit at small
 copy ceiling is ~3000 GB/s) for M = 1, 2, 4, 8, both timed replaying a CUDA graph, and which one
 the model's dispatch (kernels/linear.py, which measures both itself) picks.
 
-    python -m pagedserve.kernels.bench_gemv [--sweep] [--json PATH]
+    python -m pagedserve.kernels.bench_gemv [--sweep] [--qkv-rope] [--json PATH]
 
 `--sweep` also times every candidate launch configuration per shape at M = 1, the weights out of
 L2 as a decode step reads them, and prints the best (what `gemv_config` should return). Each row
-checks the GEMV against F.linear first.
+checks the GEMV against F.linear first. `--qkv-rope` times the qkv GEMV with rotary and the cache
+write in its epilogue (kernels/triton_qkv_rope.py) per launch config at M = 1, the same way,
+against the plain qkv GEMV and the GEMV + rotary/cache kernel pair it replaces.
 """
 
 from __future__ import annotations
@@ -113,9 +115,46 @@ def _sweep_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
     return cfg
 
 
+def qkv_rope() -> None:
+    from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
+    from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
+    from pagedserve.kernels.triton_qkv_rope import triton_qkv_rope_cache
+    from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
+
+    n, k = SHAPES["qkv"]
+    copies = -(-400_000_000 // (n * k * 2))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    cos_sin = RotaryEmbedding(128, 8192, rope_config({"rope_theta": 5e5})).cos_sin_cache.cuda()
+    pos = torch.tensor([300], device="cuda")
+    slots = torch.tensor([4000], device="cuda")
+    kv = torch.zeros(512, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+
+    def pair(w: torch.Tensor) -> torch.Tensor:
+        q, kk, v = triton_gemv(x, w).split([4096, 1024, 1024], dim=-1)
+        return triton_rope_and_cache(pos, q, kk, v, kv, slots, cos_sin)
+
+    def fused(w: torch.Tensor, cfg: dict) -> torch.Tensor:
+        return triton_qkv_rope_cache(x, w, None, pos, cos_sin, kv, slots, 32, config=cfg)
+
+    gb = n * k * 2 / 1e6
+    rows = [("gemv alone", lambda w: triton_gemv(x, w)), ("gemv + rope/cache kernel", pair)]
+    for warps, stages in itertools.product((4, 8), (2, 3, 4)):
+        cfg = {**gemv_config(n, k), "num_warps": warps, "num_stages": stages}
+        rows.append((f"fused {cfg}", lambda w, c=cfg: fused(w, c)))
+    for label, one in rows:
+        try:
+            ms = _ms(lambda one=one: [one(w) for w in ws]) / copies
+        except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
+            print(f"qkv {label}: {type(exc).__name__}")
+            continue
+        print(f"qkv {ms * 1e3:6.1f} us {gb / ms:6.0f} GB/s  {label}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--qkv-rope", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -125,6 +164,8 @@ def main() -> None:
     result = {"compare": compare()}
     if args.sweep:
         result["sweep"] = sweep()
+    if args.qkv_rope:
+        qkv_rope()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -24,7 +24,7 @@ GEMV_MAX_M = 32  # kernels/triton_gemv.py's limit, kept here so CPU runs never i
 TIMING_RUNS = 9
 LAUNCH_COVER_CYCLES = 500_000  # GPU spin before each timed call: ~0.3 ms, past its host launch
 # (rows, N, K, kind, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it);
-# kind: "plain" or "gated" (silu folded in)
+# kind: "plain", "gated" (silu folded in) or "rope-cache" (qkv with rotary and the cache write)
 GEMV_WINS: dict[tuple[object, ...], bool] = {}
 
 
@@ -62,6 +62,40 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         slow = lambda: linear(silu_and_mul(x), weight, bias)  # noqa: E731
         return fast() if _gemv_wins(x, weight, "gated", fast, slow) else slow()
     return linear(silu_and_mul(x), weight, bias)
+
+
+def rope_cache_linear(
+    x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
+    weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K]
+    bias: torch.Tensor | None,
+    num_q_heads: int,
+    positions: torch.Tensor,  # [M]
+    cos_sin_cache: torch.Tensor,  # [max_position, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [M]
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:  # [M, Hq * D], rotated
+    """A decode batch's qkv projection, rotary and cache write: the rotated query out, rotated
+    keys and values into the cache. One kernel (kernels/triton_qkv_rope.py) where it beats
+    `linear` + `triton_rope_and_cache` for this shape, measured like the GEMV; the caller
+    checks `qkv_rope_applies` and `use_gemv` first."""
+    from pagedserve.kernels.triton_qkv_rope import triton_qkv_rope_cache
+    from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
+
+    cache_args = (kv_cache, slot_mapping)
+    fast = lambda: triton_qkv_rope_cache(  # noqa: E731
+        x, weight, bias, positions, cos_sin_cache, *cache_args, num_q_heads, k_scale, v_scale
+    )
+
+    def slow() -> torch.Tensor:
+        q_size, kv_size = num_q_heads * kv_cache.shape[4], kv_cache.shape[3] * kv_cache.shape[4]
+        q, k, v = linear(x, weight, bias).split([q_size, kv_size, kv_size], dim=-1)
+        return triton_rope_and_cache(
+            positions, q, k, v, *cache_args, cos_sin_cache, k_scale, v_scale
+        )
+
+    return fast() if _gemv_wins(x, weight, "rope-cache", fast, slow) else slow()
 
 
 def _gemv_wins(

@@ -38,7 +38,8 @@ def prefetch_wanted(x: torch.Tensor) -> bool:
     """Whether a layer fed `x` ([T, H]) prefetches its next weight: a decode-sized batch on a
     GPU with bulk L2 prefetch (compute capability 9.0+)."""
     return (
-        use_triton(x)
+        x.is_cuda
+        and use_triton(x)
         and 0 < x.shape[0] <= PREFETCH_MAX_ROWS
         and torch.cuda.get_device_capability(x.device)[0] >= 9
         and fusion_enabled("l2-prefetch")

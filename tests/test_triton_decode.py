@@ -113,8 +113,52 @@ def test_rope_and_cache(partial, dtype):
     assert torch.equal(qkv_d[:, 64:96], k_before)  # keys go to the cache only
 
 
+def _qkv_rope_reference(x, w, bias, rope, positions, slots, kv, heads, scales):
+    """F.linear, rotary on the CPU, the reference cache write: what the fused kernel replaces."""
+    hq, hkv, d = heads
+    qkv = F.linear(x, w, bias)
+    q, k = rope(positions, qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d])
+    kv = kv.clone()
+    v = qkv[:, (hq + hkv) * d :]
+    write_kv_cache_ref(k.view(-1, hkv, d), v.reshape(-1, hkv, d), kv, slots, *scales)
+    return q, kv
+
+
+@tiny
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "head_dim", "bias"), [(1, 32, False), (5, 64, True), (20, 32, True)])
+def test_qkv_rope_cache(dtype, m, head_dim, bias):
+    """The qkv GEMV with rotary and the cache write in its epilogue: the unfused reference's
+    query and cache, padding rows (slot -1) writing nothing, a bias (Qwen2), 32-row tiles."""
+    from pagedserve.kernels.triton_qkv_rope import qkv_rope_applies, triton_qkv_rope_cache
+
+    heads, k = (4, 2, head_dim), 72  # K not a multiple of BLOCK_K: the masked loads
+    n = (heads[0] + 2 * heads[1]) * head_dim
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(m, k, generator=gen) / k**0.5).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    rope = RotaryEmbedding(head_dim, 64, rope_config({"rope_theta": 10000.0}))
+    positions = torch.randint(0, 64, (m,), generator=gen)
+    slots = torch.randperm(64, generator=gen)[:m]
+    slots[m // 2] = -1
+    kv = torch.randn(4, 2, 16, heads[1], head_dim, generator=gen).to(dtype)
+    want_q, want_kv = _qkv_rope_reference(x, w, b, rope, positions, slots, kv, heads, (1.0, 1.0))
+    assert qkv_rope_applies(x, w, head_dim, head_dim) and not qkv_rope_applies(x, w, 16, 32)
+    kv_d = kv.to(DEV)
+    q = triton_qkv_rope_cache(
+        x.to(DEV), w.to(DEV), b.to(DEV) if bias else None, positions.to(DEV),
+        rope.cos_sin_cache.to(DEV), kv_d, slots.to(DEV), heads[0],
+        config=dict(BLOCK_K=32, num_warps=4, num_stages=2),
+    )  # fmt: skip
+    torch.testing.assert_close(q.cpu(), want_q, **_tol(dtype))
+    torch.testing.assert_close(kv_d.cpu(), want_kv, **_tol(dtype))
+    with pytest.raises(ValueError, match="heads"):
+        triton_qkv_rope_cache(x, w[:-1], None, positions, rope.cos_sin_cache, kv, slots, 4)
+
+
 TINY_LLAMA = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+    hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
     num_hidden_layers=2, vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=256,
     rope_theta=10000.0, model_type="llama",
 )  # fmt: skip
@@ -139,7 +183,7 @@ def _decode_logits(monkeypatch, fast: bool) -> tuple[torch.Tensor, list[torch.Te
     for p in model.parameters():
         p.data.normal_(0, 0.2)
     tables = [[0, 1], [2], [3, 4, 5]]
-    kv = [torch.zeros(8, 2, 16, 2, 16, dtype=torch.float16, device=DEV) for _ in range(2)]
+    kv = [torch.zeros(8, 2, 16, 2, 32, dtype=torch.float16, device=DEV) for _ in range(2)]
     meta, pos = build_attention_metadata([0, 0, 0], [7, 9, 30], tables, 16, DEV)
     model(torch.arange(46, device=DEV) + 3, pos, kv, meta)
     meta, pos = build_attention_metadata([7, 9, 30], [1, 1, 1], tables, 16, DEV)
@@ -149,15 +193,16 @@ def _decode_logits(monkeypatch, fast: bool) -> tuple[torch.Tensor, list[torch.Te
 
 @tiny
 def test_decoder_through_fused_kernels(monkeypatch):
-    """The whole decoder with rotary fused into the cache write, the GEMV for every projection
-    and the LM head, silu_and_mul inside the down projection: the torch reference's logits and
-    cache."""
-    from pagedserve.kernels import triton_gemv, triton_rope_cache
+    """The whole decoder with rotary fused into the cache write (the prefill) and into the qkv
+    GEMV (the decode), the GEMV for every other projection and the LM head, silu_and_mul inside
+    the down projection: the torch reference's logits and cache."""
+    from pagedserve.kernels import triton_gemv, triton_qkv_rope, triton_rope_cache
 
     calls: list[str] = []
     for module, name in (
         (triton_gemv, "triton_gemv"),
         (triton_rope_cache, "triton_rope_and_cache"),
+        (triton_qkv_rope, "triton_qkv_rope_cache"),
     ):
         fn = getattr(module, name)
 
@@ -169,7 +214,9 @@ def test_decoder_through_fused_kernels(monkeypatch):
     want_logits, want_kv = _decode_logits(monkeypatch, fast=False)
     assert not calls
     logits, kv = _decode_logits(monkeypatch, fast=True)
-    assert sorted(set(calls)) == ["triton_gemv", "triton_gemv-gated", "triton_rope_and_cache"]
+    assert sorted(set(calls)) == [
+        "triton_gemv", "triton_gemv-gated", "triton_qkv_rope_cache", "triton_rope_and_cache",
+    ]  # fmt: skip
     torch.testing.assert_close(logits, want_logits, atol=1e-2, rtol=1e-2)
     for got, want in zip(kv, want_kv, strict=True):
         torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
@@ -281,3 +328,47 @@ def test_gpu_l2_prefetch_in_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, F.linear(x, w), atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("m", [1, 7, 24])
+def test_gpu_qkv_rope_cache_8b(cache_dtype, m):
+    """Llama-3-8B's qkv (32 + 8 + 8 heads of 128) fused with rotary and the cache write, against
+    the GEMV then the rotary + cache kernel, bf16 and FP8 caches; then captured in a graph and
+    replayed on new rows."""
+    from pagedserve.kernels.triton_qkv_rope import triton_qkv_rope_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) / 64
+    rope = RotaryEmbedding(128, 4096, rope_config({"rope_theta": 500000.0})).cuda()
+    positions = torch.randint(0, 4096, (m,), device="cuda", generator=gen)
+    slots = torch.randperm(1024, device="cuda", generator=gen)[:m]
+    slots[-1] = -1
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    kv = torch.zeros(64, 2, 16, 8, 128, device="cuda", dtype=cache_dtype)
+
+    def reference():
+        q, k, v = triton_gemv(x, w).split([4096, 1024, 1024], dim=-1)
+        want_kv = kv.clone()
+        q = triton_rope_and_cache(positions, q, k, v, want_kv, slots, rope.cos_sin_cache, *scales)
+        return q, want_kv
+
+    def fused():
+        return triton_qkv_rope_cache(
+            x, w, None, positions, rope.cos_sin_cache, kv, slots, 32, *scales
+        )
+
+    want_q, want_kv = reference()
+    torch.testing.assert_close(fused(), want_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kv.float(), want_kv.float(), atol=0.07, rtol=0.13)  # 1 FP8 ulp
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = fused()
+    x.copy_(torch.randn_like(x))
+    positions.copy_(torch.randint(0, 4096, (m,), device="cuda", generator=gen))
+    graph.replay()
+    want_q, want_kv = reference()
+    torch.testing.assert_close(q, want_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kv.float(), want_kv.float(), atol=0.07, rtol=0.13)  # 1 FP8 ulp

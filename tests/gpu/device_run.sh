@@ -179,7 +179,7 @@ PY
           $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k "graph or bf16"; } \
           2>&1 | tee "$OUT/decode-tests.txt" | tail -20 ;;
     w3-ablate)  # W3 with each decode fusion off in turn (kernels/backend.py: PAGEDSERVE_DISABLE_FUSIONS)
-        for off in ${ABLATE:-none gemv gated-gemv rope-cache graph-head l2-prefetch all}; do
+        for off in ${ABLATE:-none gemv gated-gemv rope-cache qkv-rope graph-head l2-prefetch all}; do
           [ $off = none ] && fus="" || fus=$off
           PAGEDSERVE_DISABLE_FUSIONS=$fus timeout 60 $PS bench latency $COMMON --batch-size 1 \
             --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \

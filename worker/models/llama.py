@@ -156,8 +156,16 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D] x2
-        prefetch_weight(hidden, self.o_proj.weight)  # into L2 while attention runs (decode)
+        qkv = self.qkv_proj
+        if not self.qk_norm and qkv.weight is not None and qkv.weight_scale is None:
+            q = self.attn.project_rope_cache(
+                hidden, qkv.weight, qkv.bias, self.rotary_emb, positions, kv_cache, meta
+            )
+            if q is not None:  # one kernel: projection, rotary, cache write (decode on CUDA)
+                prefetch_weight(hidden, self.o_proj.weight)  # into L2 while attention runs
+                return self.o_proj(self.attn.attend(q, None, None, kv_cache, meta))
+        q, k, v = qkv.split(qkv(hidden))  # [T, Hq*D], [T, Hkv*D] x2
+        prefetch_weight(hidden, self.o_proj.weight)
         if self.qk_norm:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
