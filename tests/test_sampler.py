@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_env import needs_triton, tiny
 
 from pagedserve.ipc.messages import SamplingParams
 from pagedserve.worker.sampler import (
@@ -166,19 +167,25 @@ def test_sampling_frequencies_match_softmax(temperature):
     assert (freq - probs).abs().max().item() < 0.015
 
 
+@needs_triton
+@tiny
 def test_argmax_rows_split_matches_argmax():
-    """The two-pass argmax (CUDA's path, forced here) returns torch's: the first maximum,
-    across chunk borders and within a chunk; vocabularies without a useful split take one pass."""
-    from pagedserve.worker.sampler import _argmax_chunk, argmax_rows
+    """The two-pass Triton argmax (CUDA's path; forced here, interpreted on a CPU) returns
+    torch's: the first maximum, across chunk borders and within a chunk, a NaN as the maximum,
+    a vocabulary shorter than a chunk and one not a multiple of it."""
+    from pagedserve.kernels.triton_argmax import CHUNK
+    from pagedserve.worker.sampler import argmax_rows
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 128256, generator=gen)
-    x[1, 384 * 7 + 5] = x[1, 384 * 200 + 3] = 99.0  # ties in two chunks: the first one wins
+    x = torch.randn(6, 128256, generator=gen)
+    x[1, CHUNK * 7 + 5] = x[1, CHUNK * 20 + 3] = 99.0  # ties in two chunks: the first one wins
     x[2, 10] = x[2, 11] = 99.0  # a tie inside one chunk
     x[3] = 0.0  # every value tied: index 0
-    assert _argmax_chunk(128256) == 384
-    torch.testing.assert_close(argmax_rows(x, split=True), x.argmax(dim=-1))
-    assert argmax_rows(x, split=True).tolist()[1:4] == [384 * 7 + 5, 10, 0]
-    assert _argmax_chunk(131) == 131  # prime: no split
+    x[4, 5000] = float("nan")
+    x[5, -1] = 99.0  # in the last, partial chunk
+    want = x.argmax(dim=-1)
+    assert want.tolist()[1:6] == [CHUNK * 7 + 5, 10, 0, 5000, 128255]
+    assert torch.equal(argmax_rows(x, split=True), want)
+    assert torch.equal(argmax_rows(x, split=False), want)
     y = torch.randn(2, 131, generator=gen)
-    torch.testing.assert_close(argmax_rows(y, split=True), y.argmax(dim=-1))
+    assert torch.equal(argmax_rows(y, split=True), y.argmax(dim=-1))

@@ -12,8 +12,6 @@ Logprobs come from the raw logits (before penalties and temperature), as vLLM re
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,26 +54,16 @@ def has_penalties(p: SamplingParams) -> bool:
 
 
 def argmax_rows(x: torch.Tensor, split: bool | None = None) -> torch.Tensor:
-    """`x.argmax(-1)` of [N, V] logits (the first maximum), on CUDA in two passes for a few rows
-    of a large vocabulary: torch reduces a row in one thread block (28 us for 128k float32
-    logits on an H100, in every batch-1 decode step), where the maxima of V / L chunks of L then
-    the best chunk's take a few. `split` forces the choice (tests); on a CPU one pass is
-    cheaper (its host time is the step)."""
-    n, v = x.shape
-    chunk = _argmax_chunk(v)
-    if not (x.is_cuda if split is None else split) or n > ARGMAX_SPLIT_MAX_ROWS or chunk == v:
+    """`x.argmax(-1)` of [N, V] logits (the first maximum); on CUDA, for a few rows, in two
+    Triton passes over chunks of the row (kernels/triton_argmax.py): torch reduces a row in one
+    thread block (28 us for 128k float32 logits on an H100, in every batch-1 decode step).
+    `split` forces the choice (tests, under the Triton interpreter on a CPU); on a CPU one pass
+    is cheaper (its host time is the step)."""
+    if not (x.is_cuda if split is None else split) or x.shape[0] > ARGMAX_SPLIT_MAX_ROWS:
         return x.argmax(dim=-1)
-    best, where = x.reshape(n, v // chunk, chunk).max(dim=-1)  # [N, C] each chunk's first maximum
-    pick = best.argmax(dim=-1, keepdim=True)  # [N, 1] the first chunk holding the row's maximum
-    return (pick * chunk + where.gather(1, pick)).squeeze(1)
+    from pagedserve.kernels.triton_argmax import triton_argmax
 
-
-@functools.cache
-def _argmax_chunk(v: int) -> int:
-    """The chunk length for `argmax_rows`: V over its largest divisor up to sqrt(V), when that
-    divisor gives at least 16 chunks (else V: no split)."""
-    chunks = max(d for d in range(1, math.isqrt(v) + 1) if v % d == 0)
-    return v // chunks if chunks >= 16 else v
+    return triton_argmax(x)
 
 
 def seed_for_step(seed: int, step: int) -> int:

@@ -175,7 +175,7 @@ PY
           --sweep-long 2>&1 | tee "$OUT/attn-sweep-long.txt" | tail -20 ;;
     kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
           2>&1 | tee "$OUT/kernels-b1.txt" ;;
-    decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py
+    decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py tests/test_sampler.py
           $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k "graph or bf16"; } \
           2>&1 | tee "$OUT/decode-tests.txt" | tail -20 ;;
     w3-ablate)  # W3 with each decode fusion off in turn (kernels/backend.py: PAGEDSERVE_DISABLE_FUSIONS)
