@@ -69,7 +69,8 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded as x, then cast
+    tl.store(o_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemv_config(
@@ -92,9 +93,11 @@ def triton_gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     gated: bool = False,
+    out_dtype: torch.dtype | None = None,  # None: x.dtype
     config: dict[str, int] | None = None,  # bench sweeps
-) -> torch.Tensor:  # [M, N] in x.dtype
-    """`F.linear(x, weight, bias)`, or with `gated` `F.linear(silu_and_mul(x), weight, bias)`."""
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """`F.linear(x, weight, bias)`, or with `gated` `F.linear(silu_and_mul(x), weight, bias)`;
+    with `out_dtype` that result (rounded to x.dtype) cast to it."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"expected x [M, K] and weight [N, K], got {x.shape}, {weight.shape}")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -104,7 +107,7 @@ def triton_gemv(
         raise ValueError(f"the GEMV takes at most {GEMV_MAX_M} rows, got {m}")
     if x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError("x and weight need one dtype and contiguous rows")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or gemv_config(n, k, gated, m, x.element_size())

@@ -284,10 +284,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU), once loaded
     tied = False
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+    def forward(
+        self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:  # [N, H] -> [N, V] in out_dtype (None: hidden's)
         if self.packed is not None:
-            return tp_all_gather(packed_linear(hidden, self.packed, None), dim=-1)
-        return tp_all_gather(linear(hidden, self.weight, None), dim=-1)
+            logits = packed_linear(hidden, self.packed, None)
+            return tp_all_gather(logits if out_dtype is None else logits.to(out_dtype), dim=-1)
+        return tp_all_gather(linear(hidden, self.weight, None, out_dtype), dim=-1)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

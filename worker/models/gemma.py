@@ -129,7 +129,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.final_logit_softcap = hf.get("final_logit_softcapping")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden, torch.float32)
         if self.final_logit_softcap is None:
             return logits
         return torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap

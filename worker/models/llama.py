@@ -330,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, torch.float32)
 
     def checkpoint_name_wanted(self, name: str) -> bool:
         """Whether this stage loads checkpoint tensor `name` (False: it belongs to another stage,
