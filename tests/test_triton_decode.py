@@ -48,7 +48,10 @@ def test_gemv(dtype, m, n, k):
     b, xg = torch.randn(n, generator=gen), torch.randn(m, 2 * k, generator=gen)
     x, w, b, xg = (t.to(DEV, dtype) for t in (x, w, b, xg))
     want = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(triton_gemv(x, w, b, config=SMALL).float(), want, **_tol(dtype))
+    got = triton_gemv(x, w, b, config=SMALL)
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+    wide = triton_gemv(x, w, b, out_dtype=torch.float32, config=SMALL)  # the LM head's logits
+    assert wide.dtype == torch.float32 and torch.equal(wide, got.float())  # rounded, then cast
     want = F.linear(silu_and_mul_ref(xg).float(), w.float())
     got = triton_gemv(xg, w, None, gated=True, config=SMALL).float()
     torch.testing.assert_close(got, want, **_tol(dtype))
