@@ -1,10 +1,10 @@
 """GPU probe (issue 18, W3): does an L2 prefetch of the next weight, issued where a decode layer's
 memory bus idles (norms, rotary + cache write, attention), shorten a batch-1 decode step?
 
-2. Whether a kernel that issues bulk prefetches waits for them: 32 prefetch launches of o_proj
+1. Whether a kernel that issues bulk prefetches waits for them: 32 prefetch launches of o_proj
    weights in a graph, us per launch, by program count (H100: 133 us with 1 program, 10 with
    16: a program's issue is throttled, so prefetching costs time in the kernel that issues it).
-3. A W3-shaped chain of 32 layers with the real GEMV kernels and one-program RMSNorm-like
+2. A W3-shaped chain of 32 layers with the real GEMV kernels and one-program RMSNorm-like
    kernels (attention stands in as a GPU spin of ATTN_US), in one CUDA graph, the prefetches
    on a side stream of 16 programs: forked after each GEMV for the next weight (`after`, so
    they run beside the small kernels) or before it (`before`, beside the GEMV), by the MB
@@ -69,10 +69,10 @@ def small(x, y, weight=None, cap=0):
                         CHUNK=CHUNK, num_warps=4)  # fmt: skip
 
 
-def part2(weights) -> None:
+def part1(weights) -> None:
     for programs in (1, 4, 16):
         ms = graph_ms(lambda p=programs: [l2_prefetch(ws["o"], 64 * MB, p) for ws in weights])
-        print(f"2. prefetch launch of a whole o_proj ({programs} programs): "
+        print(f"1. prefetch launch of a whole o_proj ({programs} programs): "
               f"{ms * 1e3 / len(weights):.1f} us each")  # fmt: skip
 
 
@@ -116,10 +116,10 @@ def chain(weights, bufs, mode: str, caps: dict[str, int]) -> None:
 NEXT = {"qkv": "o", "o": "gate_up", "gate_up": "down", "down": "qkv"}
 
 
-def part3(weights, bufs) -> None:
+def part2(weights, bufs) -> None:
     total = sum(n * k * 2 for n, k in SHAPES.values()) * len(weights)
     print(
-        f"3. W3-shaped chain, {len(weights)} layers, {total / 1e9:.2f} GB, attention {ATTN_US} us;"
+        f"2. W3-shaped chain, {len(weights)} layers, {total / 1e9:.2f} GB, attention {ATTN_US} us;"
         f" {total / 3.0e9:.3f} ms at 3.0 TB/s"
     )
     print(f"   {'mode, MB of o / gate_up / down / qkv':<52} {'ms':>7} {'TB/s':>6}")
@@ -156,13 +156,13 @@ def main() -> None:
          for name, (n, k) in SHAPES.items()}
         for _ in range(32)
     ]  # fmt: skip
-    part2(weights)
+    part1(weights)
     bufs = {
         "h": torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16),
         "n": torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16),
         "mid": torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16),
     }
-    part3(weights, bufs)
+    part2(weights, bufs)
 
 
 CYCLES = 0
