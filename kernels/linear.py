@@ -21,6 +21,9 @@ from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import fusion_enabled, use_triton
 
 GEMV_MAX_M = 32  # kernels/triton_gemv.py's limit, kept here so CPU runs never import triton
+# A row count per compiled GEMV variant (Triton specializes an int argument equal to 1 or divisible
+# by 16; tiles are 16 rows up to 16, 32 above): what a start-up warm-up runs to compile them all.
+GEMV_ROW_CLASSES = (1, 2, 16, 17, 32)
 TIMING_RUNS = 9
 LAUNCH_COVER_CYCLES = 500_000  # GPU spin before each timed call: ~0.3 ms, past its host launch
 # (rows, N, K, kind, dtype, device) -> whether the GEMV beat cuBLAS there (bench_gemv prints it);

@@ -20,11 +20,11 @@ attention reads more of the cache, which would evict the prefetched lines (W5's 
 tokens read 1.6 GB a layer) and was not measured to gain. `PAGEDSERVE_DISABLE_FUSIONS=l2-prefetch`
 turns it off.
 
-Only the unfused attention path prefetches (qk-norm models, FP8 or partial-rotary layers, or
-`qkv-rope` off), not the one where the qkv GEMV writes the cache itself
-(kernels/triton_qkv_rope.py). With both, W2 (`STEPS=w2`, H100, 2026-11-24) had a stall of most
-of a second in each of two runs (TTFT p99 686 and 770 ms, TPOT p99 14.4 and 15.2), where either
-one alone gave TTFT p99 109-111 ms and TPOT p99 11.2-11.3; the cause is not found yet.
+W2 once looked worse with this and the qkv + rotary GEMV both on (TTFT p99 686 and 770 ms, where
+runs with one or both off gave 101-111), but those two were each the first W2 run on a fresh
+machine and the others were not: most likely Triton compiled the float32 LM head's variants for
+16-32 rows while serving (now done at start-up, `ModelRunner._warm_up_head`), not this prefetch
+(a diagnosis from the run order; not re-measured, the session's GPU time being spent).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from pagedserve.kernels.attention import AttentionMetadata
 from pagedserve.kernels.attention_dispatch import warm_up_attention
 from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
 from pagedserve.kernels.cascade import cascade_len
+from pagedserve.kernels.linear import GEMV_MAX_M, GEMV_ROW_CLASSES
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers, eligible
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
@@ -261,7 +262,22 @@ class ModelRunner:
             )  # fmt: skip
             self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
+        if self.device.type == "cuda" and self.info.is_last_stage:
+            t1 = time.perf_counter()
+            self._warm_up_head()
+            timings["LM head warm-up"] = time.perf_counter() - t1
         return timings
+
+    @torch.inference_mode()
+    def _warm_up_head(self) -> None:
+        """Compile the eager LM head's GEMV variants and the argmax before serving: mixed steps
+        and decode buckets above the head graphs sample 1-32 rows through them, and a Triton
+        compile while serving stalls every request (W2's first run on a fresh H100: TTFT p99
+        686-770 ms; later runs, their kernels in Triton's disk cache, ~110)."""
+        hidden = torch.zeros(GEMV_MAX_M, self.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in GEMV_ROW_CLASSES:
+            if rows <= self.config.scheduler.max_num_seqs:
+                argmax_rows(self.model.compute_logits(hidden[:rows]))
 
     def _graph_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
         """LM head and greedy argmax for small decode graphs (one rank: no collective inside)."""
