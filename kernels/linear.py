@@ -53,16 +53,21 @@ def linear(
     """`F.linear(x, weight, bias)`: x [M, K], weight [N, K] -> [M, N]; `out_dtype` (the LM head's
     float32 logits): the result rounded to x's dtype, then cast, as `.to(out_dtype)` after it
     would give, in the GEMV's own store instead of a separate cast kernel."""
-    slow = lambda: F.linear(x, weight, bias)  # noqa: E731
-    if out_dtype is not None and out_dtype != x.dtype:
-        slow = lambda: F.linear(x, weight, bias).to(out_dtype)  # noqa: E731
     if use_gemv(x, weight):
         from pagedserve.kernels.triton_gemv import triton_gemv
 
         fast = lambda: triton_gemv(x, weight, bias, out_dtype=out_dtype)  # noqa: E731
+        slow = lambda: _torch_linear(x, weight, bias, out_dtype)  # noqa: E731
         if _gemv_wins(x, weight, "plain", fast, slow):
             return fast()
-    return slow()
+    return _torch_linear(x, weight, bias, out_dtype)
+
+
+def _torch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
