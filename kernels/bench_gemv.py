@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,23 +88,31 @@ def sweep() -> dict[str, dict[str, int]]:
     return {name: _sweep_case(name, n, k, gated) for name, n, k, gated in cases}
 
 
+def _cold_weights(n: int, k: int) -> list[torch.Tensor]:
+    """Distinct [n, k] bf16 weights, >= 400 MB in all: none is in the 50 MB L2 when its turn
+    comes in a call over all of them."""
+    copies = max(2, -(-400_000_000 // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+
+
+def _per_weight_ms(one: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> float:
+    return _ms(lambda: [one(w) for w in ws]) / len(ws)
+
+
 def _sweep_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
     from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
 
-    copies = max(2, -(-400_000_000 // (n * k * 2)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    ws = _cold_weights(n, k)
     x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
-
-    def per_gemv(one) -> float:
-        return _ms(lambda: [one(w) for w in ws]) / copies
 
     def cublas(w: torch.Tensor) -> torch.Tensor:
         return torch.matmul(F.silu(x[:, :k]) * x[:, k:] if gated else x, w.t())
 
-    timed = [(per_gemv(cublas), "cublas")]
+    timed = [(_per_weight_ms(cublas, ws), "cublas")]
     for cfg in [gemv_config(n, k, gated), *candidates()]:
         try:
-            timed.append((per_gemv(lambda w, c=cfg: triton_gemv(x, w, gated=gated, config=c)), cfg))
+            gemv = lambda w, c=cfg: triton_gemv(x, w, gated=gated, config=c)  # noqa: E731
+            timed.append((_per_weight_ms(gemv, ws), cfg))
         except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
             print(f"  {name} {cfg}: {type(exc).__name__}")
     gb = n * k * 2 / 1e6
@@ -122,8 +131,7 @@ def qkv_rope() -> None:
     from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
 
     n, k = SHAPES["qkv"]
-    copies = -(-400_000_000 // (n * k * 2))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    ws = _cold_weights(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     cos_sin = RotaryEmbedding(128, 8192, rope_config({"rope_theta": 5e5})).cos_sin_cache.cuda()
     pos = torch.tensor([300], device="cuda")
@@ -144,7 +152,7 @@ def qkv_rope() -> None:
         rows.append((f"fused {cfg}", lambda w, c=cfg: fused(w, c)))
     for label, one in rows:
         try:
-            ms = _ms(lambda one=one: [one(w) for w in ws]) / copies
+            ms = _per_weight_ms(one, ws)
         except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run (shared memory)
             print(f"qkv {label}: {type(exc).__name__}")
             continue

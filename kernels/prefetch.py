@@ -41,8 +41,8 @@ _FORKED: set[int] = set()  # devices whose side stream has work not yet joined
 
 
 def prefetch_wanted(x: torch.Tensor) -> bool:
-    """Whether a layer fed `x` ([T, H]) prefetches its next weight: a decode-sized batch on a
-    GPU with bulk L2 prefetch (compute capability 9.0+)."""
+    """Whether a layer whose rows are `x` ([T, ...]) prefetches its next weight: a decode-sized
+    batch on a GPU with bulk L2 prefetch (compute capability 9.0+)."""
     return (
         x.is_cuda
         and use_triton(x)

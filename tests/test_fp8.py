@@ -157,6 +157,23 @@ def test_load_time_quantization(plain):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.85
 
 
+def test_attention_takes_rows_the_norm_quantized(plain):
+    """On a GPU the RMSNorm before an FP8 qkv projection may hand it `Fp8Rows` (fusion
+    norm-quant): the attention layer then gives what it gives for the model-dtype rows (the
+    per-token path quantizes them the same way), with nothing on the way expecting a tensor."""
+    layer = build(plain, quantization="fp8").model.layers["0"].self_attn
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, layer.qkv_proj.weight.shape[1], generator=gen)
+    meta, positions = build_attention_metadata([0], [5], [[0]], 8)
+    shape = (1, 2, 8, layer.attn.num_kv_heads, layer.head_dim)
+    kv_a, kv_b = torch.zeros(shape), torch.zeros(shape)
+    with torch.no_grad():
+        want = layer(positions, hidden, kv_a, meta)
+        got = layer(positions, fp8.Fp8Rows(*fp8.quantize_rows(hidden), hidden.dtype), kv_b, meta)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(kv_b, kv_a)
+
+
 def _wide_llama(path: str) -> str:
     """A llama with 128-multiple widths, so block scales can split across 2 ranks."""
     from transformers import LlamaConfig, LlamaForCausalLM

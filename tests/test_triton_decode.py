@@ -307,14 +307,15 @@ def test_gpu_l2_prefetch_in_graph():
     """A prefetch forked on the side stream and joined, captured and replayed: the matmul after
     it reads the same weight and gives the same result; every fork is joined."""
     from pagedserve.kernels import prefetch
-    from pagedserve.kernels.triton_prefetch import prefetch_span
+    from pagedserve.kernels.triton_prefetch import l2_prefetch
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("bulk L2 prefetch needs compute capability 9.0+")
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     assert prefetch.prefetch_wanted(x) and not prefetch.prefetch_wanted(x.repeat(9, 1))
-    assert prefetch_span(w, 1 << 20) == (w.data_ptr(), 1 << 20)
+    with pytest.raises(ValueError, match="contiguous"):
+        l2_prefetch(w.t(), 1 << 20, 1)
 
     def step():
         prefetch.prefetch_weight(x, w)

@@ -59,7 +59,8 @@ def argmax_rows(x: torch.Tensor, split: bool | None = None) -> torch.Tensor:
     thread block (28 us for 128k float32 logits on an H100, in every batch-1 decode step).
     `split` forces the choice (tests, under the Triton interpreter on a CPU); on a CPU one pass
     is cheaper (its host time is the step)."""
-    if not (x.is_cuda if split is None else split) or x.shape[0] > ARGMAX_SPLIT_MAX_ROWS:
+    fast = x.is_cuda if split is None else split
+    if not fast or x.shape[0] > ARGMAX_SPLIT_MAX_ROWS or x.stride(-1) != 1:
         return x.argmax(dim=-1)
     from pagedserve.kernels.triton_argmax import triton_argmax
 

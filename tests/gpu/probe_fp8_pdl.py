@@ -71,6 +71,28 @@ def part_a() -> None:
         print(f"kernel of {key}: {kernels}")
 
 
+def graph_ms(fn, reps: int = 5) -> float:
+    """Median ms of `fn` captured once in a CUDA graph: 7 samples of `reps` replays each (the W3
+    chain probes' timer, tests/gpu/probe_l2_prefetch.py too)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / reps)
+    return sorted(times)[3]
+
+
 @triton.jit
 def _small_kernel(x_ptr, y_ptr, N: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -179,23 +201,7 @@ def part_b() -> None:
             def fn(pdl=pdl, prefetch=prefetch, smalls=smalls):
                 chain(pdl, prefetch, smalls)
 
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(5):
-                graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 5)
-        ms = sorted(times)[3]
+        ms = graph_ms(fn)
         print(f"{label:<28} {ms:>7.3f} {total_bytes / ms / 1e9:>6.2f}")
 
 

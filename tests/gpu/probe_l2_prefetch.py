@@ -4,45 +4,24 @@ memory bus idles (norms, rotary + cache write, attention), shorten a batch-1 dec
 1. Whether a kernel that issues bulk prefetches waits for them: 32 prefetch launches of o_proj
    weights in a graph, us per launch, by program count (H100: 133 us with 1 program, 10 with
    16: a program's issue is throttled, so prefetching costs time in the kernel that issues it).
-2. A W3-shaped chain of 32 layers with the real GEMV kernels and one-program RMSNorm-like
-   kernels (attention stands in as a GPU spin of ATTN_US), in one CUDA graph, the prefetches
-   on a side stream of 16 programs: forked after each GEMV for the next weight (`after`, so
-   they run beside the small kernels) or before it (`before`, beside the GEMV), by the MB
-   prefetched of each weight.
+2. A W3-shaped chain of 32 layers with the real GEMV kernels and probe_fp8_pdl's one-program
+   RMSNorm-like kernel (attention stands in as a GPU spin of ATTN_US), in one CUDA graph, the
+   prefetches on a side stream of 16 programs: forked after each GEMV for the next weight
+   (`after`, so they run beside the small kernels) or before it (`before`, beside the GEMV),
+   by the MB prefetched of each weight.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from probe_fp8_pdl import _small_kernel, graph_ms  # run as a script: tests/gpu is on sys.path
 
 from pagedserve.kernels.triton_gemv import triton_gemv
-from pagedserve.kernels.triton_prefetch import CHUNK, l2_prefetch, prefetch_l2, prefetch_span
+from pagedserve.kernels.triton_prefetch import l2_prefetch
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ATTN_US = 7.0
 MB = 1 << 20
-
-
-def graph_ms(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    return sorted(times)[3]
 
 
 def spin_cycles(us: float) -> int:
@@ -52,21 +31,9 @@ def spin_cycles(us: float) -> int:
     return int(cycles * us / (ms * 1e3))
 
 
-@triton.jit
-def _small_kernel(x_ptr, y_ptr, addr, nbytes, N: tl.constexpr, PREFETCH: tl.constexpr,
-                  CHUNK: tl.constexpr):  # fmt: skip
-    if PREFETCH:
-        prefetch_l2(addr, nbytes, 0, 1, CHUNK, 128)
-    offs = tl.arange(0, N)
-    x = tl.load(x_ptr + offs).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + 1e-6)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty))
-
-
-def small(x, y, weight=None, cap=0):
-    addr, nbytes = prefetch_span(weight, cap) if weight is not None else (0, 0)
-    _small_kernel[(1,)](x, y, addr, nbytes, N=4096, PREFETCH=weight is not None and cap > 0,
-                        CHUNK=CHUNK, num_warps=4)  # fmt: skip
+def small(x: torch.Tensor, y: torch.Tensor) -> None:
+    """A one-program kernel that reads a row and writes one (the norms; rotary stands in too)."""
+    _small_kernel[(1,)](x, y, N=4096, PDL=False, num_warps=4)
 
 
 def part1(weights) -> None:

@@ -162,10 +162,10 @@ class LlamaAttention(nn.Module):
                 hidden, qkv.weight, qkv.bias, self.rotary_emb, positions, kv_cache, meta
             )
             if q is not None:  # one kernel: projection, rotary, cache write (decode on CUDA)
-                prefetch_weight(hidden, self.o_proj.weight)  # into L2 while attention runs
+                prefetch_weight(q, self.o_proj.weight)  # into L2 while attention runs
                 return self.o_proj(self.attn.attend(q, None, None, kv_cache, meta))
         q, k, v = qkv.split(qkv(hidden))  # [T, Hq*D], [T, Hkv*D] x2
-        prefetch_weight(hidden, self.o_proj.weight)
+        prefetch_weight(q, self.o_proj.weight)  # (hidden may be Fp8Rows, q is a tensor)
         if self.qk_norm:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
