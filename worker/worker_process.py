@@ -105,14 +105,14 @@ def run_loop(
             msg = _next_message(plans, runner, pending)
             if isinstance(msg, StepPlan) and lookahead:
                 t0 = time.monotonic()
+                gpu_begin = trace.gpu_mark() if trace is not None else None
                 started = runner.start(msg, pending)
                 t1 = time.monotonic()
                 _finish(runner, pending, results)
                 t2 = time.monotonic()
                 pending = runner.sample(started)
-                if trace is not None:  # start, finish (of the step before), sample: host seconds
-                    t3 = time.monotonic()
-                    trace.write(f"{t0:.6f} {t1 - t0:.6f} {t2 - t1:.6f} {t3 - t2:.6f}\n")
+                if trace is not None:
+                    trace.step(msg, t0, t1, t2, gpu_begin)
                 continue
             _finish(runner, pending, results)
             pending = None
@@ -173,10 +173,46 @@ class PhaseClock:
         self._last = now
 
 
-def _open_trace(rank: int):
-    """PAGEDSERVE_STEP_TRACE=FILE (see core/engine_core.py): this rank's host time per step."""
+def _open_trace(rank: int) -> StepTrace | None:
+    """PAGEDSERVE_STEP_TRACE=FILE (see core/engine_core.py): this rank's times per step."""
     path = os.environ.get("PAGEDSERVE_STEP_TRACE")
-    return open(f"{path}.worker{rank}", "w", buffering=1) if path else None  # noqa: SIM115
+    return StepTrace(f"{path}.worker{rank}") if path else None
+
+
+class StepTrace:
+    """One line per step run ahead of its predecessor's result (a CUDA worker's loop), written
+    when the step before has finished: `start` (monotonic s), host seconds in start(), in
+    finish() of the step before and in sample(); then for the step before, its requests and
+    tokens, the GPU's idle ms before it (its first kernel waited for the host) and its GPU ms
+    (first kernel to the copy of its sampled ids), from CUDA events around each step's work."""
+
+    def __init__(self, path: str) -> None:
+        import torch
+
+        self._torch = torch
+        self._file = open(path, "w", buffering=1)  # noqa: SIM115
+        self._steps: list = []  # (plan, begin event, end event) of the last two steps
+
+    def gpu_mark(self):
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step(self, plan: StepPlan, t0: float, t1: float, t2: float, gpu_begin) -> None:
+        host = f"{t0:.6f} {t1 - t0:.6f} {t2 - t1:.6f} {time.monotonic() - t2:.6f}"
+        self._steps.append((plan, gpu_begin, self.gpu_mark()))
+        gpu = ""
+        if len(self._steps) == 3:  # the middle one has finished, so have its neighbours' ends
+            (_, _, before_end), (done, begin, end), _ = self._steps
+            end.synchronize()
+            gap, busy = before_end.elapsed_time(begin), begin.elapsed_time(end)
+            tokens = sum(done.num_scheduled_tokens)
+            gpu = f" {len(done.scheduled_ids)} {tokens} {gap:.3f} {busy:.3f}"
+            self._steps.pop(0)
+        self._file.write(host + gpu + "\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _report_grammars(runner, rank: int, results: StepSender) -> None:

@@ -41,6 +41,11 @@
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
 # and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
 # through .git/info/exclude); name `.whl` and `.gpucarry` in the device call's `carry`.
+# `TRACE=1` writes each step's PAGEDSERVE_STEP_TRACE to $OUT/trace-STEP and prints where the GPU
+# time went by step kind, with the GPU's idle time between steps (tests/gpu/trace_summary.py).
+# `gemm-silu-probe`: a Triton gate/up GEMM with silu-and-mul in its epilogue against cuBLAS + our
+# silu-and-mul at W1's prefill shape (tests/gpu/probe_gemm_silu.py); `gemm-mid-probe`: its plain
+# GEMM against cuBLAS at M = 64-512, the layer shapes, weights out of L2 (probe_gemm_mid.py).
 # `EXTRA` adds engine flags to the W steps that take `$X` (w1, w2, w3, w5, w6):
 #   EXTRA="--max-num-seqs 512" STEPS="w1 w1-fp8 w6" bash tests/gpu/device_run.sh
 # Issue 18: `fa4-install` installs FlashAttention 4 from the parts tests/gpu/fa4_wheels.sh made
@@ -122,6 +127,8 @@ for step in $STEPS; do
   X=""; name=$step; ATTN_FLAG="--attention-backend ${ATTN:-auto}"
   case $step in *@*) ATTN_FLAG="--attention-backend ${step#*@}"; step=${step%@*} ;; esac
   case $step in *-fp8) X=$FP8; step=${step%-fp8} ;; esac
+  # TRACE=1: the engine's and worker's step traces of each step, and where its GPU time went
+  [ -n "${TRACE:-}" ] && export PAGEDSERVE_STEP_TRACE="$OUT/trace-$name"
   [ -n "${EXTRA:-}" ] && X="$X $EXTRA"  # engine flags for the w* steps, e.g. EXTRA="--max-num-seqs 512"
   case $step in moe*) moe_dir ;; esac
   case $step in
@@ -168,6 +175,8 @@ PY
     ;;
     kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     fp8-probe) $T python3 tests/gpu/probe_fp8_pdl.py 2>&1 | tee "$OUT/fp8-probe.txt" ;;
+    gemm-mid-probe) $T python3 tests/gpu/probe_gemm_mid.py 2>&1 | tee "$OUT/gemm-mid-probe.txt" | tail -24 ;;
+    gemm-silu-probe) $T python3 tests/gpu/probe_gemm_silu.py 2>&1 | tee "$OUT/gemm-silu-probe.txt" | tail -20 ;;
     l2-probe) $T python3 tests/gpu/probe_l2_prefetch.py 2>&1 | tee "$OUT/l2-probe.txt" ;;
     attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
@@ -279,6 +288,7 @@ PY
           --output-json "$OUT/$name.json" 2>&1 | tail -25
         kill -TERM $srv; wait $srv ;;
   esac
+  [ -s "$OUT/trace-$name.worker0" ] && python3 tests/gpu/trace_summary.py "$OUT/trace-$name.worker0"
   summary+=("$name: $(( $(date +%s) - t0 )) s")
 done
 printf '%s\n' "${summary[@]}"
