@@ -12,9 +12,9 @@ from pagedserve.frontend.cli import default_model_dir, main
 
 def test_throughput_measures_no_warm_up_cache_hits(tmp_path) -> None:
     out = tmp_path / "w.json"
-    argv = ["bench", "throughput", "--model", default_model_dir(), "--device", "cpu", "--dtype", "float32",
-            "--num-prompts", "10", "--input-len", "40", "--output-len", "2",
-            "--output-json", str(out)]  # fmt: skip
+    argv = ["bench", "throughput", "--model", default_model_dir(), "--device", "cpu",
+            "--dtype", "float32", "--num-prompts", "10", "--input-len", "40",
+            "--output-len", "2", "--output-json", str(out)]  # fmt: skip
     assert main(argv) in (0, None)
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 10
