@@ -191,7 +191,7 @@ class StepTrace:
 
         self._torch = torch
         self._file = open(path, "w", buffering=1)  # noqa: SIM115
-        self._steps: list = []  # (plan, begin event, end event) of the last two steps
+        self._steps: list = []  # (plan, begin event, end event) of the last steps, up to three
 
     def gpu_mark(self):
         event = self._torch.cuda.Event(enable_timing=True)
