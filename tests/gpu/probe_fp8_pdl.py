@@ -72,8 +72,8 @@ def part_a() -> None:
 
 
 def graph_ms(fn, reps: int = 5) -> float:
-    """Median ms of `fn` captured once in a CUDA graph: 7 samples of `reps` replays each (the W3
-    chain probes' timer, tests/gpu/probe_l2_prefetch.py too)."""
+    """Median ms of `fn` captured once in a CUDA graph: 7 samples of `reps` replays each (the
+    probes' timer: probe_l2_prefetch.py and probe_gemm_silu.py import it)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from probe_gemm_silu import gate_up_silu
+from probe_gemm_silu import persistent_gemm
 
 from pagedserve.kernels.bench_gemv import SHAPES, _cold_weights, _per_weight_ms
 
@@ -47,11 +47,11 @@ def main() -> None:
                 if cfg["BM"] > max(64, m):
                     continue
                 try:
-                    out = gate_up_silu(x, ws[0], cfg, fused=False)
+                    out = persistent_gemm(x, ws[0], cfg, fused=False)
                     if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
                         print(f"  {name} M={m} {cfg}: wrong result")
                         continue
-                    us = _per_weight_ms(lambda w, x=x, c=cfg: gate_up_silu(x, w, c, False), ws)
+                    us = _per_weight_ms(lambda w, x=x, c=cfg: persistent_gemm(x, w, c, False), ws)
                     best = min(best, (us * 1e3, cfg), key=lambda t: t[0])
                 except Exception as exc:  # noqa: BLE001 - a config the GPU cannot hold
                     print(f"  {name} M={m} {cfg}: {type(exc).__name__}")

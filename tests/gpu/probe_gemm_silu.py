@@ -17,6 +17,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from probe_fp8_pdl import graph_ms  # run as a script: tests/gpu is on sys.path
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedserve.kernels.triton_activation import silu_mul, triton_silu_and_mul
@@ -61,7 +62,8 @@ def _gate_up_silu_kernel(
             c_desc.store([off_m, off_n], acc_g.to(c_desc.dtype))
 
 
-def gate_up_silu(x, w, cfg, fused=True):
+def persistent_gemm(x, w, cfg, fused=True):
+    """x @ w.T by the kernel above; `fused`: w is [2I, K] gate | up, the result silu(gate) * up."""
     M, K = x.shape
     inter = w.shape[0] // 2 if fused else w.shape[0]
     out = torch.empty(M, inter, dtype=x.dtype, device=x.device)
@@ -77,24 +79,6 @@ def gate_up_silu(x, w, cfg, fused=True):
         NUM_PROGS=progs, FUSED=fused, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
     return out
-
-
-def graph_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -127,12 +111,12 @@ def main() -> None:
     for cfg in configs:
         name = " ".join(f"{k}={v}" for k, v in cfg.items())
         try:
-            out = gate_up_silu(x, w, cfg)
+            out = persistent_gemm(x, w, cfg)
             err = (out.float() - ref.float()).abs().max().item()
-            t = graph_ms(lambda cfg=cfg: gate_up_silu(x, w, cfg))
+            t = graph_ms(lambda cfg=cfg: persistent_gemm(x, w, cfg))
             rows.append((f"fused {name} (err {err:.3g})", t, flop / t / 1e9))
             cfg2 = dict(cfg, BN=2 * cfg["BN"]) if cfg["BN"] <= 128 else cfg
-            t2 = graph_ms(lambda cfg2=cfg2: gate_up_silu(x, w, cfg2, fused=False))
+            t2 = graph_ms(lambda cfg2=cfg2: persistent_gemm(x, w, cfg2, fused=False))
             rows.append((f"plain BN={cfg2['BN']} {name}", t2, flop / t2 / 1e9))
         except Exception as e:  # a config the shared memory cannot hold
             rows.append((f"fused {name}: {type(e).__name__} {str(e)[:80]}", float("nan"), 0.0))
