@@ -98,7 +98,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PREFIX: tl.constexpr, AFTER_PREFIX: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_F16: tl.constexpr, KV_EVICT: tl.constexpr = "",
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,8 +163,9 @@ def _paged_attention_kernel(
         kv_off = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_ptrs = kv_cache_ptr + kv_off[:, None] + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
-        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT).to(q.dtype)
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k))  # [M, N], log2 domain (or s / cap, capped)
         if not DOT_F16:
             s = s * qk_scale
@@ -301,7 +302,7 @@ def triton_paged_attention(
     *,
     num_splits: int | None = None,  # None: choose from the batch (tests force it)
     block_m: int | None = None,  # None: 16 for decode batches, 128 with prefills
-    launch: dict[str, int] | None = None,  # BLOCK_N, num_warps, num_stages (bench sweeps)
+    launch: dict | None = None,  # BLOCK_N, num_warps, num_stages, KV_EVICT (benches, probes)
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     prefix_splits: int | None = None,  # cascade: None chooses (tests and benches force it)

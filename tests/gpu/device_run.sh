@@ -61,6 +61,8 @@
 # prefix) with the cascade off and on, and sweeps the prefix pass (cascade-bench.json);
 # `w6-nocascade` is `w6` with PAGEDSERVE_DISABLE_FUSIONS=cascade, the end-to-end A/B:
 #   STEPS="cascade-tests cascade-bench w6 w6-nocascade w3 w4" bash tests/gpu/device_run.sh
+# `overlap-probe` (issue 18, W5): a mixed step's decode attention beside its prompt attention, on
+# a side stream or a green context of N SMs, for 8k/4k/2k prompt chunks (tests/gpu/probe_overlap.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -177,6 +179,8 @@ PY
     fp8-probe) $T python3 tests/gpu/probe_fp8_pdl.py 2>&1 | tee "$OUT/fp8-probe.txt" ;;
     gemm-mid-probe) $T python3 tests/gpu/probe_gemm_mid.py 2>&1 | tee "$OUT/gemm-mid-probe.txt" | tail -24 ;;
     gemm-silu-probe) $T python3 tests/gpu/probe_gemm_silu.py 2>&1 | tee "$OUT/gemm-silu-probe.txt" | tail -20 ;;
+    overlap-probe) $T python3 tests/gpu/probe_overlap.py --json "$OUT/overlap-probe.json" 2>&1 \
+          | tee "$OUT/overlap-probe.txt" | tail -70 ;;
     l2-probe) $T python3 tests/gpu/probe_l2_prefetch.py 2>&1 | tee "$OUT/l2-probe.txt" ;;
     attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
