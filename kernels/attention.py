@@ -67,6 +67,30 @@ class AttentionMetadata:
     # backend's padded groups and masks); a new step builds new metadata, so it never goes stale.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def from_host(
+        cls,
+        slot_mapping: np.ndarray,  # [T] int64
+        query_start_loc: np.ndarray,  # [B + 1] int32
+        seq_lens: np.ndarray,  # [B] int32
+        block_tables: np.ndarray,  # [B, max_blocks] int32
+        block_size: int,
+        to_dev: Callable[[np.ndarray], torch.Tensor],
+    ) -> AttentionMetadata:
+        """The layout from host arrays, copied to the device by `to_dev` (the arrays stay as the
+        host copies)."""
+        return cls(
+            slot_mapping=to_dev(slot_mapping),
+            query_start_loc=to_dev(query_start_loc),
+            seq_lens=to_dev(seq_lens),
+            block_tables=to_dev(block_tables),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            max_query_len=int(np.diff(query_start_loc).max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            block_size=block_size,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
@@ -101,16 +125,9 @@ def build_attention_metadata(
         tables[i, : len(table)] = table
     slots = tables[seq_idx, positions // block_size].astype(np.int64) * block_size
     slots += positions % block_size
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        query_start_loc=torch.from_numpy(qsl).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(tables).to(device),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens.astype(np.int32),
-        max_query_len=int(q_lens.max(initial=0)),
-        max_seq_len=int(seq_lens.max(initial=0)),
-        block_size=block_size,
+    seq_lens = seq_lens.astype(np.int32)
+    meta = AttentionMetadata.from_host(
+        slots, qsl, seq_lens, tables, block_size, lambda a: torch.from_numpy(a).to(device)
     )
     return meta, torch.from_numpy(positions).to(device)
 

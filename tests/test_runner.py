@@ -183,7 +183,7 @@ def test_profile_samples_max_num_seqs_rows_over_the_vocabulary(runner, monkeypat
 def test_cpu_threads_leave_a_core_to_the_host_only_for_small_models(
     runner, monkeypatch, cores, ranks, weights, expected
 ):
-    from pagedserve.worker.model_runner import set_cpu_threads, weight_bytes
+    from pagedserve.worker.device import set_cpu_threads, weight_bytes
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))

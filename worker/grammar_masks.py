@@ -204,3 +204,35 @@ class GrammarMasks:
                 continue  # past the tokenizer: masked with the padding
             bit = 1 << (token % 32) if token % 32 != 31 else -(2**31)
             self.host[j, token // 32] |= bit
+
+
+class ConstrainedRows:
+    """The batch's rows under a grammar (sampling ranks only): a matcher per constrained request,
+    started when its plan brings it (a resumed request starts over) and dropped when it finishes,
+    and the masks, made at the first constrained step. False while no row is constrained."""
+
+    def __init__(self, grammars: Any, max_rows: int, device: torch.device, ranks_per_node: int):
+        self.grammars = grammars  # worker/grammar.py's GrammarCompiler
+        self.matchers: dict[str, RowMatcher] = {}
+        self._masks: GrammarMasks | None = None
+        self._shape = (max_rows, device, fill_threads(ranks_per_node))
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def track(self, finished_ids: Sequence[str], new_requests: Sequence[Any]) -> None:
+        for req_id in finished_ids:
+            self.matchers.pop(req_id, None)
+        for new in new_requests:
+            spec = new.sampling.structured_outputs
+            if spec is not None:
+                compiled = self.grammars.get(spec)
+                self.matchers[new.req_id] = RowMatcher(compiled, spec, new.eos_token_ids)
+
+    def mask(self, logits: torch.Tensor, req_ids: list[str], outputs: list[Sequence[int]]) -> None:
+        """Mask the constrained rows' logits [S, V] in place with their grammars' next tokens;
+        row j is `req_ids[j]`, its output tokens so far `outputs[j]`."""
+        if self._masks is None:
+            max_rows, device, threads = self._shape
+            self._masks = GrammarMasks(max_rows, self.grammars.mask_vocab_size, device, threads)
+        self._masks.apply(logits, [self.matchers.get(r) for r in req_ids], outputs)

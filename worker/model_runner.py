@@ -12,7 +12,6 @@ builds the StepResult. `execute(plan)` is the three in a row. KV capacity comes 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate,
 from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers, eligible
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.grammar import GrammarCompiler
-from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher, fill_threads
+from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
@@ -47,46 +46,6 @@ from pagedserve.worker.sampler import (
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
-    torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-LARGE_CPU_MODEL_BYTES = 64 << 20
-
-
-def set_cpu_threads(ranks_per_node: int, weight_bytes: int) -> int:
-    """Intra-op threads for a CPU worker (`OMP_NUM_THREADS` wins when set).
-
-    A small model's steps are short ops that the host (API server, core) keeps pace with only on
-    a core of its own: such a worker takes the cores less one, shared by the ranks of this node
-    (a thread more than that buys nothing and makes every op wait at an OpenMP barrier for a
-    thread the scheduler has parked). A model of `LARGE_CPU_MODEL_BYTES` or more per rank is
-    bound by its matmuls (prefill) and by streaming its weights (decode): it takes every core."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores, ranks = cores or 1, max(ranks_per_node, 1)
-    spare = 0 if weight_bytes >= LARGE_CPU_MODEL_BYTES else 1
-    threads = max(1, (cores - spare) // ranks)
-    torch.set_num_threads(threads)
-    return threads
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's weights, plain parameters and CPU-packed ones (kernels/cpu_linear)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if isinstance(packed, torch.Tensor):
-            total += packed.numel() * packed.element_size()
-    return total
 
 
 @dataclass
@@ -148,10 +107,11 @@ class ModelRunner:
         self.cascade = (  # shared-prefix attention (kernels/cascade.py): the Triton kernel's
             device.type == "cuda" and backend in ("triton", "auto") and fusion_enabled("cascade")
         )
-        # Structured outputs (sampling ranks only): matchers of the constrained rows in the batch.
+        # Structured outputs: grammars compile here; the sampling ranks mask constrained rows.
         self.grammars = GrammarCompiler(config.model.tokenizer_path, config.model.vocab_size)
-        self.matchers: dict[str, RowMatcher] = {}
-        self._masks: GrammarMasks | None = None
+        self.constrained = ConstrainedRows(
+            self.grammars, config.scheduler.max_num_seqs, device, config.parallel.ranks_per_node
+        )
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
@@ -304,27 +264,17 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ steps
-    def _forward(
-        self,
-        inputs: StepInputs,
-        kv_caches: list[torch.Tensor],
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """The step's layout on the device: group 0's, with the cascade's shared prefix, and
+        every other KV cache group's over its own block tables and slots."""
+
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return to_device(a, self.device)
 
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(inputs.slot_mapping),
-            query_start_loc=to_dev(inputs.query_start_loc),
-            seq_lens=to_dev(inputs.seq_lens),
-            block_tables=to_dev(inputs.block_tables),
-            query_start_loc_cpu=inputs.query_start_loc,
-            seq_lens_cpu=inputs.seq_lens,
-            max_query_len=int(np.diff(inputs.query_start_loc).max()),
-            max_seq_len=int(inputs.seq_lens.max()),
-            block_size=self.block_size,
-        )
+        meta = AttentionMetadata.from_host(
+            inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens, inputs.block_tables,
+            self.block_size, to_dev,
+        )  # fmt: skip
         if inputs.cascade_len:
             meta.cascade_len = inputs.cascade_len
             meta.cascade_len_dev = to_dev(np.array([inputs.cascade_len], dtype=np.int32))
@@ -342,7 +292,18 @@ class ModelRunner:
                     inputs.group_slot_mappings, inputs.group_block_tables, strict=True
                 )
             ]
-        input_ids, positions = to_dev(inputs.input_ids), to_dev(inputs.positions)
+        return meta
+
+    def _forward(
+        self,
+        inputs: StepInputs,
+        kv_caches: list[torch.Tensor],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        meta = self._attention_metadata(inputs)
+        input_ids = to_device(inputs.input_ids, self.device)
+        positions = to_device(inputs.positions, self.device)
         if fill is not None:
             input_ids[fill[0]] = fill[1]
         compiled = self.cpu_compiler.forward() if self.cpu_compiler is not None else None
@@ -364,8 +325,8 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         self.batch.apply(plan)
-        if self.info.is_last_stage and (self.matchers or plan.new_requests):
-            self._track_matchers(plan)
+        if self.info.is_last_stage and (self.constrained or plan.new_requests):
+            self.constrained.track(plan.finished_ids, plan.new_requests)
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
@@ -433,9 +394,9 @@ class ModelRunner:
         plan, inputs = step.plan, step.inputs
         sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
         rows = [self._sampling_row(req_id) for req_id in sample_ids]
-        if self.matchers:
-            self._apply_grammars(step.logits, sample_ids, rows)
-        argmax = None if self.matchers else step.argmax  # grammar masks change the logits
+        if self.constrained:
+            self.constrained.mask(step.logits, sample_ids, [r.output_token_ids for r in rows])
+        argmax = None if self.constrained else step.argmax  # grammar masks change the logits
         token_ids = self.sampler.sample_ids(step.logits, rows, argmax)  # [S] on the device
         logprobs = None
         if self.info.is_driver and any(r.params.logprobs is not None for r in rows):
@@ -481,28 +442,6 @@ class ModelRunner:
         if self.mixed_graphs is None:
             return None
         return self.mixed_graphs.bucket(len(inputs.input_ids), len(inputs.seq_lens))
-
-    def _track_matchers(self, plan: StepPlan) -> None:
-        """A matcher per constrained request in the batch (a resumed one starts over)."""
-        for req_id in plan.finished_ids:
-            self.matchers.pop(req_id, None)
-        for new in plan.new_requests:
-            spec = new.sampling.structured_outputs
-            if spec is not None:
-                compiled = self.grammars.get(spec)
-                self.matchers[new.req_id] = RowMatcher(compiled, spec, new.eos_token_ids)
-
-    def _apply_grammars(
-        self, logits: torch.Tensor, sample_ids: list[str], rows: list[SamplingRow]
-    ) -> None:
-        """Mask the constrained rows' logits [S, V] in place with their grammars' next tokens."""
-        if self._masks is None:
-            max_rows = self.config.scheduler.max_num_seqs
-            threads = fill_threads(self.config.parallel.ranks_per_node)
-            vocab = self.grammars.mask_vocab_size
-            self._masks = GrammarMasks(max_rows, vocab, self.device, threads)
-        matchers = [self.matchers.get(req_id) for req_id in sample_ids]
-        self._masks.apply(logits, matchers, [r.output_token_ids for r in rows])
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         req = self.batch.requests[req_id]

@@ -64,12 +64,8 @@ def run_loop(
     clock = PhaseClock()
     # torch is imported here so that a bad install is reported to the core as a WorkerError.
     from pagedserve.parallel.groups import init_distributed, rank_info
-    from pagedserve.worker.model_runner import (
-        ModelRunner,
-        resolve_device,
-        set_cpu_threads,
-        weight_bytes,
-    )
+    from pagedserve.worker.device import resolve_device, set_cpu_threads, weight_bytes
+    from pagedserve.worker.model_runner import ModelRunner
 
     clock.mark("torch import")
     parallel = config.parallel
