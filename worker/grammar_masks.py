@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pagedserve.ipc.messages import StructuredOutputs
+from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.sampler import to_device
 
 logger = logging.getLogger("pagedserve.worker")
@@ -211,8 +212,10 @@ class ConstrainedRows:
     started when its plan brings it (a resumed request starts over) and dropped when it finishes,
     and the masks, made at the first constrained step. False while no row is constrained."""
 
-    def __init__(self, grammars: Any, max_rows: int, device: torch.device, ranks_per_node: int):
-        self.grammars = grammars  # worker/grammar.py's GrammarCompiler
+    def __init__(
+        self, grammars: GrammarCompiler, max_rows: int, device: torch.device, ranks_per_node: int
+    ) -> None:
+        self.grammars = grammars
         self.matchers: dict[str, RowMatcher] = {}
         self._masks: GrammarMasks | None = None
         self._shape = (max_rows, device, fill_threads(ranks_per_node))

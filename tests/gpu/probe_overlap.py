@@ -19,15 +19,16 @@ of 8,192, 4,096 and 2,048 tokens:
 Prints ms per step (32 layers) and the saving against `serial`. Run on a GPU:
 `python tests/gpu/probe_overlap.py [--json PATH]` (FA4 when it imports, else Triton prompts).
 
-Result on an H100 (two runs, 2026-11-24; `STEPS="fa4-install overlap-probe"`): no overlap pays.
+Result on an H100 (three runs, 2026-11-24; `STEPS="fa4-install overlap-probe"`; the third
+with this timer, the first two with an eager event loop of the same median): no overlap pays.
 - Side streams: -4.9% to +4.5% of `serial` (8k chunk: serial 106-107 ms, side-hi 109-111;
-  evict-first loads 104); the same spread between the two runs, so noise-sized at best. In the
+  evict-first loads 104-106); the same spread between runs, so noise-sized at best. In the
   engine (the decode part forked on a high-priority stream) W5 ran 48.1 s against 48.5 s.
-- Green contexts: the decode kernel needs nearly every SM to reach memory speed (17.7 ms on 132
-  SMs; 40 on 32, 23 on 48 or 64, 22 on 80: ~30-50 GB/s an SM with cp.async loads, 4 stages do
-  not change it), and the prompt part on fewer SMs loses what the decode part gains: green-48
-  to green-80 are -2.6% to +1.0%, green-32 -7% to -42%.
-- Beside the chunk's gate/up GEMM instead, against GEMM + decode one after the other: -3.5% to
+- Green contexts: the decode kernel needs nearly every SM to reach memory speed (17.5-17.7 ms
+  on 132 SMs; 40 on 32, 23 on 48 or 64, 21-22 on 80: ~30-50 GB/s an SM with cp.async loads, 4
+  stages do not change it), and the prompt part on fewer SMs loses what the decode part gains:
+  green-48 to green-80 are -4.2% to +1.0%, green-32 -7% to -42%.
+- Beside the chunk's gate/up GEMM instead, against GEMM + decode one after the other: -4.8% to
   +6.6% on a side stream or 48-80 SMs, worse on fewer.
 So a W5 mixed step's attention is as fast in series as overlapped on this GPU: an overlap would
 need a decode kernel that streams at memory speed from a third of the SMs (TMA bulk loads).
@@ -37,34 +38,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from pagedserve.kernels.bench_kernels import HKV, HQ, D, random_batch
-from pagedserve.kernels.triton_attention import choose_num_splits, triton_paged_attention
+from pagedserve.kernels.triton_attention import (
+    _launch_config,
+    choose_num_splits,
+    triton_paged_attention,
+)
 
 LAYERS = 32
 DECODE_ROWS, DECODE_CTX = 24, 16400
 CHUNKS = (8192, 4096, 2048)
 GREEN_SMS = (32, 48, 64, 80)
-EVICT = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "KV_EVICT": "evict_first"}
-DEEP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "KV_EVICT": "evict_first"}
+# The decode kernel's own launch config with evict-first K/V loads, and with 4 pipeline stages.
+EVICT = {**_launch_config(16, False), "KV_EVICT": "evict_first"}
+DEEP = {**EVICT, "num_stages": 4}
+_GREEN_CONTEXTS: list = []
 
 
-def step_ms(fn, reps: int = 7) -> float:
-    """Median GPU ms of `fn` (one step's layers), eager, after one warm call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def step_ms(fn) -> float:
+    """Median GPU ms of `fn` (one step's layers) over ~7 eager calls (triton's do_bench)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=1, rep=700, return_mode="median")
 
 
 def green_stream(num_sms: int) -> torch.cuda.Stream | None:
@@ -79,14 +77,11 @@ def green_stream(num_sms: int) -> torch.cuda.Stream | None:
             ctx.set_context()
             stream = torch.cuda.Stream()
             ctx.pop_context()
-        green_stream.keep.append(ctx)  # the context must outlive its stream
+        _GREEN_CONTEXTS.append(ctx)  # a context must outlive its stream
         return stream
     except Exception as e:  # noqa: BLE001 - report and go on without green contexts
         print(f"  green context of {num_sms} SMs: {type(e).__name__}: {e}")
         return None
-
-
-green_stream.keep = []
 
 
 def run_chunk(chunk, prompt_attn, decode, sides, greens) -> dict[str, float]:
