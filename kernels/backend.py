@@ -20,8 +20,9 @@ Environment variables, read once per process (start-up settings, never flipped a
   at the tensor cores' own precision, kernels/fp8.py), `norm-quant` (the RMSNorm before an FP8
   layer writes its per-token quantized input, kernels/triton_norm.py), `l2-prefetch` (o_proj's
   weight pulled into L2 during a decode batch's attention, kernels/prefetch.py), `qkv-rope`
-  (rotary and the cache write in the qkv GEMV's epilogue, kernels/triton_qkv_rope.py); `all`
-  turns off every one.
+  (rotary and the cache write in the qkv GEMV's epilogue, kernels/triton_qkv_rope.py),
+  `swiglu-gemm` (a prompt-sized batch's gate/up GEMM with silu-and-mul in its epilogue, quack's,
+  kernels/swiglu_gemm.py); `all` turns off every one.
 
 `--attention-backend auto|triton|flash` (ModelConfig.attention_backend) picks on CUDA: `auto` is
 triton unless FlashAttention 4 imports and was measured faster for a step kind (prefill, decode,
@@ -45,7 +46,7 @@ STEP_KINDS = ("prefill", "decode", "mixed")
 CHOICE_FILE = os.path.join(os.path.dirname(__file__), "attention_choice.json")
 FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
-    "l2-prefetch", "qkv-rope",
+    "l2-prefetch", "qkv-rope", "swiglu-gemm",
 )  # fmt: skip
 
 

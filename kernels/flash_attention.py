@@ -54,25 +54,38 @@ def _add_cutlass_path() -> None:
             sys.path.insert(0, path)
 
 
-def flash_attn_importable() -> bool:
-    """Whether FA4 can be imported here (no CUDA needed to answer, nothing imported): also that
-    `cutlass` has its `cute` package, which since nvidia-cutlass-dsl 4.6 comes in
-    nvidia-cutlass-dsl-libs-core; without it `cutlass` is a namespace package of `_mlir` only."""
-    if importlib.util.find_spec("flash_attn") is None:
+def cute_dsl_importable(package: str) -> bool:
+    """Whether `package`, a library over the CuTe DSL (`flash_attn.cute`, `quack`), can be
+    imported here (no CUDA needed to answer, nothing imported): also that `cutlass` has its `cute`
+    package, which since nvidia-cutlass-dsl 4.6 comes in nvidia-cutlass-dsl-libs-core; without it
+    `cutlass` is a namespace package of `_mlir` only."""
+    if importlib.util.find_spec(package.split(".")[0]) is None:
         return False
     _add_cutlass_path()
     cutlass = importlib.util.find_spec("cutlass")
     roots = (cutlass.submodule_search_locations or []) if cutlass else []
     if not any(os.path.isdir(os.path.join(root, "cute")) for root in roots):
         return False
-    return importlib.util.find_spec("flash_attn.cute") is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def flash_attn_importable() -> bool:
+    """Whether FA4 can be imported here."""
+    return cute_dsl_importable("flash_attn.cute")
+
+
+def prepare_cute_dsl() -> None:
+    """Before the first import of FA4 or quack (FA4 imports quack): `cutlass` on sys.path and
+    both libraries' compiled kernels kept on disk under disk_cache.py's root."""
+    _add_cutlass_path()
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", flash_cache_dir())
+    os.environ.setdefault("QUACK_CACHE_DIR", os.path.join(cache_root(), "quack"))
 
 
 @functools.cache
 def _varlen_func():
-    _add_cutlass_path()
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", flash_cache_dir())
+    prepare_cute_dsl()
     from flash_attn.cute import flash_attn_varlen_func
 
     return flash_attn_varlen_func

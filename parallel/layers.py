@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedserve.kernels.cpu_linear import pack_weight, packed_linear
 from pagedserve.kernels.linear import linear
+from pagedserve.kernels.swiglu_gemm import swiglu_gemm_applies, swiglu_linear
 from pagedserve.parallel.quant_linear import LinearBase, make_param
 from pagedserve.parallel.state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
 from pagedserve.quant_config import Fp8Scheme
@@ -145,6 +146,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, quant=quant)
         for p in self.parameters():
             p.shard_ids = tuple(range(len(output_sizes)))  # type: ignore[attr-defined]
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu_and_mul(self(x))` from one GEMM with the activation in its epilogue, where that
+        runs (kernels/swiglu_gemm.py: prompt-sized x on Hopper, model-dtype weights, no bias);
+        None elsewhere, and the caller applies the activation its own way."""
+        if self.bias is not None or self.weight_scale is not None or self.weight is None:
+            return None
+        if not swiglu_gemm_applies(x, self.weight):
+            return None
+        return swiglu_linear(x, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if isinstance(shard_id, FusedShards):

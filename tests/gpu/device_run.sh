@@ -61,6 +61,9 @@
 # prefix) with the cascade off and on, and sweeps the prefix pass (cascade-bench.json);
 # `w6-nocascade` is `w6` with PAGEDSERVE_DISABLE_FUSIONS=cascade, the end-to-end A/B:
 #   STEPS="cascade-tests cascade-bench w6 w6-nocascade w3 w4" bash tests/gpu/device_run.sh
+# `quack-probe` (issue 18, W1/W5; after `fa4-install`, which brings quack-kernels): quack's GEMM
+# with a SwiGLU epilogue against cuBLAS + our silu-and-mul (tests/gpu/probe_quack_mlp.py);
+# `swiglu-tests`: the engine's use of it (kernels/swiglu_gemm.py) against the two kernels.
 # `overlap-probe` (issue 18, W5): a mixed step's decode attention beside its prompt attention, on
 # a side stream or a green context of N SMs, for 8k/4k/2k prompt chunks (tests/gpu/probe_overlap.py).
 set -uo pipefail
@@ -74,8 +77,11 @@ mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tm
 export PYTHONUNBUFFERED=1
 # FA4 (once `fa4-install` ran in this or an earlier call of a warm machine) and its kernel cache.
 # nvidia_cutlass_dsl/dsl_packages holds `cutlass`: its .pth (skipped by --target) would add it.
-FA4_PATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
-[ -d /tmp/fa4site ] && export PYTHONPATH=$FA4_PATH:$PYTHONPATH
+# The folder is named site-packages because quack fingerprints an epilogue's dependencies and
+# treats only functions under a site-packages/ path as installed code (else it recurses into
+# cutlass' internals and refuses a ContextVar there).
+FA4_PATH=/tmp/fa4/site-packages:/tmp/fa4/site-packages/nvidia_cutlass_dsl/dsl_packages
+[ -d /tmp/fa4/site-packages ] && export PYTHONPATH=$FA4_PATH:$PYTHONPATH
 export PAGEDSERVE_FLASH_CACHE_DIR=${PAGEDSERVE_FLASH_CACHE_DIR:-/tmp/fa4cache}
 PS="python3 -m pagedserve.frontend.cli"
 M=/tmp/m8b
@@ -181,6 +187,10 @@ PY
     gemm-silu-probe) $T python3 tests/gpu/probe_gemm_silu.py 2>&1 | tee "$OUT/gemm-silu-probe.txt" | tail -20 ;;
     overlap-probe) $T python3 tests/gpu/probe_overlap.py --json "$OUT/overlap-probe.json" 2>&1 \
           | tee "$OUT/overlap-probe.txt" | tail -70 ;;
+    swiglu-tests) $T python3 -m pytest -q -m gpu tests/test_swiglu_gemm.py 2>&1 \
+          | tee "$OUT/swiglu-tests.txt" | tail -8 ;;
+    quack-probe) timeout ${PROBE_TIMEOUT:-420} python3 tests/gpu/probe_quack_mlp.py ${QUACK_ARGS:-} 2>&1 \
+          | tee "$OUT/quack-probe.txt" | tail -40 ;;
     l2-probe) $T python3 tests/gpu/probe_l2_prefetch.py 2>&1 | tee "$OUT/l2-probe.txt" ;;
     attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
@@ -217,9 +227,9 @@ PY
           # into folders already there, and the three cutlass wheels share nvidia_cutlass_dsl/)
           ( set -e; cd /tmp/fa4parts; sha256sum -c fa4.tar.part*.sha256
             cat fa4.tar.part?? > fa4.tar; sha256sum -c fa4.tar.sha256
-            rm -rf w /tmp/fa4site && mkdir w && tar -xf fa4.tar -C w
+            rm -rf w /tmp/fa4/site-packages && mkdir w && tar -xf fa4.tar -C w
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-              --target /tmp/fa4site w/*.whl )
+              --target /tmp/fa4/site-packages w/*.whl )
           case ":$PYTHONPATH:" in *":$FA4_PATH:"*) ;; *) export PYTHONPATH=$FA4_PATH:$PYTHONPATH ;; esac
         fi
         python3 -c "import flash_attn.cute, cutlass; print('fa4 ok, cutlass', cutlass.__version__)" \

@@ -37,9 +37,9 @@
 #      command: mkdir -p /tmp/fa4parts && cp .fa4c/* /tmp/fa4parts/ &&
 #               STEPS="fa4-install fa4-tests attn-bench" bash tests/gpu/device_run.sh
 # `fa4-install` (tests/gpu/device_run.sh) checks each part's sha256, joins them, checks the tar's,
-# installs with --no-index --no-deps --target /tmp/fa4site (emptied first) and exports PYTHONPATH
-# (/tmp/fa4site and its nvidia_cutlass_dsl/dsl_packages) for the steps after it in the same call;
-# a later call finds /tmp/fa4site on its own and `fa4-install` is then a no-op.
+# installs with --no-index --no-deps --target /tmp/fa4/site-packages (emptied first) and exports
+# PYTHONPATH (that folder and its nvidia_cutlass_dsl/dsl_packages) for the steps after it in the
+# same call; a later call finds the folder on its own and `fa4-install` is then a no-op.
 set -euo pipefail
 dest=.fa4
 part_mib=${PART_MIB:-39}

@@ -185,6 +185,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        activated = self.gate_up_proj.swiglu(x)  # a prompt-sized batch on Hopper, else None
+        if activated is not None:
+            return self.down_proj(activated)
         return self.down_proj(self.gate_up_proj(x), gated=True)  # silu_and_mul inside
 
 
