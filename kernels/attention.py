@@ -249,18 +249,21 @@ AttentionBackend = Callable[..., torch.Tensor]
 
 
 def select_backend(
-    device: torch.device, requested: str = "auto", kv_fp8: bool = False
+    device: torch.device,
+    requested: str = "auto",
+    kv_fp8: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """Pick the attention implementation once, at model build time: `--attention-backend`
     (`requested`) or what `PAGEDSERVE_ATTENTION_BACKEND` forces (see kernels/backend.py); `auto`
     is Triton on CUDA (or the measured faster backend per step kind), batched SDPA on CPU.
     Every backend keeps `paged_attention_ref`'s signature."""
-    name = attention_backend_name(device, requested, kv_fp8)
+    name = attention_backend_name(device, requested, kv_fp8, dtype)
     if torch.device(device).type != "cuda" or name in ("torch", "sdpa"):
         return _backend(name)
     from pagedserve.kernels.attention_dispatch import per_step_kind
 
-    names = auto_choices(torch.cuda.get_device_name(device), kv_fp8)
+    names = auto_choices(torch.cuda.get_device_name(device), kv_fp8, dtype)
     if name != "auto":
         names = dict.fromkeys(names, name)
     return per_step_kind({kind: _backend(n) for kind, n in names.items()})

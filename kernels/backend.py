@@ -100,7 +100,10 @@ def forced_attention_backend() -> str | None:
 
 
 def attention_backend_name(
-    device: torch.device | str, requested: str = "auto", kv_fp8: bool = False
+    device: torch.device | str,
+    requested: str = "auto",
+    kv_fp8: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """`torch`, `sdpa`, `triton`, `flash` or `auto` (per step kind, see `auto_choices`) for a
     model on `device`; the environment's forced backend wins over `requested`. A backend asked
@@ -121,8 +124,8 @@ def attention_backend_name(
             "or tests/gpu/fa4_wheels.sh for a machine without network): flash_attn.cute does "
             "not import"
         )
-    if name == "flash" and kv_fp8:
-        raise ValueError("attention backend 'flash' does not read an FP8 KV cache; use triton")
+    if name == "flash" and flash_refusal(kv_fp8, dtype):
+        raise ValueError(f"attention backend 'flash' {flash_refusal(kv_fp8, dtype)}; use triton")
     if name == "triton" and not triton_available():
         raise ValueError("attention backend 'triton' needs the triton package")
     if name != "auto":
@@ -131,15 +134,31 @@ def attention_backend_name(
         return "sdpa"
     if not triton_available():
         return "torch"
-    choices = auto_choices(torch.cuda.get_device_name(device), kv_fp8)
+    choices = auto_choices(torch.cuda.get_device_name(device), kv_fp8, dtype)
     return "auto" if "flash" in choices.values() else "triton"
 
 
-def auto_choices(device_name: str, kv_fp8: bool = False) -> dict[str, str]:
+def flash_refusal(kv_fp8: bool, dtype: torch.dtype | None) -> str | None:
+    """Why FA4 cannot run this model's attention (None: it can): it reads fp16/bf16 only (FP8 on
+    SM100 only), so an FP8 KV cache or a float32 model stays on Triton."""
+    if kv_fp8:
+        return "does not read an FP8 KV cache"
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return f"runs float16/bfloat16 models only, not {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+def auto_choices(
+    device_name: str, kv_fp8: bool = False, dtype: torch.dtype | None = None
+) -> dict[str, str]:
     """The backend `auto` runs per step kind on a GPU model: what `attention_choice.json` holds
-    for it when flash imports (and the cache is not FP8), else triton for every kind."""
+    for it when flash imports and can run this model (`flash_refusal`), else triton throughout."""
     choices = dict.fromkeys(STEP_KINDS, "triton")
-    if kv_fp8 or not flash_attn_available() or not os.path.exists(CHOICE_FILE):
+    if (
+        flash_refusal(kv_fp8, dtype)
+        or not flash_attn_available()
+        or not os.path.exists(CHOICE_FILE)
+    ):
         return choices
     with open(CHOICE_FILE) as f:
         measured = json.load(f).get(device_name, {})

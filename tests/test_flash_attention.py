@@ -59,6 +59,9 @@ def test_backend_names_refused_where_unusable(monkeypatch):
     monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
     with pytest.raises(ValueError, match="FP8 KV cache"):
         backend.attention_backend_name("cuda", "flash", kv_fp8=True)
+    with pytest.raises(ValueError, match="float16/bfloat16 models only, not float32"):
+        backend.attention_backend_name("cuda", "flash", dtype=torch.float32)
+    assert backend.attention_backend_name("cuda", "flash", dtype=torch.bfloat16) == "flash"
 
 
 def test_flash_importable_needs_cutlass_cute(tmp_path, monkeypatch):
@@ -96,6 +99,9 @@ def test_auto_reads_measured_choice(tmp_path, monkeypatch):
     assert backend.auto_choices("GPU X") == want
     assert set(backend.auto_choices("GPU Y").values()) == {"triton"}  # not measured there
     assert set(backend.auto_choices("GPU X", kv_fp8=True).values()) == {"triton"}
+    assert backend.auto_choices("GPU X", dtype=torch.bfloat16) == want
+    # FA4 reads fp16/bf16 only: a float32 model (the GPU equivalence tests') stays on Triton
+    assert set(backend.auto_choices("GPU X", dtype=torch.float32).values()) == {"triton"}
     monkeypatch.setattr(backend, "flash_attn_available", lambda: False)
     assert set(backend.auto_choices("GPU X").values()) == {"triton"}
 

@@ -103,7 +103,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.cpu_compiler: CpuCompiler | None = None  # the compiled CPU forward, once built
-        backend = attention_backend_name(device, config.model.attention_backend, kv_fp8)
+        backend = attention_backend_name(device, config.model.attention_backend, kv_fp8, self.dtype)
         self.cascade = (  # shared-prefix attention (kernels/cascade.py): the Triton kernel's
             device.type == "cuda" and backend in ("triton", "auto") and fusion_enabled("cascade")
         )

@@ -75,6 +75,11 @@ fi
 # The repo root is the package `pagedserve`: expose it under that name without installing.
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
+# The image sets PYTHONDONTWRITEBYTECODE=1, so every process compiled torch._dynamo, sympy, cutlass
+# and quack from source again: `import quack` (which FA4 does) took 15-16 s a process, 4.7 s with
+# bytecode kept (`STEPS=compile-probe`). An installed package has its bytecode; keep it here too.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 # FA4 (once `fa4-install` ran in this or an earlier call of a warm machine) and its kernel cache.
 # nvidia_cutlass_dsl/dsl_packages holds `cutlass`: its .pth (skipped by --target) would add it.
 # The folder is named site-packages because quack fingerprints an epilogue's dependencies and
@@ -187,6 +192,9 @@ PY
     gemm-silu-probe) $T python3 tests/gpu/probe_gemm_silu.py 2>&1 | tee "$OUT/gemm-silu-probe.txt" | tail -20 ;;
     overlap-probe) $T python3 tests/gpu/probe_overlap.py --json "$OUT/overlap-probe.json" 2>&1 \
           | tee "$OUT/overlap-probe.txt" | tail -70 ;;
+    # `compile-probe`: a fresh process's quack import, first SwiGLU GEMM and first FA4 call, twice
+    compile-probe) for run in 1 2; do $T python3 tests/gpu/probe_startup_compile.py; done 2>&1 \
+          | grep -v Warning | tee "$OUT/compile-probe.txt" | tail -16 ;;
     swiglu-tests) $T python3 -m pytest -q -m gpu tests/test_swiglu_gemm.py 2>&1 \
           | tee "$OUT/swiglu-tests.txt" | tail -8 ;;
     quack-probe) timeout ${PROBE_TIMEOUT:-420} python3 tests/gpu/probe_quack_mlp.py ${QUACK_ARGS:-} 2>&1 \

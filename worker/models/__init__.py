@@ -92,7 +92,7 @@ def build_model(
         require_fp8_device(device, "--kv-cache-dtype fp8")
     opts = ModelOptions(quant=config.quant, kv_fp8=kv_fp8)
     with _default_dtype(dtype), torch.device(device):
-        backend = select_backend(device, config.attention_backend, kv_fp8)
+        backend = select_backend(device, config.attention_backend, kv_fp8, dtype)
         model = cls(config.hf, backend, layer_range, opts)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
