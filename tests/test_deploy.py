@@ -108,7 +108,8 @@ BOUND = ["--max-num-seqs", "2", "--max-waiting", "3"]
 def _start_replica(port: int, log_path: str, *extra: str) -> Replica:
     cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--device", "cpu"]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--max-model-len", "512", "--kv-cache-memory", "64M", *extra]  # replicas stay light
+    # replicas stay light; 1024 (the embedded model's longest) lets a stream outlast six opens
+    cmd += ["--max-model-len", "1024", "--kv-cache-memory", "64M", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Replica(port, proc, log_path)
@@ -287,7 +288,9 @@ def test_nginx_max_conns_walks_the_ring_then_queues(cluster: Cluster, tmp_path: 
     deadline = time.monotonic() + 30  # the streams an earlier test aborted may still be queued
     while any(r.busy() for r in cluster.replicas) and time.monotonic() < deadline:
         time.sleep(0.2)
-    body = {"model": MODEL, "prompt": "import sys", "max_tokens": 480, "ignore_eos": True}
+    # 1,000 tokens: a 480-token stream once ended before the sixth opened (CI's 2 cores), and a
+    # home slot freed that way takes the sixth directly instead of via @busy
+    body = {"model": MODEL, "prompt": "import sys", "max_tokens": 1000, "ignore_eos": True}
     served = []
     try:
         with httpx.Client(timeout=120) as client, contextlib.ExitStack() as streams:
