@@ -254,7 +254,7 @@ class ModelRunner:
         """Graphs need capturable attention kernels (no host loops), one stage and one KV cache
         group (their static buffers hold one block table)."""
         model, kv_fp8 = self.config.model, self.config.cache.kv_fp8
-        backend = attention_backend_name(self.device, model.attention_backend, kv_fp8)
+        backend = attention_backend_name(self.device, model.attention_backend, kv_fp8, self.dtype)
         return (
             self.device.type == "cuda"
             and not model.enforce_eager
