@@ -124,8 +124,8 @@ def attention_backend_name(
             "or tests/gpu/fa4_wheels.sh for a machine without network): flash_attn.cute does "
             "not import"
         )
-    if name == "flash" and flash_refusal(kv_fp8, dtype):
-        raise ValueError(f"attention backend 'flash' {flash_refusal(kv_fp8, dtype)}; use triton")
+    if name == "flash" and (refusal := flash_refusal(kv_fp8, dtype)):
+        raise ValueError(f"attention backend 'flash' {refusal}; use triton")
     if name == "triton" and not triton_available():
         raise ValueError("attention backend 'triton' needs the triton package")
     if name != "auto":

@@ -54,6 +54,7 @@ def swiglu_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.is_contiguous()
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
+        and x.shape[1] % 8 == 0  # TMA: rows of x and of the [M, I] output start 16-byte aligned
         and weight.shape[0] % 16 == 0
         and _is_hopper(x.device)
         and fusion_enabled("swiglu-gemm")
@@ -74,6 +75,7 @@ def _gemm_act():
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(x @ weight.T)`: x [M, K], weight [2I, K] (gate rows, then up rows) -> [M, I],
     silu and the product taken in fp32 before the one rounding to x's dtype."""
+    assert x.shape[1] == weight.shape[1] and weight.shape[0] % 2 == 0, (x.shape, weight.shape)
     out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     _gemm_act()(
         x, weight.t(), activation="swiglu", postact_out=out, store_preact=False,
