@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
+from pagedserve.kernels.attention.registry import check_requested
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")  # FP8 expert weights are not implemented
@@ -133,7 +134,7 @@ class ModelConfig:
     generation_config: str = "auto"
     trust_remote_code: bool = False  # the tokenizer may run the checkpoint's own Python code
     quantization: str | None = None  # "fp8": quantize a plain checkpoint's weights at load time
-    attention_backend: str = "auto"  # "auto" | "triton" | "flash" (kernels/backend.py)
+    attention_backend: str = "auto"  # REQUESTABLE_BACKENDS (kernels/attention/registry.py)
     # Derived from config.json in __post_init__:
     # Derived in __post_init__: the GGUF file `model` names (None: an HF directory), the directory
     # holding config.json and the tokenizer (`model`, or the GGUF file's converted metadata), and
@@ -153,10 +154,7 @@ class ModelConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
-        if self.attention_backend not in ("auto", "triton", "flash"):
-            raise ValueError(
-                f"--attention-backend {self.attention_backend!r}: choose auto, triton or flash"
-            )
+        check_requested(self.attention_backend)  # one of kernels/attention/registry.py's
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
         if self.quant is not None and self.hf.get("model_type") in MOE_MODEL_TYPES:
             source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"

@@ -1,9 +1,10 @@
 """EngineCore: the step loop that ties clients, the scheduler and the workers together.
 
-Pure Python: it talks to the outside world only through a `Transport` (queues and send calls) that
-ipc/engine_process.py builds from ZeroMQ sockets and tests can build from plain queues. One loop:
-drain client messages -> schedule while fewer than `max_inflight` plans are out -> take the oldest
-result -> update requests -> emit per-request deltas to the client that owns each request.
+Pure Python: it talks to the outside world only through a `Transport` (queues and send calls)
+that entrypoints/engine_process.py builds from ZeroMQ sockets and tests can build from plain
+queues. One loop: drain client messages -> schedule while fewer than `max_inflight` plans are
+out -> take the oldest result -> update requests -> emit per-request deltas to the client that
+owns each request.
 
 Every AddRequest is answered at once with an empty delta (admitted), a "rejected" one (the
 waiting queue is at `max_waiting`) or an "invalid" one with the reason (core/admission.py checks it
@@ -28,6 +29,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.admission import ModelLimits, check_request
 from pagedserve.core.grammar_gate import GrammarGate
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.errors import EngineDeadError, StepTimeoutError
 from pagedserve.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -50,14 +52,6 @@ IDLE_POLL_S = 0.5
 GRAMMAR_POLL_S = 0.002  # nothing in flight, a grammar compiling: how long to wait for its answer
 STATS_INTERVAL_S = 0.5
 LIVENESS_INTERVAL_S = 0.2
-
-
-class EngineDeadError(RuntimeError):
-    """A worker died or reported an error; the engine cannot go on."""
-
-
-class StepTimeoutError(EngineDeadError):
-    """A step got no result within `step_timeout`: a worker hangs (the transport names it)."""
 
 
 class Transport(Protocol):

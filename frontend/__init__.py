@@ -1,1 +1,3 @@
-"""API servers, OpenAI protocol, tokenizing and detokenizing, engine clients, the CLI."""
+"""The engine clients (`LLM`, `AsyncEngine`, the ipc client they share), output processing,
+tokenizing and detokenizing, engine arguments; openai/ is the HTTP layer over `AsyncEngine`.
+The processes that run them start in entrypoints/."""

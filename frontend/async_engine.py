@@ -5,8 +5,10 @@ there it is detokenized and fanned out to one asyncio.Queue per request. Leaving
 (client disconnect, cancellation) aborts the request in the core, which frees its KV blocks.
 
 The core answers each request at once: admitted (an output with no tokens, the first item
-`generate` yields) or rejected because its waiting queue is full (`generate` raises a 503 APIError
-with Retry-After), so a server can wait for that answer before it sends a status line.
+`generate` yields), rejected because its waiting queue is full (`generate` raises
+EngineOverloadedError) or refused by its gate (RequestRefusedError), so a server can wait for that
+answer before it sends a status line. The errors are pagedserve/errors.py's; the HTTP layer maps
+them to statuses (frontend/openai/protocol.py).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.frontend.engine_client import EngineClient, EngineDeadError
+from pagedserve.errors import EngineDeadError, EngineOverloadedError, RequestRefusedError
+from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_ids
-from pagedserve.frontend.openai.protocol import APIError
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import load_tokenizer
@@ -128,13 +130,6 @@ class AsyncEngine:
             self.client.send(AbortRequests(ids))
         self._fail_all(error)
 
-    def _overloaded(self) -> APIError:
-        limit = self.config.scheduler.max_waiting
-        return APIError(
-            503, f"The server is overloaded ({limit} requests are waiting). Retry later.",
-            code="server_overloaded", headers={"Retry-After": "1"},
-        )  # fmt: skip
-
     @property
     def num_tracked(self) -> int:
         """Requests this client holds state for (0 when idle: anything else is a leak)."""
@@ -170,10 +165,11 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 if any(c.finish_reason == "rejected" for c in item.outputs):
-                    raise self._overloaded()  # admitted siblings (n > 1) are aborted below
+                    # admitted siblings (n > 1) are aborted below
+                    raise EngineOverloadedError(self.config.scheduler.max_waiting)
                 refused = [c.stop_reason for c in item.outputs if c.finish_reason == "invalid"]
-                if refused:  # the core's gate refused it: the client's fault, a 400
-                    raise APIError(400, f"The engine refused the request: {refused[0]}")
+                if refused:  # the core's gate refused it: the sender's fault
+                    raise RequestRefusedError(refused[0])
                 yield item
         finally:
             self._queues.pop(request_id, None)

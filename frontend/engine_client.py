@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.engine_core import EngineDeadError
+from pagedserve.errors import EngineDeadError
 from pagedserve.ipc.messages import (
     ClientHello,
     ClientMessage,
@@ -26,17 +26,19 @@ from pagedserve.ipc.messages import (
 from pagedserve.ipc.process import Child, spawn
 from pagedserve.ipc.sockets import Receiver, Sender, ipc_address, ipc_dir
 
-__all__ = ["EngineClient", "EngineDeadError", "start_engine_core"]
+__all__ = ["EngineClient", "start_engine_core"]
 
 
 def start_engine_core(config: EngineConfig, directory: str, log_level: str = "WARNING") -> Child:
+    """Spawn the EngineCore process (entrypoints/engine_process.py: by module name, so this
+    client never imports what it starts)."""
     args = [
         "--config", config.to_json(),
         "--input-address", ipc_address(directory, "input"),
         "--ipc-dir", directory,
         "--log-level", log_level,
     ]  # fmt: skip
-    return spawn("pagedserve.ipc.engine_process", args, "EngineCore")
+    return spawn("pagedserve.entrypoints.engine_process", args, "EngineCore")
 
 
 class EngineClient:

@@ -15,6 +15,12 @@ from pagedserve.gguf_checkpoint import PACKAGED_MODELS
 
 # The files a checkpoint directory needs here (config, weights, tokenizer, chat template).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# The embedded tiny model (frontend/default_model/) that `launch` serves when given no --model.
+DEFAULT_MODEL_NAME = "pagedserve-default"
+
+
+def default_model_dir() -> str:
+    return os.path.join(os.path.dirname(__file__), "default_model")
 
 
 def resolve_model(

@@ -21,6 +21,7 @@ from pagedserve.frontend.generation_config import default_params, describe_defau
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
+from pagedserve.grammar_spec import build_grammar  # xgrammar loads on the first call
 from pagedserve.ipc.messages import AbortRequests, EngineDead, EngineOutputs, SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -141,8 +142,6 @@ class LLM:
             self._check_prompt(ids)
         for p in params:
             if p.structured_outputs is not None:
-                from pagedserve.worker.grammar import build_grammar  # xgrammar: only when used
-
                 build_grammar(p.structured_outputs)  # ValueError naming what does not compile
         processor = OutputProcessor(self.tokenizer, self._eos_ids)
         order = []

@@ -1,10 +1,9 @@
-"""Gated activations."""
+"""Gated activations: `x [..., 2I] -> act(gate) * up`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedserve.kernels.backend import use_triton
 
@@ -29,8 +28,3 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`x [..., 2I] -> gelu_tanh(x[..., :I]) * x[..., I:]`: Gemma's GeGLU (`gelu_pytorch_tanh`)."""
     gate, up = x.chunk(2, dim=-1)  # [..., I] each
     return F.gelu(gate, approximate="tanh") * up
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
-        return silu_and_mul(x)

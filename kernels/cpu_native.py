@@ -9,7 +9,7 @@ The source has no torch headers, so it builds in about a second: the first CPU w
 machine builds it (`-O3 -march=native`, OpenMP from the runtime torch already loaded) into the
 cache directory under a key of the source, the flags, the compiler and the CPU's feature flags;
 later starts load it in milliseconds. No compiler, a failed build or `PAGEDSERVE_CPU_KERNELS=torch`
-leaves the torch paths in use (kernels/cpu_attention.py), with a warning for a failure.
+leaves the torch paths in use (kernels/attention/cpu.py), with a warning for a failure.
 """
 
 from __future__ import annotations

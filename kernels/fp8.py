@@ -34,7 +34,7 @@ from pagedserve.kernels.backend import fusion_enabled, use_triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
-SMALL_M = 16  # up to this many rows: weight-only (no activation quantization)
+SMALL_M = 16  # up to this many rows: weight-only (kernels/triton_fp8_gemv.py's MAX_M)
 
 
 class Fp8Rows(NamedTuple):
@@ -44,6 +44,9 @@ class Fp8Rows(NamedTuple):
     q: torch.Tensor  # [M, K] fp8
     scale: torch.Tensor  # [M, 1] float32
     dtype: torch.dtype  # the model dtype, which the linear layer returns
+
+
+Normed = torch.Tensor | Fp8Rows  # the normed rows: model dtype, or FP8 for an FP8 layer
 
 
 def require_fp8_device(device: torch.device | str, what: str) -> None:

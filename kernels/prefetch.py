@@ -22,8 +22,8 @@ turns it off.
 
 W2 once looked worse with this and the qkv + rotary GEMV both on (TTFT p99 686 and 770 ms, where
 runs with one or both off gave 101-111), but those two were each the first W2 run on a fresh
-machine: Triton compiled the float32 LM head's variants for 16-32 rows while serving. Start-up
-now compiles them (`ModelRunner._warm_up_head`), and the first W2 run on a fresh H100 with both
+machine: Triton compiled the float32 LM head's variants for 16-32 rows while serving. Start-up now
+compiles them (`worker/warm_up.py`'s `warm_up_head`), and the first W2 run on a fresh H100 with both
 fusions on gives TTFT p99 117 ms, TPOT p99 11.4 ms (`STEPS=w2`).
 """
 

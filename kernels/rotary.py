@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedserve.kernels.backend import use_triton
 
@@ -162,46 +161,56 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates the first `rotary_dim` features of each head by position; the rest pass through.
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq * D]
+    key: torch.Tensor,  # [T, Hkv * D]
+    cos_sin_cache: torch.Tensor,  # [P, R] float32
+    head_dim: int,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first `rotary_dim` features of each query and key head by position (the rest
+    pass through): Triton on CUDA, rotating in place (query/key are views of the fresh qkv
+    output); `rotary_embedding_ref` elsewhere."""
+    if rotary_dim == 0:
+        return query, key
+    if use_triton(query):
+        from pagedserve.kernels.triton_rotary import triton_rotary_embedding
 
-    The cos/sin cache is float32 and the rotation runs in float32, then casts back.
-    """
+        return triton_rotary_embedding(positions, query, key, cos_sin_cache, head_dim)
+    return rotary_embedding_ref(positions, query, key, cos_sin_cache, head_dim, rotary_dim)
 
-    def __init__(self, head_dim: int, max_position: int, cfg: RopeConfig) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.rotary_dim = int(head_dim * cfg.partial_rotary_factor)
-        assert self.rotary_dim % 2 == 0, "rotary_dim must be even"
-        cache = cos_sin_cache(max_position, self.rotary_dim, cfg)  # [P, R]
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T] int64
-        query: torch.Tensor,  # [T, Hq * D]
-        key: torch.Tensor,  # [T, Hkv * D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rotary_dim == 0:
-            return query, key
-        if use_triton(query):  # rotates in place (query/key are views of the fresh qkv output)
-            from pagedserve.kernels.triton_rotary import triton_rotary_embedding
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq * D]
+    key: torch.Tensor,  # [T, Hkv * D]
+    cos_sin_cache: torch.Tensor,  # [P, R] float32
+    head_dim: int,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation in float32, then cast back."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, R / 2]
+    # Query and key heads rotate as one tensor: half the ops (host time is most of a small
+    # model's step on a CPU), the same arithmetic.
+    q_size = query.shape[1]
+    both = rotate(torch.cat([query, key], dim=-1), cos, sin, head_dim, rotary_dim)
+    return both[:, :q_size], both[:, q_size:]  # [T, Hq * D], [T, Hkv * D]
 
-            return triton_rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim)
-        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, R / 2]
-        # Query and key heads rotate as one tensor: half the ops (host time is most of a small
-        # model's step on a CPU), the same arithmetic.
-        q_size = query.shape[1]
-        both = self._rotate(torch.cat([query, key], dim=-1), cos, sin)  # [T, (Hq + Hkv) * D]
-        return both[:, :q_size], both[:, q_size:]
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_dim)  # [T, H, D]
-        rot = x[..., : self.rotary_dim].float()  # [T, H, R]
-        x1, x2 = rot.chunk(2, dim=-1)  # [T, H, R / 2]
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R / 2]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        if self.rotary_dim < self.head_dim:
-            rotated = torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)  # [T, H, D]
-        return rotated.reshape(num_tokens, -1)
+def rotate(
+    x: torch.Tensor,  # [T, H * D]
+    cos: torch.Tensor,  # [T, R / 2]
+    sin: torch.Tensor,  # [T, R / 2]
+    head_dim: int,
+    rotary_dim: int,
+) -> torch.Tensor:  # [T, H * D]
+    num_tokens = x.shape[0]
+    x = x.view(num_tokens, -1, head_dim)  # [T, H, D]
+    rot = x[..., :rotary_dim].float()  # [T, H, R]
+    x1, x2 = rot.chunk(2, dim=-1)  # [T, H, R / 2]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R / 2]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if rotary_dim < head_dim:
+        rotated = torch.cat([rotated, x[..., rotary_dim:]], dim=-1)  # [T, H, D]
+    return rotated.reshape(num_tokens, -1)

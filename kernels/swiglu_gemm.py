@@ -35,7 +35,7 @@ SWIGLU_GEMM_MIN_ROWS = 1024
 
 @functools.cache
 def quack_available() -> bool:
-    from pagedserve.kernels.flash_attention import cute_dsl_importable
+    from pagedserve.kernels.cute_dsl import cute_dsl_importable
 
     return cute_dsl_importable("quack.gemm_interface")
 
@@ -64,7 +64,7 @@ def swiglu_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _gemm_act():
-    from pagedserve.kernels.flash_attention import prepare_cute_dsl
+    from pagedserve.kernels.cute_dsl import prepare_cute_dsl
 
     prepare_cute_dsl()
     from quack.gemm_interface import gemm_act

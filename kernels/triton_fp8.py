@@ -14,7 +14,7 @@ reuse), and per K step does one fp8 `tl.dot` into a float32 partial that is scal
 the accumulator, so scales never touch the fp8 operands. B is `[N, K]` row-major (the
 checkpoint's layout), read transposed; b_scale is row-expanded `[N, K/G]` (see kernels/fp8.py).
 Launch configs per (N, K) and M range come from `fp8_block_configs.json` beside this file
-(`python -m pagedserve.kernels.bench_fp8 --sweep` measures them).
+(`python -m pagedserve.benchmarks.kernels.bench_fp8 --sweep` measures them).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Programs split N; with `SPLIT_K > 1` (for a small N that would leave SMs idle) t
 and add their partials into a zeroed float32 output with atomics, cast afterwards. Every launch
 has a fixed grid and no host synchronization, so it is captured in CUDA graphs as is.
 Launch configs per (N, K) and M bound: `fp8_gemv_configs.json` beside this file
-(`python -m pagedserve.kernels.bench_fp8 --sweep-gemv` measures them).
+(`python -m pagedserve.benchmarks.kernels.bench_fp8 --sweep-gemv` measures them).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.fp8 import SMALL_M
 from pagedserve.kernels.triton_fp8 import pick_config
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fp8_gemv_configs.json")
+MAX_M = 16  # rows it takes: kernels/fp8.py's SMALL_M (kept there so CPU runs never import triton)
 
 
 @triton.jit
@@ -149,9 +149,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: in
     m, k = x.shape
     n = weight.shape[0]
     scale_cols = 1 if group is None else triton.cdiv(k, group)
-    if m > SMALL_M or weight.shape[1] != k or scale.shape != (n, scale_cols):
+    if m > MAX_M or weight.shape[1] != k or scale.shape != (n, scale_cols):
         raise ValueError(
-            f"fp8 GEMV shapes do not fit: x {tuple(x.shape)} (M <= {SMALL_M}), weight "
+            f"fp8 GEMV shapes do not fit: x {tuple(x.shape)} (M <= {MAX_M}), weight "
             f"{tuple(weight.shape)}, scale {tuple(scale.shape)}, group {group}"
         )
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -162,7 +162,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: in
 
 
 def triton_fp8_gemv(
-    x: torch.Tensor,  # [M, K] bf16/fp16/fp32, M <= SMALL_M
+    x: torch.Tensor,  # [M, K] bf16/fp16/fp32, M <= MAX_M
     weight: torch.Tensor,  # [N, K] fp8
     weight_scale: torch.Tensor,  # [N, 1] or [N, K/G] float32 (row-expanded)
     bias: torch.Tensor | None = None,  # [N]

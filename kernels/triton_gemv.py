@@ -17,7 +17,7 @@ activation is computed once per tile, not for the 15 padding rows too (which mad
 ~4x slower than the plain one: `bench_gemv --sweep`, 154 against 42 us for Llama-3-8B's down).
 
 Launch configurations per weight shape come from `gemv_config`; `python -m
-pagedserve.kernels.bench_gemv --sweep` times the candidates on a GPU, weights out of L2.
+pagedserve.benchmarks.kernels.bench_gemv --sweep` times the candidates on a GPU, weights out of L2.
 """
 
 from __future__ import annotations
@@ -79,9 +79,10 @@ def gemv_config(
     """BLOCK_N, BLOCK_K, warps and stages for an `[n, k]` weight: 32 x 512 tiles, 3 stages, 5
     for wide layers (gate/up, the LM head; the gated form pipelines two input tiles too, and at
     5 stages overflows an H100's shared memory, as do 32-row inputs). At M = 1 with the weights
-    out of L2, as the decode chain reads them (`python -m pagedserve.kernels.bench_gemv --sweep`,
-    H100, us per GEMV against cuBLAS): o_proj 14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs
-    81.5, LM head 336.6 vs 374.7; the former 16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
+    out of L2, as the decode chain reads them (`python -m
+    pagedserve.benchmarks.kernels.bench_gemv --sweep`, H100, us per GEMV against cuBLAS): o_proj
+    14.1 vs 15.6, down 41.6 vs 44.4, gate_up 79.6 vs 81.5, LM head 336.6 vs 374.7; the former
+    16 x 256 x 4 stages: 14.7, 43.2, 84.0, 342.7."""
     stages = 5 if n > 8192 and not gated and m <= 16 else 3
     block_k = 512 if elem_bytes <= 2 else 256  # float32 tiles (tests) take half the columns
     return {"BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": stages}

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.fp8 import FP8, Fp8Rows
-from pagedserve.kernels.norm import Normed
+from pagedserve.kernels.fp8 import FP8, Fp8Rows, Normed
 from pagedserve.kernels.triton_fp8 import quantize_row
 
 

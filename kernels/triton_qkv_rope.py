@@ -7,8 +7,9 @@ Each program owns `BLOCK_H` rotary pairs of one head: output features `j` and `j
 accumulator. Its weight tile gathers those `2 BLOCK_H` rows (two runs of `BLOCK_H` consecutive
 rows) into one `[2 BLOCK_H, BLOCK_K]` tile and one dot, as the GEMV's 32-row tile: the same bytes
 and programs; the halves split after the loop. Two 16-row tiles and two dots per step were
-slower (`python -m pagedserve.kernels.bench_gemv --qkv-rope`, H100, M = 1, weights out of L2:
-22.8 us against 21.2, where the GEMV alone takes 20.9 and the GEMV + rotary/cache pair 24.0).
+slower (`python -m pagedserve.benchmarks.kernels.bench_gemv --qkv-rope`, H100, M = 1, weights out
+of L2: 22.8 us against 21.2, where the GEMV alone takes 20.9 and the GEMV + rotary/cache pair
+24.0).
 The positions, cos/sin rows and slots load before the weight loop, off the kernel's tail.
 
 Heads are q, then k, then v (the qkv weight's row order): q pairs are rotated and stored to the

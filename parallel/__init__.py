@@ -1,1 +1,2 @@
-"""Process groups, tensor-parallel layers, pipeline-parallel communication."""
+"""Process groups, tensor-parallel state and collectives, pipeline-parallel communication (the
+parallel layers are worker/layers/)."""

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_deploy import _free_port, _start_nginx, _start_replica, _stop, _wait_http  # noqa: E402
 
-from pagedserve.frontend.cli import main  # noqa: E402
+from pagedserve.entrypoints.cli import main  # noqa: E402
 
 from proctools import descendants  # noqa: E402
 

@@ -16,8 +16,8 @@ import time
 import torch
 
 from pagedserve.kernels import cpu_native
-from pagedserve.kernels.attention import build_attention_metadata
-from pagedserve.kernels.cpu_attention import cpu_paged_attention
+from pagedserve.kernels.attention.cpu import cpu_paged_attention
+from pagedserve.kernels.attention.metadata import build_attention_metadata
 
 BLOCK, NUM_BLOCKS, LAYERS = 16, 2048, 4
 

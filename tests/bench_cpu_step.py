@@ -16,7 +16,7 @@ import time
 import torch
 
 import pagedserve
-from pagedserve.frontend.bench.structured import SCHEMA
+from pagedserve.benchmarks.structured import SCHEMA
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.ipc.messages import (
     CachedDelta,

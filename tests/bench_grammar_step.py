@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import pagedserve
-from pagedserve.frontend.bench.structured import SCHEMA
+from pagedserve.benchmarks.structured import SCHEMA
 from pagedserve.ipc.messages import StructuredOutputs
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher, fill_threads

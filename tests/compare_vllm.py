@@ -140,7 +140,7 @@ def main() -> int:
     finally:
         stop(proc)
     port = free_port()
-    ours_cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--model", MODEL,
+    ours_cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "launch", "--model", MODEL,
                 "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype",
                 "float32", "--max-model-len", "1024", "--kv-cache-memory", "256M"]  # fmt: skip
     url = f"http://127.0.0.1:{port}"

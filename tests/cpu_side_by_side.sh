@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pagedserve against vLLM-CPU on this machine, with vLLM's own client (issue 15; README "Performance
+# pagedserve against vLLM-CPU on this machine, with vLLM's own client (issue 15; docs/performance.md, "Performance
 # on a CPU"). Per model: vLLM serves (../shared/peers/vllm-cpu.sh), `vllm bench serve` runs at each
 # concurrency, vLLM stops; then pagedserve launches, waits for its compiled CPU forward if it builds
 # one, and the same runs. One server at a time; both float32, --max-model-len 1024.
@@ -51,7 +51,7 @@ up 8100 && echo "vllm ready after $(( $(date +%s) - t0 )) s" && runs vllm 8100
 kill $pid; wait $pid 2>/dev/null; sleep 3
 t0=$(date +%s)
 log=/tmp/side_by_side_pagedserve.log
-python3 -m pagedserve.frontend.cli launch --model "$M" --served-model-name def --dtype float32 \
+python3 -m pagedserve.entrypoints.cli launch --model "$M" --served-model-name def --dtype float32 \
   --max-model-len 1024 --port 8015 $extra > $log 2>&1 &
 pid=$!
 up 8015 && echo "pagedserve ready after $(( $(date +%s) - t0 )) s"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from pagedserve.frontend.cli import default_model_dir, main
+from pagedserve.entrypoints.cli import main
+from pagedserve.frontend.hub import default_model_dir
 
 
 def test_throughput_measures_no_warm_up_cache_hits(tmp_path) -> None:

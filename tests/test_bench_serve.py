@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from test_server import CPU_ARGS, Launched
 
-from pagedserve.frontend.bench.datasets import custom_samples, sharegpt_samples
-from pagedserve.frontend.bench.multi_turn import conversation_share
-from pagedserve.frontend.bench.results import RequestResult
-from pagedserve.frontend.cli import DEFAULT_MODEL_NAME, default_model_dir, main
+from pagedserve.benchmarks.datasets import custom_samples, sharegpt_samples
+from pagedserve.benchmarks.multi_turn import conversation_share
+from pagedserve.benchmarks.results import RequestResult
+from pagedserve.entrypoints.cli import main
+from pagedserve.frontend.hub import DEFAULT_MODEL_NAME, default_model_dir
 from pagedserve.frontend.tokenizer import load_tokenizer
 
 SHAREGPT = os.path.join(os.path.dirname(__file__), "data", "sharegpt_sample.json")
@@ -112,7 +113,7 @@ def test_random_prefix_is_shared():
     """W6's `--random-prefix-len`: one prefix, then each prompt's own tokens (no server)."""
     import argparse
 
-    from pagedserve.frontend.bench.datasets import add_dataset_args, random_samples
+    from pagedserve.benchmarks.datasets import add_dataset_args, random_samples
 
     p = argparse.ArgumentParser()
     add_dataset_args(p)

@@ -13,12 +13,12 @@ import pytest
 import torch
 from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 
-from pagedserve.kernels.cascade import cascade_len, common_prefix_len
+from pagedserve.kernels.attention.cascade import cascade_len, common_prefix_len
 
 if HAS_TRITON:
-    from pagedserve.kernels.attention import paged_attention_ref
-    from pagedserve.kernels.bench_kernels import random_batch, relative_error
-    from pagedserve.kernels.triton_attention import triton_paged_attention
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.attention.reference import paged_attention_ref
+    from pagedserve.kernels.attention.triton import triton_paged_attention
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -128,7 +128,7 @@ def test_cascade_matches_reference(
 
 def _spy_prefix_passes(monkeypatch) -> list[int]:
     """Record each launch of the cascade's prefix pass (its number of query tokens)."""
-    from pagedserve.kernels import triton_attention
+    from pagedserve.kernels.attention import triton as triton_attention
 
     calls: list[int] = []
     launch = triton_attention._launch
@@ -146,7 +146,7 @@ def _spy_prefix_passes(monkeypatch) -> list[int]:
 def test_mixed_step_cascades_its_decode_part(monkeypatch):
     """A mixed step run as one call takes the plain path (prompt rows gain nothing); run as its
     decode and prompt parts, the decode part cascades. Both are the reference."""
-    from pagedserve.kernels.attention_dispatch import per_step_kind
+    from pagedserve.kernels.attention.dispatch import per_step_kind
 
     calls = _spy_prefix_passes(monkeypatch)
     q, kv, meta, length = _case(*MIXED, 3, seed=4)

@@ -19,7 +19,8 @@ import httpx
 import pytest
 from test_server import CPU_ARGS, Launched, launch_args
 
-from pagedserve.frontend.cli import DEFAULT_MODEL_NAME, default_model_dir, parse_size
+from pagedserve.entrypoints.args import parse_size
+from pagedserve.frontend.hub import DEFAULT_MODEL_NAME, default_model_dir
 
 from proctools import descendants, wait_gone
 from tiny_models import tiny_model_dir
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", *args]
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -44,9 +45,9 @@ def child_pids(launched: Launched) -> dict[str, int]:
                 argv = f.read().decode().split("\0")
         except OSError:
             continue
-        if "pagedserve.ipc.engine_process" in argv:
+        if "pagedserve.entrypoints.engine_process" in argv:
             out["EngineCore"] = pid
-        elif "pagedserve.frontend.openai.api_server" in argv:
+        elif "pagedserve.entrypoints.api_server" in argv:
             out[f"API server {argv[argv.index('--client-index') + 1]}"] = pid
         elif "pagedserve.worker.worker_process" in argv:
             out[f"worker {argv[argv.index('--rank') + 1]}"] = pid
@@ -268,7 +269,7 @@ def test_gen_key_prints_or_writes_a_private_key_file(tmp_path, capsys):
     """`pagedserve gen-key`: the CURVE key pair every node gets (hex of the secret half)."""
     import stat
 
-    from pagedserve.frontend.cli import main
+    from pagedserve.entrypoints.cli import main
     from pagedserve.ipc.curve import CurveKey
 
     assert main(["gen-key"]) == 0

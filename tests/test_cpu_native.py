@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
+from pagedserve.benchmarks.kernels.bench_kernels import random_batch
 from pagedserve.kernels import cpu_native
-from pagedserve.kernels.attention import paged_attention_ref
-from pagedserve.kernels.bench_kernels import random_batch
-from pagedserve.kernels.cpu_attention import cpu_paged_attention
+from pagedserve.kernels.attention.cpu import cpu_paged_attention
+from pagedserve.kernels.attention.reference import paged_attention_ref
 
 DECODES = ([0, 5, 17, 40, 3, 63], [1] * 6)  # (cached tokens, new tokens) per row
 MIXED = ([9, 0, 30, 2, 0, 11], [1, 6, 1, 1, 3, 20])

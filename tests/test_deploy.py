@@ -106,7 +106,7 @@ BOUND = ["--max-num-seqs", "2", "--max-waiting", "3"]
 
 
 def _start_replica(port: int, log_path: str, *extra: str) -> Replica:
-    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "launch", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "launch", "--device", "cpu"]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--max-model-len", "512", "--kv-cache-memory", "64M", *extra]  # replicas stay light
     with open(log_path, "wb") as log:
@@ -396,7 +396,7 @@ def test_nginx_config_modes(mode: str, tmp_path: Any) -> None:
     assert "{{" not in code and "#@" not in conf
     # nginx closes idle connections to a replica before the replica does (else a POST sent on
     # one the replica just closed fails with 502)
-    from pagedserve.frontend.openai.api_server import KEEP_ALIVE_S
+    from pagedserve.entrypoints.api_server import KEEP_ALIVE_S
 
     idle = [int(t) for t in re.findall(r"keepalive_timeout (\d+)s;", code)]
     assert idle and max(idle) < KEEP_ALIVE_S, idle

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from pagedserve.config import ModelConfig
-from pagedserve.kernels import backend
-from pagedserve.kernels.attention import build_attention_metadata, paged_attention_ref
-from pagedserve.kernels.attention_dispatch import per_step_kind, step_kind
-from pagedserve.kernels.flash_attention import flash_attn_importable
+from pagedserve.kernels.attention import flash, registry, selection
+from pagedserve.kernels.attention.dispatch import STEP_KINDS, per_step_kind, step_kind
+from pagedserve.kernels.attention.flash import flash_attn_importable
+from pagedserve.kernels.attention.metadata import build_attention_metadata
+from pagedserve.kernels.attention.reference import paged_attention_ref
 
 HAS_FLASH = torch.cuda.is_available() and flash_attn_importable()
 needs_flash = pytest.mark.skipif(not HAS_FLASH, reason="needs CUDA and flash_attn.cute (FA4)")
@@ -38,7 +39,7 @@ def test_step_kind_and_dispatch():
     def fake(name):
         return lambda q, kv, meta, scale, window=None, **kw: calls.append((name, window, kw))
 
-    attend = per_step_kind({k: fake(k) for k in backend.STEP_KINDS})
+    attend = per_step_kind({k: fake(k) for k in STEP_KINDS})
     attend(None, None, _meta([5], [1]), 1.0, None, k_scale=2.0)
     attend(None, None, _meta([0, 3], [7, 1]), 1.0, 4096, logit_softcap=30.0)
     assert calls == [("decode", None, {"k_scale": 2.0}), ("mixed", 4096, {"logit_softcap": 30.0})]
@@ -46,22 +47,22 @@ def test_step_kind_and_dispatch():
 
 def test_backend_names_refused_where_unusable(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
-    backend.forced_attention_backend.cache_clear()
-    assert backend.attention_backend_name("cpu") == "sdpa"
+    registry.forced_attention_backend.cache_clear()
+    assert selection.attention_backend_name("cpu") == "sdpa"
     with pytest.raises(ValueError, match="choose one of"):
-        backend.attention_backend_name("cpu", "flash2")
+        selection.attention_backend_name("cpu", "flash2")
     for name in ("flash", "triton"):
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            backend.attention_backend_name("cpu", name)
-    monkeypatch.setattr(backend, "flash_attn_available", lambda: False)
+            selection.attention_backend_name("cpu", name)
+    monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
     with pytest.raises(ValueError, match="flash_attn.cute does not import"):
-        backend.attention_backend_name("cuda", "flash")
-    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
+        selection.attention_backend_name("cuda", "flash")
+    monkeypatch.setattr(flash, "flash_attn_available", lambda: True)
     with pytest.raises(ValueError, match="FP8 KV cache"):
-        backend.attention_backend_name("cuda", "flash", kv_fp8=True)
+        selection.attention_backend_name("cuda", "flash", kv_fp8=True)
     with pytest.raises(ValueError, match="float16/bfloat16 models only, not float32"):
-        backend.attention_backend_name("cuda", "flash", dtype=torch.float32)
-    assert backend.attention_backend_name("cuda", "flash", dtype=torch.bfloat16) == "flash"
+        selection.attention_backend_name("cuda", "flash", dtype=torch.float32)
+    assert selection.attention_backend_name("cuda", "flash", dtype=torch.bfloat16) == "flash"
 
 
 def test_flash_importable_needs_cutlass_cute(tmp_path, monkeypatch):
@@ -93,17 +94,17 @@ def test_auto_reads_measured_choice(tmp_path, monkeypatch):
     path = tmp_path / "choice.json"
     measured = {"GPU X": {"prefill": "flash", "decode": "triton", "mixed": "bogus"}}
     path.write_text(json.dumps(measured))
-    monkeypatch.setattr(backend, "CHOICE_FILE", str(path))
-    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(selection, "CHOICE_FILE", str(path))
+    monkeypatch.setattr(flash, "flash_attn_available", lambda: True)
     want = {"prefill": "flash", "decode": "triton", "mixed": "triton"}
-    assert backend.auto_choices("GPU X") == want
-    assert set(backend.auto_choices("GPU Y").values()) == {"triton"}  # not measured there
-    assert set(backend.auto_choices("GPU X", kv_fp8=True).values()) == {"triton"}
-    assert backend.auto_choices("GPU X", dtype=torch.bfloat16) == want
+    assert selection.auto_choices("GPU X") == want
+    assert set(selection.auto_choices("GPU Y").values()) == {"triton"}  # not measured there
+    assert set(selection.auto_choices("GPU X", kv_fp8=True).values()) == {"triton"}
+    assert selection.auto_choices("GPU X", dtype=torch.bfloat16) == want
     # FA4 reads fp16/bf16 only: a float32 model (the GPU equivalence tests') stays on Triton
-    assert set(backend.auto_choices("GPU X", dtype=torch.float32).values()) == {"triton"}
-    monkeypatch.setattr(backend, "flash_attn_available", lambda: False)
-    assert set(backend.auto_choices("GPU X").values()) == {"triton"}
+    assert set(selection.auto_choices("GPU X", dtype=torch.float32).values()) == {"triton"}
+    monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
+    assert set(selection.auto_choices("GPU X").values()) == {"triton"}
 
 
 # ------------------------------------------------------------------ GPU: FA4 against the reference
@@ -116,8 +117,8 @@ CASES = {
 
 
 def _check(computed, new, hq, hkv, block_size, **kw):
-    from pagedserve.kernels.bench_kernels import random_batch, relative_error
-    from pagedserve.kernels.flash_attention import flash_paged_attention
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.attention.flash import flash_paged_attention
 
     q, kv, meta = random_batch(computed, new, hq, hkv, 128, block_size, torch.bfloat16, "cuda")
     out = flash_paged_attention(q, kv, meta, 128**-0.5, **kw)
@@ -158,8 +159,8 @@ def test_flash_window_and_softcap():
 @needs_flash
 def test_flash_in_cuda_graph():
     """A captured call replays over new metadata of the same shapes (the runner's graphs)."""
-    from pagedserve.kernels.bench_kernels import random_batch, relative_error
-    from pagedserve.kernels.flash_attention import flash_paged_attention
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.attention.flash import flash_paged_attention
 
     q, kv, meta = random_batch([100, 2000], [1, 1], 32, 8, 128, 16, torch.bfloat16, "cuda")
     meta.max_seq_len = meta.block_tables.shape[1] * 16  # an upper bound, as the graphs pass
@@ -176,8 +177,8 @@ def test_flash_in_cuda_graph():
 
 
 def test_warm_up_runs_each_layer_configuration_once():
-    from pagedserve.kernels.attention import Attention
-    from pagedserve.kernels.attention_dispatch import warm_up_attention
+    from pagedserve.worker.layers.attention import Attention
+    from pagedserve.worker.warm_up import warm_up_attention
 
     calls = []
 
@@ -206,7 +207,7 @@ def test_warm_up_runs_each_layer_configuration_once():
     [([5, 0, 40, 17], [1, 9, 1, 6]), ([30, 31, 0, 3], [1, 1, 12, 5])],  # interleaved, consecutive
 )
 def test_mixed_step_runs_as_decode_and_prompt_parts(computed, new):
-    from pagedserve.kernels.bench_kernels import random_batch
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch
 
     q, kv, meta = random_batch(computed, new, 4, 2, 8, 16, torch.float32, "cpu")
     seen = []
@@ -218,7 +219,7 @@ def test_mixed_step_runs_as_decode_and_prompt_parts(computed, new):
 
         return run
 
-    attend = per_step_kind({k: recording(k) for k in backend.STEP_KINDS}, min_split_tokens=1)
+    attend = per_step_kind({k: recording(k) for k in STEP_KINDS}, min_split_tokens=1)
     out = attend(q, kv, meta, 0.3, None)
     torch.testing.assert_close(out, paged_attention_ref(q, kv, meta, 0.3))
     lens = [c + n for c, n in zip(computed, new, strict=True)]

@@ -12,15 +12,13 @@ import torch
 
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.kernels import fp8
-from pagedserve.kernels.attention import (
-    build_attention_metadata,
-    paged_attention_ref,
-    write_kv_cache_ref,
-)
-from pagedserve.parallel import layers, quant_linear
+from pagedserve.kernels.attention.metadata import build_attention_metadata
+from pagedserve.kernels.attention.reference import paged_attention_ref, write_kv_cache_ref
 from pagedserve.quant_config import quant_scheme
 from pagedserve.tests.fp8_checkpoints import make_fp8_checkpoint
 from pagedserve.tests.tiny_models import VOCAB_SIZE, tiny_model_dir
+from pagedserve.worker.layers import linear as layers
+from pagedserve.worker.layers import quant_linear
 from pagedserve.worker.models import build_model
 
 TOKENS = torch.randint(3, VOCAB_SIZE, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -298,10 +296,10 @@ def test_config_json_round_trip_keeps_quantization(checkpoints):
 
 
 def test_accuracy_command_on_the_embedded_model():
-    """The README's accuracy figure comes from this command; on one short window FP8 still
-    agrees on most tokens and costs more KL than bf16 does."""
-    from pagedserve.frontend.bench.fp8_accuracy import run
-    from pagedserve.frontend.cli import default_model_dir
+    """The FP8 accuracy table (docs/performance.md) comes from this command; on one short window
+    FP8 still agrees on most tokens and costs more KL than bf16 does."""
+    from pagedserve.benchmarks.fp8_accuracy import run
+    from pagedserve.frontend.hub import default_model_dir
 
     results = run(default_model_dir(), context=64, num_windows=1)
     assert set(results) == {"bf16", "fp8 weights", "fp8 KV cache", "fp8 weights + KV"}
@@ -324,7 +322,8 @@ def test_metrics_count_cache_blocks_and_tokens(monkeypatch):
 def test_flags_reach_the_engine_config(plain):
     import argparse
 
-    from pagedserve.frontend.bench.offline import add_bench_parser, engine_kwargs
+    from pagedserve.benchmarks.cli import add_bench_parser
+    from pagedserve.benchmarks.common import engine_kwargs
     from pagedserve.frontend.llm import build_engine_config
 
     sub = argparse.ArgumentParser().add_subparsers(dest="command")

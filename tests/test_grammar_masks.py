@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.frontend.cli import default_model_dir
+from pagedserve.frontend.hub import default_model_dir
 from pagedserve.ipc.messages import StructuredOutputs
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import GrammarMasks, RowMatcher

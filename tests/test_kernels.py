@@ -11,16 +11,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.kernels.activation import silu_and_mul
-from pagedserve.kernels.attention import Attention, build_attention_metadata
-from pagedserve.kernels.norm import RMSNorm
-from pagedserve.kernels.rotary import (
-    RotaryEmbedding,
-    attention_factor,
-    cos_sin_cache,
-    inv_frequencies,
-    rope_config,
-)
-from pagedserve.parallel import layers
+from pagedserve.kernels.attention.metadata import build_attention_metadata
+from pagedserve.kernels.rotary import attention_factor, cos_sin_cache, inv_frequencies, rope_config
+from pagedserve.worker.layers import linear as layers
+from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.layers.rotary import RotaryEmbedding
 
 
 def dense_attention(q, k, v, scale, window=None):  # q [L, Hq, D], k/v [S, Hkv, D]
@@ -252,9 +248,9 @@ CPU_BATCHES = {  # (cached tokens, new tokens) per row
     ],
 )
 def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dtype):
-    from pagedserve.kernels.attention import paged_attention_ref
-    from pagedserve.kernels.bench_kernels import random_batch
-    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch
+    from pagedserve.kernels.attention.cpu import cpu_paged_attention
+    from pagedserve.kernels.attention.reference import paged_attention_ref
 
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     for computed, new in CPU_BATCHES.values():
@@ -276,8 +272,9 @@ def test_cpu_batched_attention_matches_reference(hq, hkv, block_size, window, dt
 def test_cpu_cache_write_matches_reference(padded):
     """The CPU backend's cache write (rows worked out once per step) stores what
     `write_kv_cache_ref` stores, padding slots (< 0) skipped, FP8 scales applied."""
-    from pagedserve.kernels.attention import AttentionMetadata, write_kv_cache_ref
-    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+    from pagedserve.kernels.attention.cpu import cpu_paged_attention
+    from pagedserve.kernels.attention.metadata import AttentionMetadata
+    from pagedserve.kernels.attention.reference import write_kv_cache_ref
 
     torch.manual_seed(1)
     slots = torch.tensor([5, 17, 18, 3, 40] + ([-1, -1] if padded else []))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.frontend.engine_client import EngineDeadError
+from pagedserve.errors import EngineDeadError
 from pagedserve.ipc.messages import MAX_LOGPROBS, AbortRequests, AddRequest, ClientHello
 
 from proctools import descendants, wait_gone

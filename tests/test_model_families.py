@@ -181,4 +181,4 @@ def test_gemma_groups_share_kv_tensors_so_a_block_costs_one_slot(tmp_path_factor
     assert runner.profile_num_blocks() == memory // per_layer
     runner.init_cache(8)
     assert runner.kv_caches[0] is runner.kv_caches[1] and runner.kv_caches[0].shape[0] == 8
-    assert runner.batch.block_tables.shape[0] == 2 and not runner._use_cuda_graphs()
+    assert runner.batch.block_tables.shape[0] == 2 and not runner.features.cuda_graphs

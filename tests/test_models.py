@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.config import ModelConfig
-from pagedserve.kernels.attention import build_attention_metadata
+from pagedserve.kernels.attention.metadata import build_attention_metadata
 from pagedserve.tests.tiny_models import TINY_KINDS, VOCAB_SIZE, tiny_model_dir
 from pagedserve.worker.loader import iter_checkpoint, safetensors_files
 from pagedserve.worker.models import build_model

@@ -54,7 +54,7 @@ class Launched:
     ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (outlives this call)
-        cmd = [sys.executable, "-m", "pagedserve.frontend.cli", command, *args]
+        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", command, *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
@@ -631,7 +631,7 @@ def test_engine_death_gives_503(model_dir: str, tmp_path) -> None:
     core = start_engine_core(config, directory)
     port = free_port()
     cmd = [
-        sys.executable, "-m", "pagedserve.frontend.openai.api_server", "--config", config.to_json(),
+        sys.executable, "-m", "pagedserve.entrypoints.api_server", "--config", config.to_json(),
         "--ipc-dir", directory, "--core-pid", str(core.pid), "--port", str(port),
         "--log-level", "warning",
     ]  # fmt: skip
@@ -666,3 +666,22 @@ def test_engine_death_gives_503(model_dir: str, tmp_path) -> None:
         log.close()
         core.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_engine_errors_map_to_openai_errors():
+    """The engine clients raise pagedserve/errors.py's errors; only the HTTP layer turns them into
+    statuses and OpenAI error bodies (the overload 503 is also checked end to end in
+    test_reliability.py)."""
+    from pagedserve.errors import EngineOverloadedError, RequestRefusedError, StepTimeoutError
+    from pagedserve.frontend.openai.protocol import engine_api_error
+
+    over = engine_api_error(EngineOverloadedError(8))
+    assert (over.status, over.code) == (503, "server_overloaded")
+    assert over.headers == {"Retry-After": "1"}
+    assert over.message == "The server is overloaded (8 requests are waiting). Retry later."
+    refused = engine_api_error(RequestRefusedError("token id 99 is out of range"))
+    assert (refused.status, refused.type) == (400, "invalid_request_error")
+    assert refused.message == "The engine refused the request: token id 99 is out of range"
+    dead = engine_api_error(StepTimeoutError("step 3 got no result"))
+    assert (dead.status, dead.type, dead.code) == (503, "service_unavailable", "engine_dead")
+    assert dead.message == "The engine is not running: step 3 got no result"

@@ -10,7 +10,7 @@ import torch
 from pagedserve.kernels import backend, swiglu_gemm
 from pagedserve.kernels.activation import silu_and_mul_ref
 from pagedserve.kernels.swiglu_gemm import SWIGLU_GEMM_MIN_ROWS, swiglu_gemm_applies, swiglu_linear
-from pagedserve.parallel import layers
+from pagedserve.worker.layers import linear as layers
 
 HAS_QUACK_HOPPER = (
     torch.cuda.is_available()

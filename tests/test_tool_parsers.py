@@ -143,7 +143,7 @@ def test_required_calls_stream_name_then_arguments(step):
 
 def test_matcher_waits_for_the_end_of_reasoning():
     """A grammar with `after_token_id` ignores the tokens up to and including it."""
-    from pagedserve.frontend.cli import default_model_dir
+    from pagedserve.frontend.hub import default_model_dir
     from pagedserve.ipc.messages import StructuredOutputs
     from pagedserve.worker.grammar import GrammarCompiler
     from pagedserve.worker.grammar_masks import RowMatcher

@@ -19,9 +19,10 @@ pytestmark = needs_triton
 
 from pagedserve.kernels import backend  # noqa: E402
 from pagedserve.kernels.activation import silu_and_mul_ref  # noqa: E402
-from pagedserve.kernels.attention import write_kv_cache_ref  # noqa: E402
+from pagedserve.kernels.attention.reference import write_kv_cache_ref  # noqa: E402
 from pagedserve.kernels.linear import gated_linear, linear  # noqa: E402
-from pagedserve.kernels.rotary import RotaryEmbedding, rope_config  # noqa: E402
+from pagedserve.kernels.rotary import rope_config  # noqa: E402
+from pagedserve.worker.layers.rotary import RotaryEmbedding  # noqa: E402
 
 if HAS_TRITON:
     from pagedserve.kernels.triton_gemv import triton_gemv
@@ -170,15 +171,18 @@ TINY_LLAMA = dict(
 def _decode_logits(monkeypatch, fast: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A tiny fp16 Llama prefills three prompts, then decodes one token each (3 rows: GEMV
     sizes); with `fast` every op takes its Triton path (on a CPU, interpreted)."""
-    from pagedserve.kernels import activation, attention, linear, norm, rotary
-    from pagedserve.kernels.attention import build_attention_metadata, paged_attention_ref
-    from pagedserve.kernels.triton_attention import triton_paged_attention
+    from pagedserve.kernels import activation, linear, rotary
+    from pagedserve.kernels.attention import cache_write
+    from pagedserve.kernels.attention.metadata import build_attention_metadata
+    from pagedserve.kernels.attention.reference import paged_attention_ref
+    from pagedserve.kernels.attention.triton import triton_paged_attention
+    from pagedserve.worker.layers import norm
     from pagedserve.worker.models import _default_dtype
     from pagedserve.worker.models.llama import LlamaForCausalLM
 
     for module in (norm, rotary, activation, linear):
         monkeypatch.setattr(module, "use_triton", lambda x: fast)
-    monkeypatch.setattr(attention, "use_triton_cache_write", lambda kv: fast)
+    monkeypatch.setattr(cache_write, "use_triton_cache_write", lambda kv: fast)
     torch.manual_seed(0)
     backend = triton_paged_attention if fast else paged_attention_ref
     with _default_dtype(torch.float16), torch.device(DEV):  # as build_model makes it
@@ -249,7 +253,7 @@ SHAPES_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), SHAPES_8B)
 def test_gpu_gemv_8b_shapes(n, k):
-    from pagedserve.kernels.bench_kernels import relative_error
+    from pagedserve.benchmarks.kernels.bench_kernels import relative_error
 
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     for m in (1, 2, 4, 8, 16, 24, 32):

@@ -20,11 +20,11 @@ from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 pytestmark = needs_triton
 
 if HAS_TRITON:
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
     from pagedserve.kernels import fp8, triton_fp8
-    from pagedserve.kernels.attention import paged_attention_ref, write_kv_cache_ref
-    from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.attention.reference import paged_attention_ref, write_kv_cache_ref
+    from pagedserve.kernels.attention.triton import triton_paged_attention
     from pagedserve.kernels.triton_activation import triton_silu_and_mul
-    from pagedserve.kernels.triton_attention import triton_paged_attention
     from pagedserve.kernels.triton_cache import triton_write_kv_cache
     from pagedserve.kernels.triton_fp8 import (
         block_config,
@@ -305,7 +305,7 @@ def test_gpu_model_with_quantizing_norms_is_unchanged(tmp_path, monkeypatch):
     model with that fusion off."""
     from pagedserve.config import ModelConfig
     from pagedserve.kernels import backend, triton_norm
-    from pagedserve.kernels.attention import build_attention_metadata
+    from pagedserve.kernels.attention.metadata import build_attention_metadata
     from pagedserve.tests.tiny_models import tiny_model_dir
     from pagedserve.worker.models import build_model
 

@@ -21,24 +21,23 @@ if not HAS_TRITON and sys.platform == "linux":  # the test extra has it there: n
 pytestmark = needs_triton
 
 if HAS_TRITON:
-    from pagedserve.kernels import backend
+    from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
     from pagedserve.kernels.activation import silu_and_mul_ref
-    from pagedserve.kernels.attention import (
-        Attention,
-        paged_attention_ref,
-        select_backend,
-        write_kv_cache_ref,
-    )
-    from pagedserve.kernels.bench_kernels import random_batch, relative_error
+    from pagedserve.kernels.attention import registry
+    from pagedserve.kernels.attention.reference import paged_attention_ref, write_kv_cache_ref
+    from pagedserve.kernels.attention.selection import select_backend
+    from pagedserve.kernels.attention.triton import choose_num_splits, triton_paged_attention
     from pagedserve.kernels.moe import fused_moe_ref, select_experts
-    from pagedserve.kernels.norm import RMSNorm, rms_norm
-    from pagedserve.kernels.rotary import RotaryEmbedding, rope_config
+    from pagedserve.kernels.norm import rms_norm
+    from pagedserve.kernels.rotary import rope_config
     from pagedserve.kernels.triton_activation import triton_silu_and_mul
-    from pagedserve.kernels.triton_attention import choose_num_splits, triton_paged_attention
     from pagedserve.kernels.triton_cache import triton_write_kv_cache
     from pagedserve.kernels.triton_moe import align_by_expert, triton_fused_moe
     from pagedserve.kernels.triton_norm import triton_rms_norm
     from pagedserve.kernels.triton_rotary import triton_rotary_embedding
+    from pagedserve.worker.layers.attention import Attention
+    from pagedserve.worker.layers.norm import RMSNorm
+    from pagedserve.worker.layers.rotary import RotaryEmbedding
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 TOL = dict(atol=2e-2, rtol=2e-2) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)  # tf32 dots on GPU
@@ -199,19 +198,19 @@ def test_fused_moe(num_tokens, num_experts, top_k, block_m):
 
 
 def test_backend_choice(monkeypatch):
-    from pagedserve.kernels.cpu_attention import cpu_paged_attention
+    from pagedserve.kernels.attention.cpu import cpu_paged_attention
 
     assert select_backend(torch.device("cpu")) is cpu_paged_attention
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    backend.forced_attention_backend.cache_clear()
+    registry.forced_attention_backend.cache_clear()
     assert select_backend(torch.device("cpu")) is paged_attention_ref
     for value, error in (("flash2", "not one of"), ("triton", "CUDA device")):
         monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", value)
-        backend.forced_attention_backend.cache_clear()
+        registry.forced_attention_backend.cache_clear()
         with pytest.raises(ValueError, match=error):
             select_backend(torch.device("cpu"))
     monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND")
-    backend.forced_attention_backend.cache_clear()
+    registry.forced_attention_backend.cache_clear()
     if HAS_CUDA:  # every step kind on Triton (eager mixed steps split into decode + prompt)
         chosen = select_backend(torch.device("cuda"))
         assert set(chosen.backends.values()) == {triton_paged_attention}
@@ -264,7 +263,7 @@ def test_gpu_one_attention_variant_for_eager_and_graph_layouts():
     """A step's table width and its metadata's alignment do not pick a new compile: an eager
     prefill chunk with a width that is a multiple of 16 reuses what a graph's layout (metadata at
     unaligned offsets of one buffer) compiled, so no compile waits for a long prompt mid-serving."""
-    from pagedserve.kernels.triton_attention import _paged_attention_kernel
+    from pagedserve.kernels.attention.triton import _paged_attention_kernel
 
     def compiled() -> int:
         return sum(len(cache[0]) for cache in _paged_attention_kernel.device_caches.values())

@@ -23,7 +23,7 @@ import torch
 from test_server import CPU_ARGS, Launched
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.frontend.cli import build_parser, engine_config, launch_options
+from pagedserve.entrypoints.cli import build_parser, engine_config, launch_options
 from pagedserve.frontend.generation_config import stop_eos_ids
 from pagedserve.frontend.hub import resolve_model
 
@@ -277,7 +277,7 @@ def test_chat_templates(http: httpx.Client) -> None:
 
 
 def run_serve(hub: SimpleNamespace, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "serve", *args, *CPU_ARGS]
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *args, *CPU_ARGS]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=hub_env(hub))
 
 

@@ -48,7 +48,8 @@ import pagedserve
 from pagedserve.config import MOE_MODEL_TYPES, EngineConfig
 from pagedserve.disk_cache import cache_root
 from pagedserve.ipc.process import Child, die_with_parent, spawn
-from pagedserve.kernels.attention import Attention, AttentionMetadata
+from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.worker.layers.attention import Attention
 
 logger = logging.getLogger("pagedserve.worker")
 

@@ -18,13 +18,13 @@ padding tokens (they write nowhere and attend among themselves over block 0).
 For batch-1 latency, a decode bucket up to `HEAD_MAX_BATCH` rows also runs the LM head and the
 greedy argmax inside its graph (`head`).
 
-Cascade attention (kernels/cascade.py): a decode step whose rows share a prefix of at least
-CASCADE_MIN_TOKENS replays a second graph of its bucket, captured with the cascade on; the step's
-prefix length travels in the int32 buffer, so one capture serves every prefix. Those variants
-exist only for buckets of at least CASCADE_MIN_ROWS rows that are multiples of
-CASCADE_BUCKET_STEP (and the largest bucket): a cascade step pads up to one of them (a decode
-step's GEMMs cost about the same for a few more rows), which bounds the extra captures at start-up
-(4 for 256 rows). Smaller batches, and steps without a shared prefix, replay the graphs of before.
+Cascade attention (kernels/attention/cascade.py): a decode step whose rows share a prefix of at
+least CASCADE_MIN_TOKENS replays a second graph of its bucket, captured with the cascade on; the
+step's prefix length travels in the int32 buffer, so one capture serves every prefix. Those variants
+exist only for buckets of at least CASCADE_MIN_ROWS rows that are multiples of CASCADE_BUCKET_STEP
+(and the largest bucket): a cascade step pads up to one of them (a decode step's GEMMs cost about
+the same for a few more rows), which bounds the extra captures at start-up (4 for 256 rows). Smaller
+batches, and steps without a shared prefix, replay the graphs of before.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.cascade import CASCADE_MIN_ROWS
+from pagedserve.config import EngineConfig
+from pagedserve.kernels.attention.cascade import CASCADE_MIN_ROWS
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.worker.input_batch import StepInputs
 
 # Token buckets of mixed-step graphs, captured largest first: 128 apart up to 1024 (online
@@ -292,6 +293,33 @@ class MixedGraphs(_GraphSet):
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
         return self._replay((size, False), len(inputs.input_ids), end, fill)[0]
+
+
+def capture_graphs(
+    forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+    config: EngineConfig,
+    max_blocks: int,
+    device: torch.device,
+    head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
+    cascade: bool,
+) -> tuple[DecodeGraphs, MixedGraphs]:
+    """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
+    activations first: one pool for all), then the decode graphs into the same pool."""
+    shape = dict(
+        max_blocks=max_blocks,
+        max_model_len=config.max_model_len,
+        block_size=config.cache.block_size,
+        device=device,
+    )
+    sched = config.scheduler
+    max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
+    mixed = MixedGraphs(forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape)
+    mixed.capture()
+    decode = DecodeGraphs(
+        forward, max_batch=min(sched.max_num_seqs, 512), head=head, cascade=cascade, **shape
+    )
+    decode.capture(pool=mixed.pool)
+    return decode, mixed
 
 
 def cascade_sizes(sizes: list[int]) -> list[int]:

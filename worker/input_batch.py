@@ -50,8 +50,8 @@ class StepInputs:
     # and [B, max_blocks] block tables; the fields above are group 0's.
     group_slot_mappings: list[np.ndarray] = field(default_factory=list)
     group_block_tables: list[np.ndarray] = field(default_factory=list)
-    # Tokens of the common prefix the step attends once for all rows (kernels/cascade.py; the
-    # runner sets it after `prepare`); 0: none.
+    # Tokens of the common prefix the step attends once for all rows
+    # (kernels/attention/cascade.py; the runner sets it after `prepare`); 0: none.
     cascade_len: int = 0
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.parallel.layers import FusedShards, load_full
+from pagedserve.worker.layers.linear import FusedShards, load_full
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -11,7 +11,6 @@ builds the StepResult. `execute(plan)` is the three in a row. KV capacity comes 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,14 +21,11 @@ import torch
 from pagedserve.config import EngineConfig, kv_cache_groups
 from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
 from pagedserve.kernels import cpu_native
-from pagedserve.kernels.attention import AttentionMetadata
-from pagedserve.kernels.attention_dispatch import warm_up_attention
-from pagedserve.kernels.backend import attention_backend_name, fusion_enabled
-from pagedserve.kernels.cascade import cascade_len
-from pagedserve.kernels.linear import GEMV_MAX_M, GEMV_ROW_CLASSES
+from pagedserve.kernels.attention.cascade import cascade_len
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
-from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers, eligible
-from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers
+from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_graphs
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
@@ -42,6 +38,9 @@ from pagedserve.worker.sampler import (
     compute_logprobs,
     to_device,
 )
+from pagedserve.worker.step_features import step_features
+from pagedserve.worker.step_metadata import attention_metadata
+from pagedserve.worker.warm_up import warm_up_attention, warm_up_head
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 
@@ -103,10 +102,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.cpu_compiler: CpuCompiler | None = None  # the compiled CPU forward, once built
-        backend = attention_backend_name(device, config.model.attention_backend, kv_fp8, self.dtype)
-        self.cascade = (  # shared-prefix attention (kernels/cascade.py): the Triton kernel's
-            device.type == "cuda" and backend in ("triton", "auto") and fusion_enabled("cascade")
-        )
+        self.features = step_features(config, device, info, self.model, self.dtype)
         # Structured outputs: grammars compile here; the sampling ranks mask constrained rows.
         self.grammars = GrammarCompiler(config.model.tokenizer_path, config.model.vocab_size)
         self.constrained = ConstrainedRows(
@@ -192,56 +188,34 @@ class ModelRunner:
             t1 = time.perf_counter()
             cpu_native.available()
             timings["CPU kernels"] = time.perf_counter() - t1
-        if eligible(self.config, self.device, self.model):
+        if self.features.cpu_compile:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
         if self.device.type == "cuda" and self.kv_caches:
             t1 = time.perf_counter()
             layers = attention_layers(self.model)
-            warm_up_attention(layers, self.kv_caches[0], self.dtype, cascade=self.cascade)
+            warm_up_attention(layers, self.kv_caches[0], self.dtype, self.features.cascade)
             timings["attention warm-up"] = time.perf_counter() - t1
-        if self._use_cuda_graphs():
+        if self.features.cuda_graphs:
 
             def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
                 return self.model(ids, pos, self.kv_caches, meta)
 
-            shape = dict(
-                max_blocks=self.batch.block_tables.shape[2],
-                max_model_len=self.config.max_model_len,
-                block_size=self.block_size,
-                device=self.device,
-            )
-            sched = self.config.scheduler
-            max_tokens = min(sched.max_num_batched_tokens, self.config.max_model_len)
-            self.mixed_graphs = MixedGraphs(
-                forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
-            )
-            self.mixed_graphs.capture()  # the largest activations first: one pool for all
-            self.graphs = DecodeGraphs(
-                forward, max_batch=min(sched.max_num_seqs, 512), head=self._graph_head(),
-                cascade=self.cascade, **shape,
+            max_blocks = self.batch.block_tables.shape[2]
+            self.graphs, self.mixed_graphs = capture_graphs(
+                forward, self.config, max_blocks, self.device, self._graph_head(),
+                self.features.cascade,
             )  # fmt: skip
-            self.graphs.capture(pool=self.mixed_graphs.pool)
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         if self.device.type == "cuda" and self.info.is_last_stage:
             t1 = time.perf_counter()
-            self._warm_up_head()
+            max_rows = self.config.scheduler.max_num_seqs
+            warm_up_head(self.model, self.hidden_size, self.dtype, self.device, max_rows)
             timings["LM head warm-up"] = time.perf_counter() - t1
         return timings
 
-    @torch.inference_mode()
-    def _warm_up_head(self) -> None:
-        """Compile the eager LM head's GEMV variants and the argmax before serving: mixed steps
-        and decode buckets above the head graphs sample 1-32 rows through them, and a Triton
-        compile while serving stalls every request (W2's first run on a fresh H100: TTFT p99
-        686-770 ms; later runs, their kernels in Triton's disk cache, ~110)."""
-        hidden = torch.zeros(GEMV_MAX_M, self.hidden_size, dtype=self.dtype, device=self.device)
-        for rows in GEMV_ROW_CLASSES:
-            if rows <= self.config.scheduler.max_num_seqs:
-                argmax_rows(self.model.compute_logits(hidden[:rows]))
-
     def _graph_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
-        """LM head and greedy argmax for small decode graphs (one rank: no collective inside)."""
-        if not fusion_enabled("graph-head") or self.info.tp_size > 1:
+        """LM head and greedy argmax for small decode graphs."""
+        if not self.features.graph_head:
             return None
 
         def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,50 +224,7 @@ class ModelRunner:
 
         return head
 
-    def _use_cuda_graphs(self) -> bool:
-        """Graphs need capturable attention kernels (no host loops), one stage and one KV cache
-        group (their static buffers hold one block table)."""
-        model, kv_fp8 = self.config.model, self.config.cache.kv_fp8
-        backend = attention_backend_name(self.device, model.attention_backend, kv_fp8, self.dtype)
-        return (
-            self.device.type == "cuda"
-            and not model.enforce_eager
-            and self.info.pp_size == 1
-            and len(self.batch.block_tables) == 1
-            and backend in ("triton", "flash", "auto")
-        )
-
     # ------------------------------------------------------------------ steps
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        """The step's layout on the device: group 0's, with the cascade's shared prefix, and
-        every other KV cache group's over its own block tables and slots."""
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return to_device(a, self.device)
-
-        meta = AttentionMetadata.from_host(
-            inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens, inputs.block_tables,
-            self.block_size, to_dev,
-        )  # fmt: skip
-        if inputs.cascade_len:
-            meta.cascade_len = inputs.cascade_len
-            meta.cascade_len_dev = to_dev(np.array([inputs.cascade_len], dtype=np.int32))
-        if inputs.group_block_tables:  # KV cache groups 1..: the same rows over their own tables
-            meta.group_metas = [
-                dataclasses.replace(
-                    meta,
-                    slot_mapping=to_dev(slots),
-                    block_tables=to_dev(table),
-                    scratch={},
-                    cascade_len=0,
-                    cascade_len_dev=None,  # group 0's prefix only
-                )
-                for slots, table in zip(
-                    inputs.group_slot_mappings, inputs.group_block_tables, strict=True
-                )
-            ]
-        return meta
-
     def _forward(
         self,
         inputs: StepInputs,
@@ -301,7 +232,7 @@ class ModelRunner:
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        meta = self._attention_metadata(inputs)
+        meta = attention_metadata(inputs, self.block_size, self.device)
         input_ids = to_device(inputs.input_ids, self.device)
         positions = to_device(inputs.positions, self.device)
         if fill is not None:
@@ -330,7 +261,7 @@ class ModelRunner:
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
-        if self.cascade:
+        if self.features.cascade:
             q_lens = np.diff(inputs.query_start_loc)
             inputs.cascade_len = cascade_len(
                 inputs.block_tables, inputs.seq_lens, q_lens, self.block_size

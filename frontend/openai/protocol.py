@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedserve.errors import EngineDeadError, EngineOverloadedError, RequestRefusedError
+
 # Request fields vLLM implements and pagedserve does not (yet), each with the values that ask for
 # nothing (besides null): a request setting one to anything else gets a 400 naming it. A field a
 # request model defines is never refused (completions' `echo` works; chat's is refused; chat's
@@ -75,6 +77,23 @@ def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+ENGINE_ERRORS = (EngineDeadError, EngineOverloadedError, RequestRefusedError)
+
+
+def engine_api_error(e: Exception) -> APIError:
+    """The HTTP answer to an engine client's error (one of ENGINE_ERRORS): the engine is gone
+    (503), its waiting queue is full (503 + Retry-After), or its gate refused the request (400)."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(
+            503, f"The server is overloaded ({e.max_waiting} requests are waiting). Retry later.",
+            code="server_overloaded", headers={"Retry-After": "1"},
+        )  # fmt: skip
+    if isinstance(e, RequestRefusedError):
+        return APIError(400, f"The engine refused the request: {e}")
+    assert isinstance(e, EngineDeadError), e
+    return APIError(503, f"The engine is not running: {e}", code="engine_dead")
 
 
 class _Request(BaseModel):

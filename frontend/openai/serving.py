@@ -19,9 +19,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.frontend.async_engine import AsyncEngine
-from pagedserve.frontend.engine_client import EngineDeadError
 from pagedserve.frontend.openai.metrics import Metrics
-from pagedserve.frontend.openai.protocol import APIError
+from pagedserve.frontend.openai.protocol import ENGINE_ERRORS, APIError, engine_api_error
 from pagedserve.frontend.openai.structured import GrammarValidator, spec_from_request
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 from pagedserve.ipc.messages import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
@@ -337,8 +336,8 @@ def stream_error(e: Exception) -> dict[str, Any]:
     """The error event that ends a stream that failed after its 200 went out."""
     if isinstance(e, APIError):
         return e.body()
-    if isinstance(e, EngineDeadError):
-        return APIError(503, f"The engine is not running: {e}", code="engine_dead").body()
+    if isinstance(e, ENGINE_ERRORS):
+        return engine_api_error(e).body()
     logger.exception("a stream failed")
     return APIError(500, f"Internal error: {type(e).__name__}: {e}").body()
 

@@ -1,9 +1,10 @@
 """Which grammar a request asks for (response_format, structured_outputs, tool_choice), checked
 before anything runs.
 
-Every grammar is built once here with xgrammar (a bad schema or regex is a 400 naming the problem)
-and then compiled by the sampling worker ranks, which mask the logits with it. xgrammar imports
-torch, so it loads on the first constrained request (in a thread), never at start-up.
+Every grammar is built once here with xgrammar (pagedserve/grammar_spec.py: a bad schema or regex
+is a 400 naming the problem) and then compiled by the sampling worker ranks, which mask the logits
+with it. xgrammar imports torch, so it loads on the first constrained request (in a thread), never
+at start-up.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pagedserve.frontend.openai.protocol import APIError
+from pagedserve.grammar_spec import build_grammar
 from pagedserve.ipc.messages import StructuredOutputs
 
 MAX_VALIDATED = 1024
@@ -106,9 +108,7 @@ class GrammarValidator:
         if key in self._ok:
             self._ok.move_to_end(key)
             return
-        from pagedserve.worker.grammar import build_grammar  # imports xgrammar (and torch)
-
-        try:
+        try:  # the first call imports xgrammar (and torch), in the thread
             await asyncio.to_thread(build_grammar, spec)
         except ValueError as e:
             raise APIError(400, f"{e}.", param=param) from None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run, through the device tool (see README "Performance"): installs the wheels the GPU
+# The GPU run, through the device tool (see docs/performance.md): installs the wheels the GPU
 # image lacks, builds the Llama-3-8B-shaped benchmark model dir, then runs the steps named in
 # $STEPS (default: all) and prints a short table last. Outputs land in $OUT (or /tmp/out).
 #   STEPS="kernels gpu-tests w3 w1 w4 w2 profile" bash tests/gpu/device_run.sh
@@ -51,7 +51,7 @@
 # Issue 18: `fa4-install` installs FlashAttention 4 from the parts tests/gpu/fa4_wheels.sh made
 # (its header lists the device calls that stash them in /tmp/fa4parts); `fa4-tests` checks FA4
 # against the torch reference, `attn-bench` times Triton vs FA4 per layer (prefill, decode, mixed;
-# writes $OUT/attention_choice.json for kernels/), and `w5`, `w6`, `w6-online` run the long-context
+# writes $OUT/attention_choice.json for kernels/attention/), and `w5`, `w6`, `w6-online` run the long-context
 # and shared-prefix workloads with `--attention-backend ${ATTN:-auto}`, or the backend a step
 # name carries after `@` (`w5@flash`); W5_FLAGS / W6_FLAGS add engine flags (`--block-size 128`):
 #   STEPS="fa4-install w5@triton w5@flash w6@triton w6@flash w6-online@flash" bash tests/gpu/device_run.sh
@@ -88,7 +88,7 @@ export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 FA4_PATH=/tmp/fa4/site-packages:/tmp/fa4/site-packages/nvidia_cutlass_dsl/dsl_packages
 [ -d /tmp/fa4/site-packages ] && export PYTHONPATH=$FA4_PATH:$PYTHONPATH
 export PAGEDSERVE_FLASH_CACHE_DIR=${PAGEDSERVE_FLASH_CACHE_DIR:-/tmp/fa4cache}
-PS="python3 -m pagedserve.frontend.cli"
+PS="python3 -m pagedserve.entrypoints.cli"
 M=/tmp/m8b
 [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
 M32=/tmp/m8b-32k  # W5: the same model allowing 32k positions
@@ -158,17 +158,17 @@ for step in $STEPS; do
           2>&1 | grep -v "^USDT" | tail -4 ;;
     profile) $T python3 tests/gpu/profile_step.py $M ${X:+--fp8} ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/$name.txt" | tail -60 ;;
     fp8-tests) $T python3 -m pytest -q -s tests/test_triton_fp8.py 2>&1 | tee "$OUT/fp8-tests.txt" | tail -40
-        $T python3 -m pagedserve.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;
-    fp8-sweep) $T python3 -m pagedserve.kernels.bench_fp8 --sweep > "$OUT/fp8_block_configs.json" ;;
+        $T python3 -m pagedserve.benchmarks.kernels.bench_fp8 2>&1 | tee "$OUT/fp8-gemm.txt" ;;
+    fp8-sweep) $T python3 -m pagedserve.benchmarks.kernels.bench_fp8 --sweep > "$OUT/fp8_block_configs.json" ;;
     fp8-gemv) $T python3 -m pytest -q -s -k "gemv or linear_paths or silu" tests/test_triton_fp8.py \
           2>&1 | tee "$OUT/fp8-gemv-tests.txt" | tail -8
-        $T python3 -m pagedserve.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv.json" 2>&1 \
+        $T python3 -m pagedserve.benchmarks.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv.json" 2>&1 \
           | tee "$OUT/fp8-gemv.txt" ;;
-    fp8-gemv-sweep) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_fp8 \
+    fp8-gemv-sweep) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.benchmarks.kernels.bench_fp8 \
           --sweep-gemv --out "$OUT/fp8_gemv_configs.json" 2>&1 >/dev/null \
           | tee "$OUT/fp8-gemv-sweep.txt" | grep "M<="
         [ -s "$OUT/fp8_gemv_configs.json" ] && cp "$OUT/fp8_gemv_configs.json" kernels/
-        $T python3 -m pagedserve.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv-tuned.json" ;;
+        $T python3 -m pagedserve.benchmarks.kernels.bench_fp8 --gemv --out "$OUT/fp8-gemv-tuned.json" ;;
     table) python3 - "$OUT" <<'PY'
 import json, os, sys
 def get(name, key):
@@ -186,7 +186,7 @@ for label, step, key in rows:
     print(f"{label:16} {fmt(a)} {fmt(b)} {ratio}")
 PY
     ;;
-    kernels) $T python3 -m pagedserve.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
+    kernels) $T python3 -m pagedserve.benchmarks.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" ;;
     fp8-probe) $T python3 tests/gpu/probe_fp8_pdl.py 2>&1 | tee "$OUT/fp8-probe.txt" ;;
     gemm-mid-probe) $T python3 tests/gpu/probe_gemm_mid.py 2>&1 | tee "$OUT/gemm-mid-probe.txt" | tail -24 ;;
     gemm-silu-probe) $T python3 tests/gpu/probe_gemm_silu.py 2>&1 | tee "$OUT/gemm-silu-probe.txt" | tail -20 ;;
@@ -200,11 +200,11 @@ PY
     quack-probe) timeout ${PROBE_TIMEOUT:-420} python3 tests/gpu/probe_quack_mlp.py ${QUACK_ARGS:-} 2>&1 \
           | tee "$OUT/quack-probe.txt" | tail -40 ;;
     l2-probe) $T python3 tests/gpu/probe_l2_prefetch.py 2>&1 | tee "$OUT/l2-probe.txt" ;;
-    attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
+    attn-sweep-decode) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.benchmarks.kernels.bench_kernels \
           --sweep-decode 2>&1 | tee "$OUT/attn-sweep-decode.txt" | tail -12 ;;
-    attn-sweep-long) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.kernels.bench_kernels \
+    attn-sweep-long) timeout ${SWEEP_TIMEOUT:-300} python3 -m pagedserve.benchmarks.kernels.bench_kernels \
           --sweep-long 2>&1 | tee "$OUT/attn-sweep-long.txt" | tail -20 ;;
-    kernels-b1) $T python3 -m pagedserve.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
+    kernels-b1) $T python3 -m pagedserve.benchmarks.kernels.bench_gemv --sweep --json "$OUT/kernels-b1.json" \
           2>&1 | tee "$OUT/kernels-b1.txt" ;;
     decode-tests) { $T python3 -m pytest -q tests/test_triton_decode.py tests/test_sampler.py
           $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k "graph or bf16"; } \
@@ -244,7 +244,7 @@ PY
           2>&1 | tail -3 | tee "$OUT/fa4-install.txt" ;;
     fa4-tests) timeout ${FA4_TIMEOUT:-480} python3 -m pytest -q -m gpu -s tests/test_flash_attention.py 2>&1 \
           | tee "$OUT/fa4-tests.txt" | tail -25 ;;
-    attn-bench) timeout ${FA4_TIMEOUT:-480} python3 -m pagedserve.kernels.bench_attention --json "$OUT/attn-bench.json" \
+    attn-bench) timeout ${FA4_TIMEOUT:-480} python3 -m pagedserve.benchmarks.kernels.bench_attention --json "$OUT/attn-bench.json" \
           --write-choice "$OUT/attention_choice.json" 2>&1 | tee "$OUT/attn-bench.txt" ;;
     w5) $T $PS bench throughput --model $M32 --load-format dummy --dtype bfloat16 $ATTN_FLAG $X \
           --input-len 16384 --output-len 256 --num-prompts ${W5_PROMPTS:-64} ${W5_FLAGS:-} \
@@ -257,7 +257,7 @@ PY
     cascade-tests) { $T python3 -m pytest -q tests/test_cascade_attention.py
           $T python3 -m pytest -q -m gpu tests/test_gpu_equivalence.py -k cascade; } \
           2>&1 | tee "$OUT/cascade-tests.txt" | tail -20 ;;
-    cascade-bench) $T python3 -m pagedserve.kernels.bench_attention --cascade --sweep \
+    cascade-bench) $T python3 -m pagedserve.benchmarks.kernels.bench_attention --cascade --sweep \
           --json "$OUT/cascade-bench.json" 2>&1 | tee "$OUT/cascade-bench.txt" ;;
     w6-online) $PS launch $COMMON $ATTN_FLAG --port 8013 --host 127.0.0.1 > "$OUT/$name-server.log" 2>&1 &
         srv=$!

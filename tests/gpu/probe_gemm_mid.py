@@ -16,7 +16,7 @@ import argparse
 import torch
 from probe_gemm_silu import persistent_gemm
 
-from pagedserve.kernels.bench_gemv import SHAPES, _cold_weights, _per_weight_ms
+from pagedserve.benchmarks.kernels.bench_gemv import SHAPES, _cold_weights, _per_weight_ms
 
 CONFIGS = [
     dict(BM=bm, BN=bn, BK=bk, warps=w, stages=s, per_sm=p)

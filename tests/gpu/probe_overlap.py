@@ -41,8 +41,8 @@ import json
 
 import torch
 
-from pagedserve.kernels.bench_kernels import HKV, HQ, D, random_batch
-from pagedserve.kernels.triton_attention import (
+from pagedserve.benchmarks.kernels.bench_kernels import HKV, HQ, D, random_batch
+from pagedserve.kernels.attention.triton import (
     _launch_config,
     choose_num_splits,
     triton_paged_attention,
@@ -143,11 +143,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json")
     args = p.parse_args()
-    from pagedserve.kernels.backend import flash_attn_available
+    from pagedserve.kernels.attention.flash import flash_attn_available
 
     prompt_attn, prompt_name = triton_paged_attention, "triton"
     if flash_attn_available():
-        from pagedserve.kernels.flash_attention import flash_paged_attention
+        from pagedserve.kernels.attention.flash import flash_paged_attention
 
         prompt_attn, prompt_name = flash_paged_attention, "fa4"
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -22,7 +22,8 @@ def _timed(label: str, fn) -> None:
 
 
 def main() -> None:
-    from pagedserve.kernels import flash_attention, swiglu_gemm
+    from pagedserve.kernels import swiglu_gemm
+    from pagedserve.kernels.attention import flash as flash_attention
 
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -21,8 +21,8 @@ import torch
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.ipc.messages import NewRequest, SamplingParams, StepPlan
 from pagedserve.parallel.groups import rank_info
-from pagedserve.parallel.moe import FusedMoE
 from pagedserve.tests.gpu.profile_step import decode_plan
+from pagedserve.worker.layers.moe import FusedMoE
 from pagedserve.worker.model_runner import ModelRunner
 
 MOE_KERNEL = "_grouped_gemm_kernel"

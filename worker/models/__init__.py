@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import ModelConfig
-from pagedserve.kernels.attention import select_backend
+from pagedserve.kernels.attention.selection import select_backend
 from pagedserve.kernels.fp8 import require_fp8_device
 from pagedserve.worker.loader import (
     after_loading,

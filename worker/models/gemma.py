@@ -19,13 +19,14 @@ from torch import nn
 
 from pagedserve.config import attention_layer_type
 from pagedserve.kernels.activation import gelu_tanh_and_mul
-from pagedserve.kernels.attention import AttentionBackend, AttentionMetadata
-from pagedserve.kernels.norm import GemmaRMSNorm
+from pagedserve.kernels.attention.interface import PagedAttention
+from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.rotary import RopeConfig, rope_config
-from pagedserve.parallel.layers import (
+from pagedserve.worker.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from pagedserve.worker.layers.norm import GemmaRMSNorm
 from pagedserve.worker.models.llama import (
     HiddenAndResidual,
     LlamaAttention,
@@ -78,7 +79,7 @@ class GemmaDecoderLayer(nn.Module):
     residual stream is `hidden + residual`, added inside the next pre-norm."""
 
     def __init__(
-        self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
+        self, hf: dict[str, Any], layer_idx: int, backend: PagedAttention, opts: ModelOptions
     ) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)

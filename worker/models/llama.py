@@ -19,11 +19,14 @@ import torch
 from torch import nn
 
 from pagedserve.config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
-from pagedserve.kernels.attention import Attention, AttentionBackend, AttentionMetadata
-from pagedserve.kernels.norm import RMSNorm
-from pagedserve.kernels.prefetch import join_prefetches, prefetch_weight
-from pagedserve.kernels.rotary import RopeConfig, RotaryEmbedding, rope_config
-from pagedserve.parallel.layers import (
+from pagedserve.kernels.attention.interface import PagedAttention
+from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.kernels.prefetch import join_prefetches
+from pagedserve.kernels.rotary import RopeConfig, rope_config
+from pagedserve.parallel.state import tp_size
+from pagedserve.quant_config import Fp8Scheme
+from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.layers.linear import (
     FusedShards,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -31,9 +34,9 @@ from pagedserve.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pagedserve.parallel.moe import FusedMoE
-from pagedserve.parallel.state import tp_size
-from pagedserve.quant_config import Fp8Scheme
+from pagedserve.worker.layers.moe import FusedMoE
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.layers.rotary import RotaryEmbedding
 
 # (our param fragment, checkpoint fragment, shard id)
 STACKED_PARAMS = [
@@ -101,7 +104,7 @@ class LlamaAttention(nn.Module):
     default_max_position = 2048
 
     def __init__(
-        self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
+        self, hf: dict[str, Any], layer_idx: int, backend: PagedAttention, opts: ModelOptions
     ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
@@ -156,20 +159,20 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        qkv = self.qkv_proj
-        if not self.qk_norm and qkv.weight is not None and qkv.weight_scale is None:
-            q = self.attn.project_rope_cache(
-                hidden, qkv.weight, qkv.bias, self.rotary_emb, positions, kv_cache, meta
-            )
-            if q is not None:  # one kernel: projection, rotary, cache write (decode on CUDA)
-                prefetch_weight(q, self.o_proj.weight)  # into L2 while attention runs
-                return self.o_proj(self.attn.attend(q, None, None, kv_cache, meta))
-        q, k, v = qkv.split(qkv(hidden))  # [T, Hq*D], [T, Hkv*D] x2
-        prefetch_weight(q, self.o_proj.weight)  # (hidden may be Fp8Rows, q is a tensor)
-        if self.qk_norm:
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, self.rotary_emb, positions))
+        return self.attn.forward_layer(
+            hidden, positions, kv_cache, meta, self.qkv_proj, self.o_proj, self.rotary_emb,
+            self.norm_qk if self.qk_norm else None,
+        )  # fmt: skip
+
+    def norm_qk(
+        self,
+        q: torch.Tensor,  # [T, Hq * D]
+        k: torch.Tensor,  # [T, Hkv * D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's and Gemma 3's per-head RMSNorms of q and k, before rotary."""
+        q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        return q, k
 
 
 class LlamaMLP(nn.Module):
@@ -193,7 +196,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, hf: dict[str, Any], layer_idx: int, backend: AttentionBackend, opts: ModelOptions
+        self, hf: dict[str, Any], layer_idx: int, backend: PagedAttention, opts: ModelOptions
     ) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
@@ -235,7 +238,7 @@ class LlamaModel(nn.Module):
         hf: dict[str, Any],
         start_layer: int,
         end_layer: int,
-        backend: AttentionBackend,
+        backend: PagedAttention,
         opts: ModelOptions,
     ) -> None:
         super().__init__()
@@ -293,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         hf: dict[str, Any],
-        backend: AttentionBackend,
+        backend: PagedAttention,
         layer_range: tuple[int, int] | None = None,
         opts: ModelOptions | None = None,
     ) -> None:

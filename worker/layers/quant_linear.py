@@ -1,0 +1,124 @@
+"""The weight of a parallel linear layer, plain or FP8, and its matmul.
+
+`LinearBase` owns `weight` (and `weight_scale` under an FP8 scheme) for the column- and
+row-parallel layers in linear.py, which only say how a checkpoint tensor is sharded
+(`weight_loader`). FP8 weights keep kernels/fp8.py's layout: fp8 `[N, K]` with float32 scales
+`[N, 1]` or, for block checkpoints, `[N, K/G]` row-expanded. A checkpoint's scale is brought to
+that layout over its whole part first (a per-tensor scale broadcast to rows, block rows repeated),
+then sharded with the same loader as its weight, so TP shards scales exactly like weights.
+
+With `--quantization fp8` on a plain checkpoint the weight loads in the model dtype and
+`after_loading` replaces it by fp8 with per-channel scales.
+
+`matmul` of an FP8 layer is `fp8_linear`: on a GPU, up to `SMALL_M` rows (decode batches) the
+weight-only Triton kernel (no activation quantization; CUDA-graph safe), above that per-token
+activation quantization and `torch._scaled_mm` (or the block GEMM). With `gated` it is
+the same for a gated MLP's down projection, silu(gate) * up fused into the quantization. On a
+CPU, `after_loading` packs a float32/bfloat16 weight in oneDNN's layout (kernels/cpu_linear.py)
+and drops the plain copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.cpu_linear import pack_weight, packed_linear
+from pagedserve.kernels.fp8 import (
+    FP8,
+    expand_block_scales,
+    fp8_linear,
+    fp8_silu_mul_linear,
+    quantize_rows,
+    takes_fp8_rows,
+)
+from pagedserve.kernels.linear import gated_linear, linear
+from pagedserve.parallel.state import tp_size
+from pagedserve.quant_config import Fp8Scheme
+
+
+def make_param(
+    *shape: int, loader: Any, shard_ids: tuple[Any, ...] = (None,), dtype: torch.dtype | None = None
+) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    p.shard_ids = shard_ids  # type: ignore[attr-defined]  # what the loader must see to be complete
+    return p
+
+
+class LinearBase(nn.Module):
+    """`weight [out_per_rank, in_per_rank]` (+ FP8 scales) and `matmul(x, bias)`."""
+
+    def _init_weight(self, rows: int, cols: int, quant: Fp8Scheme | None) -> None:
+        self.quant = quant
+        fp8 = quant is not None and quant.serialized
+        self.weight = make_param(rows, cols, loader=self.weight_loader, dtype=FP8 if fp8 else None)
+        self.weight_scale = None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU), once loaded
+        if fp8:
+            scale_cols = 1 if quant.block is None else -(-cols // quant.block[1])
+            self.weight_scale = make_param(
+                rows, scale_cols, loader=self._scale_loader, dtype=torch.float32
+            )
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        raise NotImplementedError
+
+    def _scale_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """A checkpoint scale -> row layout over its whole part -> this rank's shard."""
+        scale = (loaded if isinstance(loaded, torch.Tensor) else loaded[...]).float()
+        assert self.quant is not None
+        if self.quant.block is not None:
+            scale = expand_block_scales(scale, self.quant.block[0], self.full_rows(param))
+        elif scale.numel() == 1:  # per tensor
+            scale = scale.reshape(1, 1).expand(self.full_rows(param), 1)
+        else:  # per channel [out] or [out, 1]
+            scale = scale.reshape(-1, 1)
+        self.shard_scale(param, scale, shard_id)
+
+    def full_rows(self, param: nn.Parameter) -> int:
+        """Output rows of the whole (unsharded) weight: column-parallel layers split them."""
+        return param.shape[0] * tp_size()
+
+    def shard_scale(self, param: nn.Parameter, scale: torch.Tensor, shard_id: Any) -> None:
+        """Column-parallel layers shard scale rows exactly as weight rows."""
+        self.weight_loader(param, scale, shard_id)
+
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    ) -> torch.Tensor:
+        """`x W^T + b`; `gated`: x is a merged gate/up output and `silu_and_mul(x)` goes in
+        (fused into the GEMV, or into an FP8 layer's input quantization)."""
+        if self.packed is not None:
+            return packed_linear(silu_and_mul(x) if gated else x, self.packed, bias)
+        if self.weight_scale is None:
+            return (gated_linear if gated else linear)(x, self.weight, bias)
+        group = self.quant.act_group if self.quant is not None else None
+        if gated:
+            return fp8_silu_mul_linear(x, self.weight, self.weight_scale, bias, group)
+        return fp8_linear(x, self.weight, self.weight_scale, bias, group)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether the RMSNorm making x may hand it over quantized per token (`Fp8Rows`): what
+        `matmul` would do with x itself (kernels/fp8.py)."""
+        if self.weight_scale is None or self.quant is None:
+            return False
+        return takes_fp8_rows(x, self.quant.act_group)
+
+    def after_loading(self) -> None:
+        """Load-time quantization: the model-dtype weight -> fp8 + per-channel scales; on a CPU,
+        a plain weight packed for oneDNN instead (the plain copy is freed)."""
+        if self.quant is None:
+            self.packed = pack_weight(self.weight)
+            if self.packed is not None:
+                self.weight = None
+            return
+        if self.quant.serialized:
+            return
+        with torch.no_grad():
+            weight, scale = quantize_rows(self.weight.data)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -1,0 +1,61 @@
+"""The optional step paths a worker runs, decided once at start-up.
+
+Each is a rule over the config, the device, the pipeline/tensor layout, the attention backend's
+capabilities (kernels/attention/registry.py) and the fusion switches (kernels/backend.py); the
+model runner reads the flags and never re-derives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedserve.config import EngineConfig, kv_cache_groups
+from pagedserve.kernels.attention.registry import backend_caps
+from pagedserve.kernels.attention.selection import attention_backend_name
+from pagedserve.kernels.backend import fusion_enabled
+from pagedserve.parallel.groups import RankInfo
+from pagedserve.worker.cpu_compile import eligible
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    # Shared-prefix attention (kernels/attention/cascade.py): each step looks for a common
+    # prefix, and decode graphs get cascade variants. On where a backend the model may run reads
+    # it (under `auto`, one of its candidates).
+    cascade: bool
+    # Decode and mixed-step CUDA graphs (worker/cuda_graphs.py): capturable attention (every
+    # backend the model may run), one pipeline stage and one KV cache group (the graphs' static
+    # buffers hold one block table).
+    cuda_graphs: bool
+    # LM head and greedy argmax inside small decode graphs (one rank: no collective inside).
+    graph_head: bool
+    # The compiled CPU forward (worker/cpu_compile.py says for which models).
+    cpu_compile: bool
+
+
+def step_features(
+    config: EngineConfig, device: torch.device, info: RankInfo, model: nn.Module, dtype: torch.dtype
+) -> StepFeatures:
+    """The features of a worker on `device` running the loaded `model`."""
+    model_config = config.model
+    name = attention_backend_name(
+        device, model_config.attention_backend, config.cache.kv_fp8, dtype
+    )
+    caps = backend_caps(name)
+    is_cuda = device.type == "cuda"
+    cuda_graphs = (
+        is_cuda
+        and not model_config.enforce_eager
+        and info.pp_size == 1
+        and len(kv_cache_groups(model_config.hf)) == 1
+        and all(c.cuda_graphs for c in caps)
+    )
+    return StepFeatures(
+        cascade=is_cuda and any(c.cascade for c in caps) and fusion_enabled("cascade"),
+        cuda_graphs=cuda_graphs,
+        graph_head=cuda_graphs and fusion_enabled("graph-head") and info.tp_size == 1,
+        cpu_compile=eligible(config, device, model),
+    )
