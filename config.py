@@ -16,6 +16,7 @@ from typing import Any
 from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
 from pagedserve.kernels.attention.registry import check_requested
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
+from pagedserve.settings import Settings
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")  # FP8 expert weights are not implemented
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -301,10 +302,14 @@ class SchedulerConfig:
     max_waiting: int | None = None  # None: unbounded; else AddRequests beyond it are refused
     step_timeout: float = 600.0  # seconds a step may take before the engine is declared dead
     async_scheduling: bool = True  # plan step N+1 while step N runs (single pipeline stage)
+    # a grammar whose compile runs longer is refused (a 400 naming the limit); others go on
+    max_grammar_compile_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("--max-waiting must be >= 0")
+        if not self.max_grammar_compile_seconds > 0:
+            raise ValueError("--max-grammar-compile-seconds must be positive")
         if not self.step_timeout > 0:
             raise ValueError("--step-timeout must be positive")
         if self.max_num_seqs < 1:
@@ -355,6 +360,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # every PAGEDSERVE_* switch, read once where the config is built (settings.py says why)
+    settings: Settings = field(default_factory=Settings.from_env)
 
     def __post_init__(self) -> None:
         mc, tp = self.model, self.parallel.tensor_parallel_size
@@ -394,4 +401,5 @@ class EngineConfig:
             cache=CacheConfig(**raw["cache"]),
             scheduler=SchedulerConfig(**raw["scheduler"]),
             parallel=ParallelConfig(**raw["parallel"]),
+            settings=Settings.from_dict(raw["settings"]),
         )

@@ -5,8 +5,10 @@ that reads a model directory (the config here, the tokenizer in API servers, EOS
 *metadata directory* this module writes once per file: config.json, tokenizer.json,
 tokenizer_config.json, chat_template.jinja and generation_config.json, converted by transformers'
 own GGUF support and cached under `cache_dir()`. So API servers keep loading a plain
-tokenizer.json without torch, and the EngineCore reads a config.json. Only the weights are read
-from the file itself, dequantized at load time (`worker/loader.py: iter_gguf`).
+tokenizer.json without torch, and the EngineCore reads a config.json. The weights are read from
+the file itself, dequantized on the first load (`worker/loader.py: iter_gguf`) and cached in the
+serving dtype as safetensors under the metadata directory's `weights/` (`weights_cache_file`;
+`worker/gguf_weights.py` writes and reads them), so later starts skip the dequantization.
 
 Pure Python at import (config.py imports it); the one-time conversion imports transformers.
 """
@@ -20,17 +22,18 @@ import os
 import shutil
 import tempfile
 
-from pagedserve.disk_cache import cache_root
+from pagedserve import settings
 
 # GGUF `general.architecture` values we serve, as transformers names them (model_type). Mistral
 # GGUF files say "llama". Only llama is checked against transformers in the suite.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _FORMAT = 1  # bump when the metadata directory's contents change
+_WEIGHTS_FORMAT = 1  # bump when the cached weights' layout changes
 
 
 def cache_dir() -> str:
-    """Where converted metadata lives (disk_cache.py)."""
-    return os.path.join(cache_root(), "gguf")
+    """Where converted metadata lives (settings.py: PAGEDSERVE_CACHE)."""
+    return os.path.join(settings.current().cache_dir, "gguf")
 
 
 def find_gguf_file(model: str) -> str | None:
@@ -72,6 +75,37 @@ def gguf_metadata_dir(gguf_file: str) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def weights_cache_file(gguf_file: str, hf_dir: str, dtype: str) -> str:
+    """The safetensors file caching `gguf_file`'s weights dequantized to `dtype` (a torch dtype's
+    name): in its metadata directory `hf_dir`, named by the file's SHA-256, the dtype and the
+    versions of what dequantizes and renames the tensors (gguf, transformers). Tensor names and
+    shapes are in the file's header, and every shape is checked against the config at load."""
+    from importlib.metadata import version
+
+    versions = f"gguf {version('gguf')}, transformers {version('transformers')}, {_WEIGHTS_FORMAT}"
+    key = f"{file_sha256(gguf_file, hf_dir)}|{dtype}|{versions}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(hf_dir, "weights", f"{dtype}-{digest}.safetensors")
+
+
+def file_sha256(gguf_file: str, hf_dir: str) -> str:
+    """The SHA-256 of `gguf_file`, hashed once (~0.3 s per 100 MB) and kept in its metadata
+    directory, whose name already stands for this path, size and mtime."""
+    record = os.path.join(hf_dir, "gguf.sha256")
+    if os.path.isfile(record):
+        with open(record) as f:
+            return f.read().strip()
+    sha = hashlib.sha256()
+    with open(gguf_file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    fd, staging = tempfile.mkstemp(prefix=".gguf.sha256-", dir=hf_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(sha.hexdigest())
+    os.replace(staging, record)
+    return sha.hexdigest()
 
 
 def _convert_metadata(gguf_file: str, out_dir: str) -> None:

@@ -26,7 +26,6 @@ the process that needs them.
 | PAGEDSERVE_FLASH_CACHE_DIR | flash_cache_dir | flash_attn under cache_dir |
 | PAGEDSERVE_MEMORY_REPORT | memory_report | a file: each GPU rank's profiled peak |
 | PAGEDSERVE_STEP_TRACE | step_trace | a file prefix: one line per step, core and workers |
-| PAGEDSERVE_LAUNCH_T0 | launch_t0 | set by `launch` for its children's start-up timings |
 | PAGEDSERVE_API_KEY | (secret) | the API key (else VLLM_API_KEY) |
 | PAGEDSERVE_CURVE_KEY, PAGEDSERVE_CURVE_KEY_FILE | (secret) | multi-node CURVE key |
 """
@@ -46,7 +45,6 @@ FUSIONS = (
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 CURVE_KEY_ENV = "PAGEDSERVE_CURVE_KEY"
 CURVE_KEY_FILE_ENV = "PAGEDSERVE_CURVE_KEY_FILE"
-LAUNCH_T0_ENV = "PAGEDSERVE_LAUNCH_T0"
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
@@ -79,14 +77,6 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
-def _float(env: Mapping[str, str], name: str) -> float | None:
-    raw = env.get(name)
-    try:
-        return float(raw) if raw else None
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-
-
 def default_cache_dir(env: Mapping[str, str]) -> str:
     base = env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return os.path.join(base, "pagedserve")
@@ -107,7 +97,7 @@ class Settings:
     flash_cache_dir: str = ""
     memory_report: str | None = None
     step_trace: str | None = None
-    launch_t0: float | None = None
+    launch_t0: float | None = None  # set by `launch` (not the environment): start-up timings
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_OVERRIDES):
@@ -135,7 +125,6 @@ class Settings:
             or os.path.join(cache_dir, "flash_attn"),
             memory_report=env.get("PAGEDSERVE_MEMORY_REPORT") or None,
             step_trace=env.get("PAGEDSERVE_STEP_TRACE") or None,
-            launch_t0=_float(env, LAUNCH_T0_ENV),
         )
 
     @classmethod
@@ -164,6 +153,12 @@ def activate(settings: Settings) -> None:
     _active = settings
 
 
+def forget() -> None:
+    """Tests that change the environment: read it again on the next `current()`."""
+    global _active
+    _active = None
+
+
 def current() -> Settings:
     """This process's settings: the config's once `activate` ran, else read from the
     environment on first use (code run outside an engine: tests, benchmarks, `python -m`)."""
@@ -173,9 +168,11 @@ def current() -> Settings:
     return _active
 
 
-def api_key_from_env(env: Mapping[str, str] | None = None) -> str | None:
+def api_key_from_env(env: Mapping[str, str] | None = None, vllm_too: bool = True) -> str | None:
+    """The API key: PAGEDSERVE_API_KEY, else (for `launch`'s default) vLLM's VLLM_API_KEY. An API
+    server reads only the first: `launch` hands it the key it settled on."""
     env = os.environ if env is None else env
-    return env.get(API_KEY_ENV) or env.get("VLLM_API_KEY") or None
+    return env.get(API_KEY_ENV) or (env.get("VLLM_API_KEY") if vllm_too else None) or None
 
 
 def curve_key_from_env(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:

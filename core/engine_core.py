@@ -9,17 +9,17 @@ owns each request.
 Every AddRequest is answered at once with an empty delta (admitted), a "rejected" one (the
 waiting queue is at `max_waiting`) or an "invalid" one with the reason (core/admission.py checks it
 against the model: the core is the gate, whoever sent it), so an API server knows before it sends
-a 200 whether the request will run. A message that makes no sense (from an unknown client, a
-result for no plan in flight or that does not fit its plan) is logged and dropped, never
-asserted on: no message can kill the loop. A watchdog declares the engine dead when the oldest
-plan in flight gets no result within `step_timeout` (a worker stuck in a step never reports
-anything by itself).
+a 200 whether the request will run; a request with a grammar not compiled yet is answered once
+it is (core/grammar_gate.py: admitted, or "invalid" if it did not compile). A message that makes
+no sense (from an unknown client, a result for no plan in flight or that does not fit its plan)
+is logged and dropped, never asserted on: no message can kill the loop. A watchdog declares the
+engine dead when the oldest plan in flight gets no result within `step_timeout` (a worker stuck
+in a step never reports anything by itself).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -85,7 +85,10 @@ class EngineCore:
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size
-        self.grammars = GrammarGate(sampling_ranks=range((pp - 1) * tp, pp * tp))
+        self.grammars = GrammarGate(
+            sampling_ranks=range((pp - 1) * tp, pp * tp),
+            in_use=self.scheduler.grammar_users.__contains__,
+        )
         self.limits = ModelLimits(config.model.vocab_size, config.max_model_len)
         self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()
@@ -97,7 +100,7 @@ class EngineCore:
         # PAGEDSERVE_STEP_TRACE=FILE: one line per step (sent, result in, result handled,
         # requests, tokens), to see where a benchmark's time goes; off by default. Line-buffered:
         # a process stopped by a signal keeps every line.
-        trace = os.environ.get("PAGEDSERVE_STEP_TRACE")
+        trace = config.settings.step_trace
         self._trace = open(trace, "w", buffering=1) if trace else None  # noqa: SIM115
 
     def run(self) -> None:
@@ -147,7 +150,8 @@ class EngineCore:
                     "dropped request %.64r of unknown client %d", msg.req_id, msg.client_index
                 )
                 return []
-            return [(msg.client_index, self._add_request(msg))]
+            delta = self._add_request(msg)
+            return [] if delta is None else [(msg.client_index, delta)]
         if isinstance(msg, AbortRequests):
             held = self.grammars.abort(msg.req_ids) if self.grammars.pending else []
             return [_aborted(r) for r in held] + self.scheduler.abort_requests(msg.req_ids)
@@ -159,20 +163,21 @@ class EngineCore:
             self.running = False
         return []
 
-    def _add_request(self, msg: AddRequest) -> RequestDelta:
-        """The answer to an AddRequest: admitted (no tokens yet), rejected or invalid."""
+    def _add_request(self, msg: AddRequest) -> RequestDelta | None:
+        """The answer to an AddRequest: admitted (no tokens yet), rejected or invalid; None for
+        a request that waits for its grammar (answered once every sampling rank holds it)."""
         try:
             check_request(msg, self.limits)
         except ValueError as e:
             logger.warning("refused request %.64r: %s", msg.req_id, e)
             return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
-        if self.scheduler.is_full():
+        if self.scheduler.is_full(num_held=self.grammars.num_waiting):
             return RequestDelta(msg.req_id, [], finish_reason="rejected")
         schedulable, compile_order = self.grammars.admit(msg)
         if compile_order is not None:
             self.transport.broadcast(compile_order)
-        if not schedulable:  # admitted: it waits for its grammar, outside the scheduler
-            return RequestDelta(msg.req_id, [])
+        if not schedulable:  # it waits for its grammar, outside the scheduler
+            return None
         return self._schedule_request(msg)
 
     def _schedule_request(self, msg: AddRequest) -> RequestDelta:
@@ -184,18 +189,20 @@ class EngineCore:
         return RequestDelta(msg.req_id, [])
 
     def _grammar_compiled(self, msg: GrammarCompiled) -> None:
-        """Requests whose grammar every sampling rank now holds join the scheduler (or, if it did
-        not compile, end: API servers validate grammars first, so only a raw client sees this)."""
+        """Answer the requests whose grammar every sampling rank has now compiled: admitted
+        (they join the scheduler), or refused with the reason it did not compile (over
+        --max-grammar-compile-seconds; or a grammar only a raw client could send, as API servers
+        check grammars first), which an API server returns as a 400."""
         released, error = self.grammars.compiled(msg)
+        if error is not None and released:
+            logger.warning("%d requests: their grammar did not compile: %s", len(released), error)
         deltas = []
         for req in released:
             if error is not None:
-                logger.warning("request %s: grammar failed to compile: %s", req.req_id, error)
-                deltas.append(_aborted(req))
+                delta = RequestDelta(req.req_id, [], finish_reason="invalid", error=error)
             else:
                 delta = self._schedule_request(req)
-                if delta.finish_reason is not None:
-                    deltas.append((req.client_index, delta))
+            deltas.append((req.client_index, delta))
         self._emit(deltas)
 
     # ------------------------------------------------------------------ steps

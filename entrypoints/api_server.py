@@ -21,9 +21,12 @@ from typing import Any
 
 import uvicorn
 
+from pagedserve import settings
 from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.args import add_guard_args
 from pagedserve.frontend.async_engine import AsyncEngine
-from pagedserve.frontend.openai.api_server import build_app
+from pagedserve.frontend.openai.api_server import TenancyOptions, build_app
+from pagedserve.frontend.openai.connections import ConnectionGuard, connection_limit
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, Drain, DrainingServer
 from pagedserve.frontend.openai.serving_chat import ChatOptions
@@ -80,6 +83,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--enable-auto-tool-choice", action="store_true")
     ap.add_argument("--tool-call-parser")
     ap.add_argument("--reasoning-parser")
+    add_guard_args(ap)
     return ap.parse_args(argv)
 
 
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s[%(process)d]: %(message)s")
     index = args.client_index
     config = EngineConfig.from_json(args.config)
+    settings.activate(config.settings)
     sock = _listening_socket(args)
     try:
         engine = AsyncEngine(config, index, args.ipc_dir, args.core_pid)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(
         engine,
         metrics,
-        os.environ.get("PAGEDSERVE_API_KEY") or None,
+        settings.api_key_from_env(vllm_too=False),
         index,
         on_ready=_notifier(args.ready_fd, f"server {index}"),
         drain=drain,
@@ -121,11 +126,26 @@ def main(argv: list[str] | None = None) -> int:
             args.chat_template,
             args.trust_request_chat_template,
         ),
+        tenancy=TenancyOptions(
+            args.enable_prompt_tokens_details, args.cache_salt_by, args.metrics_public
+        ),
     )
-    uv_config = uvicorn.Config(
+    server = DrainingServer(_uvicorn_config(app, args), drain, args.drain_timeout)
+    app.state.server = server
+    server.run(sockets=[sock])
+    return 0
+
+
+def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn on uvloop, with httptools' C parser (h11 was a third of this process's time when
+    streaming) under the connection deadlines and limit of frontend/openai/connections.py."""
+    guard = ConnectionGuard(
+        args.timeout_header, args.timeout_body, connection_limit(args.max_connections)
+    )
+    return uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",  # C parser: h11 was a third of this process's time when streaming
+        http=guard.protocol,
         log_level=args.uvicorn_log_level.lower(),
         access_log=args.uvicorn_log_level.lower() in ("debug", "trace"),
         timeout_graceful_shutdown=2,
@@ -134,10 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,
     )
-    server = DrainingServer(uv_config, drain, args.drain_timeout)
-    app.state.server = server
-    server.run(sockets=[sock])
-    return 0
 
 
 if __name__ == "__main__":

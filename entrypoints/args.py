@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from typing import Any
 
+from pagedserve import settings
 from pagedserve.kernels.attention.registry import REQUESTABLE_BACKENDS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -124,6 +124,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds one engine step may take before the engine is declared dead (stuck worker)",
     )
+    a(
+        "--max-grammar-compile-seconds",
+        type=_positive_float,
+        default=10.0,
+        help="a structured-output grammar (JSON schema, regex, ...) that takes longer to compile "
+        "is refused with a 400; other grammars compile meanwhile",
+    )
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -131,8 +138,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--host", default="0.0.0.0")
     a("--port", type=int, default=8000, help="0 picks a free port")
     a("--api-servers", type=_positive_int, default=1, help="API server processes on one port")
-    api_key = os.environ.get("PAGEDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
-    a("--api-key", default=api_key, help="or PAGEDSERVE_API_KEY (else VLLM_API_KEY)")
+    a(
+        "--api-key",
+        default=settings.api_key_from_env(),
+        help="or PAGEDSERVE_API_KEY (else VLLM_API_KEY)",
+    )
     a("--chat-template", help="the chat template: a file, or the template itself")
     a("--trust-request-chat-template", action="store_true",
       help="let requests bring their own chat_template (rendered under a time limit)")  # fmt: skip
@@ -161,6 +171,46 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
     a("--max-request-bytes", type=parse_size, default=4 << 20,
       help="largest request body (4M); bigger bodies get 413")  # fmt: skip
+    add_guard_args(p)
+
+
+def add_guard_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `launch` that its API servers take as they are (`guard_argv`): connections
+    (frontend/openai/connections.py) and what one client may learn of another's requests."""
+    a = p.add_argument
+    a("--timeout-header", type=_positive_float, default=30.0,
+      help="seconds a client may take to send a request's headers (from connecting, or from the "
+      "request's first byte); then the connection is closed (408)")  # fmt: skip
+    a("--timeout-body", type=_positive_float, default=60.0,
+      help="seconds a client may take to send a request's body after its headers "
+      "(then 408)")  # fmt: skip
+    a("--max-connections", type=_positive_int, default=4096,
+      help="client connections per API server (lowered to fit `ulimit -n`); beyond it the oldest "
+      "idle connection is closed, or new requests get 503 (/health never does)")  # fmt: skip
+    a("--enable-prompt-tokens-details", action="store_true",
+      help="report usage.prompt_tokens_details.cached_tokens (off: cache hits would tell a "
+      "client what other clients' prompts hold)")  # fmt: skip
+    a("--cache-salt-by", choices=["none", "user", "api-key"], default="none",
+      help="salt each request's prefix cache by its `user` field or the API key it sent, so "
+      "only that tenant's requests share cached blocks (none: only their own "
+      "cache_salt)")  # fmt: skip
+    a("--metrics-public", action="store_true",
+      help="serve /metrics without the API key (default: it needs the key when one "
+      "is set)")  # fmt: skip
+
+
+def guard_argv(args: argparse.Namespace) -> list[str]:
+    """The `add_guard_args` flags of `args`, as an API server's command line."""
+    argv = [
+        "--timeout-header", str(args.timeout_header),
+        "--timeout-body", str(args.timeout_body),
+        "--max-connections", str(args.max_connections),
+        "--cache-salt-by", args.cache_salt_by,
+    ]  # fmt: skip
+    for flag in ("enable_prompt_tokens_details", "metrics_public"):
+        if getattr(args, flag):
+            argv.append("--" + flag.replace("_", "-"))
+    return argv
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -202,6 +252,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
         step_timeout=args.step_timeout,
+        max_grammar_compile_seconds=args.max_grammar_compile_seconds,
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,

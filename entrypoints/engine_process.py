@@ -22,6 +22,7 @@ import traceback
 
 import zmq
 
+from pagedserve import settings
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.errors import EngineDeadError, StepTimeoutError
@@ -198,7 +199,7 @@ class ZmqTransport:
 
     def init_cache(self) -> int:
         profiled = self.wait_workers("profiled")
-        _say_timings(profiled)
+        _say_timings(profiled, self.config.settings.launch_t0)
         num_blocks = min(r.num_blocks for r in profiled)
         block_size = self.config.cache.block_size
         max_len = self.config.max_model_len
@@ -212,7 +213,7 @@ class ZmqTransport:
         if not self.plans.wait_subscribers(world, timeout=60):
             raise EngineDeadError("workers did not subscribe to the plan broadcast")
         self.plans.send(InitCache(num_blocks))
-        _say_timings(self.wait_workers("cache_ready"))
+        _say_timings(self.wait_workers("cache_ready"), self.config.settings.launch_t0)
         self.ready = EngineReady(num_blocks, block_size, max_len)
         return num_blocks
 
@@ -239,7 +240,7 @@ class ZmqTransport:
             self._auth.stop()
 
 
-def _say_timings(ready: list[WorkerReady]) -> None:
+def _say_timings(ready: list[WorkerReady], launch_t0: float | None) -> None:
     """One start-up line per phase: the slowest rank's seconds for each step."""
     steps: dict[str, float] = {}
     for r in ready:
@@ -247,9 +248,8 @@ def _say_timings(ready: list[WorkerReady]) -> None:
             steps[name] = max(steps.get(name, 0.0), seconds)
     if steps:
         text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in steps.items())
-        t0 = os.environ.get("PAGEDSERVE_LAUNCH_T0")  # set by `launch`
-        if t0:
-            text += f" (done {time.time() - float(t0):.1f} s after launch)"
+        if launch_t0 is not None:  # set by `launch`
+            text += f" (done {time.time() - launch_t0:.1f} s after launch)"
         print(f"pagedserve: {text}", file=sys.stderr, flush=True)
 
 
@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
     config = EngineConfig.from_json(args.config)
+    settings.activate(config.settings)
     try:
         transport = ZmqTransport(config, args.input_address, args.ipc_dir)
     except (ValueError, OSError, zmq.ZMQError) as e:  # no CURVE key, an address not ours

@@ -16,6 +16,7 @@ then shuts them down in order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -33,6 +34,7 @@ from pagedserve.frontend.engine_client import start_engine_core
 from pagedserve.frontend.generation_config import describe_defaults
 from pagedserve.ipc.process import Child, stop_all
 from pagedserve.ipc.sockets import CoreAddresses, ipc_dir
+from pagedserve.settings import API_KEY_ENV
 
 POLL_S = 0.2
 ABORT_GRACE_S = 5.0  # for API servers to end aborted requests and exit
@@ -79,9 +81,6 @@ class LaunchOptions:
         return argv + list(self.api_server_args)
 
 
-LAUNCH_T0_ENV = "PAGEDSERVE_LAUNCH_T0"
-
-
 def say(message: str) -> None:
     print(f"pagedserve: {message}", flush=True)
 
@@ -110,9 +109,9 @@ def start_api_server(
         *opts.server_argv(),
     ]  # fmt: skip
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
-    env.pop("PAGEDSERVE_API_KEY", None)
+    env.pop(API_KEY_ENV, None)
     if opts.api_key:
-        env["PAGEDSERVE_API_KEY"] = opts.api_key
+        env[API_KEY_ENV] = opts.api_key
     # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops servers.
     fds = (sock.fileno(), ready_fd)
     proc = subprocess.Popen(cmd, env=env, pass_fds=fds, start_new_session=True)
@@ -134,7 +133,9 @@ class Launcher:
 
     def run(self) -> int:
         t0 = time.monotonic()
-        os.environ[LAUNCH_T0_ENV] = str(time.time())  # children say when, since launch
+        # children say when they are ready, since launch
+        when = dataclasses.replace(self.config.settings, launch_t0=time.time())
+        self.config = dataclasses.replace(self.config, settings=when)
         try:
             sock = bind(self.opts.host, self.opts.port)
         except OSError as e:

@@ -12,15 +12,15 @@ from which the public half follows) or from a file named by `PAGEDSERVE_CURVE_KE
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
-KEY_ENV = "PAGEDSERVE_CURVE_KEY"
-KEY_FILE_ENV = "PAGEDSERVE_CURVE_KEY_FILE"
+from pagedserve.settings import CURVE_KEY_ENV as KEY_ENV
+from pagedserve.settings import CURVE_KEY_FILE_ENV as KEY_FILE_ENV
+from pagedserve.settings import curve_key_from_env
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class CurveKey:
 
 def load_key() -> CurveKey:
     """The key pair every node was given; a clear error when there is none."""
-    text = os.environ.get(KEY_ENV)
-    path = os.environ.get(KEY_FILE_ENV)
+    text, path = curve_key_from_env()
     if not text and path:
         with open(path) as f:
             text = f.read()

@@ -3,7 +3,7 @@
 The rule is one predicate per tensor: a CUDA tensor takes the fast path when Triton imports,
 anything else takes the torch reference, so CPU runs (and CI) never import Triton. Attention has
 its own choice among backends (kernels/attention/selection.py). Environment variables, read once
-per process (start-up settings, never flipped at run time):
+once per process into `settings.Settings` (start-up settings, never flipped at run time):
 
 - `PAGEDSERVE_ATTENTION_BACKEND=torch|sdpa|triton|flash` forces the attention backend (and, for
   `torch`, the reference KV-cache write too), over `--attention-backend`
@@ -29,40 +29,27 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
-FUSIONS = (
-    "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
-    "l2-prefetch", "qkv-rope", "swiglu-gemm",
-)  # fmt: skip
+from pagedserve import settings
+from pagedserve.settings import FUSIONS
+
+__all__ = ["FUSIONS", "fusion_enabled", "triton_available", "use_triton"]
 
 
 @functools.cache
-def triton_available() -> bool:
-    if os.environ.get("PAGEDSERVE_DISABLE_TRITON", "0") not in ("", "0"):
-        return False
+def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
-def disabled_fusions() -> frozenset[str]:
-    raw = os.environ.get("PAGEDSERVE_DISABLE_FUSIONS") or ""
-    names = {name.strip() for name in raw.split(",") if name.strip()}
-    unknown = names - {*FUSIONS, "all"}
-    if unknown:
-        raise ValueError(
-            f"PAGEDSERVE_DISABLE_FUSIONS names {', '.join(sorted(unknown))}: not one of "
-            f"{', '.join(FUSIONS)}, all"
-        )
-    return frozenset(FUSIONS if "all" in names else names)
+def triton_available() -> bool:
+    return not settings.current().disable_triton and _triton_importable()
 
 
 def fusion_enabled(name: str) -> bool:
     """Whether the fusion or fast path `name` (one of FUSIONS) is on (the default)."""
-    assert name in FUSIONS, name
-    return name not in disabled_fusions()
+    return settings.current().fusion_enabled(name)
 
 
 def use_triton(x: torch.Tensor) -> bool:

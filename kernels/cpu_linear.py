@@ -15,21 +15,16 @@ them, so a layer that packs keeps no plain copy unless something else shares it 
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
+
+from pagedserve import settings
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 19  # e.g. 4096 x 128: measured faster packed from here on, at M >= 1
 
 
-@functools.cache
 def packing_enabled() -> bool:
-    setting = os.environ.get("PAGEDSERVE_CPU_LINEAR", "onednn")
-    if setting not in ("onednn", "torch"):
-        raise ValueError(f"PAGEDSERVE_CPU_LINEAR={setting!r} is not one of onednn, torch")
-    return setting == "onednn" and torch.backends.mkldnn.is_available()
+    return settings.current().cpu_linear == "onednn" and torch.backends.mkldnn.is_available()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

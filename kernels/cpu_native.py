@@ -24,7 +24,7 @@ import subprocess
 
 import torch
 
-from pagedserve.disk_cache import cache_root
+from pagedserve import settings
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernels_setting() -> str:
-    setting = os.environ.get("PAGEDSERVE_CPU_KERNELS", "native")
-    if setting not in ("native", "torch"):
-        raise ValueError(f"PAGEDSERVE_CPU_KERNELS={setting!r} is not one of native, torch")
-    return setting
+    return settings.current().cpu_kernels
 
 
 def _compiler() -> str | None:
@@ -67,7 +64,7 @@ def library_path(compiler: str) -> str:
     for part in (" ".join(FLAGS), version, _cpu_flags()):
         digest.update(part.encode())
     name = f"decode_attention-{digest.hexdigest()[:24]}.so"
-    return os.path.join(cache_root(), "cpu_kernels", name)
+    return os.path.join(settings.current().cache_dir, "cpu_kernels", name)
 
 
 def build(compiler: str, path: str) -> None:

@@ -1,11 +1,11 @@
-"""Libraries over NVIDIA's CuTe DSL (FlashAttention 4's `flash_attn.cute`, quack's GEMMs): whether
-they import here, and the set-up before their first import.
+"""Libraries over NVIDIA's CuTe DSL (FlashAttention 4's `flash_attn.cute`, quack's GEMMs):
+whether they import here, and the set-up before their first import.
 
 Compiled kernels: FA4 compiles each kernel variant (a key of dtype, head dims, GQA packing, tile,
 split, varlen flags) on first use, seconds each. They are kept on disk, in
-`$PAGEDSERVE_FLASH_CACHE_DIR` (default `flash_attn` under disk_cache.py's root), so a second start
-loads them instead of compiling: `prepare_cute_dsl` turns on FA4's (and quack's) persistent cache
-before importing them.
+`$PAGEDSERVE_FLASH_CACHE_DIR` (default `flash_attn` under the cache directory, settings.py), so a
+second start loads them instead of compiling: `prepare_cute_dsl` turns on FA4's (and quack's)
+persistent cache before importing them.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ import importlib.util
 import os
 import sys
 
-from pagedserve.disk_cache import cache_root
-
-CACHE_DIR_ENV = "PAGEDSERVE_FLASH_CACHE_DIR"
+from pagedserve import settings
 
 
 def flash_cache_dir() -> str:
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(cache_root(), "flash_attn")
+    return settings.current().flash_cache_dir
 
 
 def _add_cutlass_path() -> None:
@@ -52,8 +50,8 @@ def cute_dsl_importable(package: str) -> bool:
 
 def prepare_cute_dsl() -> None:
     """Before the first import of FA4 or quack (FA4 imports quack): `cutlass` on sys.path and
-    both libraries' compiled kernels kept on disk under disk_cache.py's root."""
+    both libraries' compiled kernels kept on disk under the cache directory (settings.py)."""
     _add_cutlass_path()
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", flash_cache_dir())
-    os.environ.setdefault("QUACK_CACHE_DIR", os.path.join(cache_root(), "quack"))
+    os.environ.setdefault("QUACK_CACHE_DIR", os.path.join(settings.current().cache_dir, "quack"))

@@ -16,7 +16,7 @@ few us (M = 512: 0.165 against 0.173 ms, 1,024: 0.319 against 0.339, 2,048: 0.61
 Its one kernel (default config, no autotuning: that took 9-39 s a shape and was not faster)
 compiles on first use, in the start-up memory profile's full-budget forward; M is a runtime
 argument, so every row count shares it, and CUDA graphs capture it. Compiled kernels are kept under
-`$QUACK_CACHE_DIR` (default `quack` under disk_cache.py's root).
+`$QUACK_CACHE_DIR` (default `quack` under the cache directory (settings.py)).
 
 End to end on an H100, one lease, FA4 `auto`, each run once with and once without
 (`PAGEDSERVE_DISABLE_FUSIONS=swiglu-gemm`): W1 30.05 against 29.22 req/s, W5 1.350 against 1.316.

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from pagedserve import settings
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention.cpu import cpu_paged_attention
 from pagedserve.kernels.attention.metadata import build_attention_metadata
@@ -40,6 +41,7 @@ def main() -> None:
         times: dict[str, list[float]] = {}
         for name, setting in (("gather + SDPA", "torch"), ("C++ kernel", "native")):
             os.environ["PAGEDSERVE_CPU_KERNELS"] = setting  # read by the next lookup
+            settings.forget()
             cpu_native._kernel.cache_clear()
             for temp, layers in (("warm", caches[:1] * LAYERS), ("cold", caches)):
                 samples = times.setdefault(f"{name}, {temp}", [])

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from pagedserve import settings
 from pagedserve.config import kv_cache_groups
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.ipc.messages import CachedDelta, NewRequest, SamplingParams, StepPlan
@@ -28,9 +29,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64, logprobs=3)
 def compile_on(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDSERVE_CPU_COMPILE", "auto")
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
-    cpu_compile.compile_setting.cache_clear()
+    settings.forget()
     yield
-    cpu_compile.compile_setting.cache_clear()
+    settings.forget()
 
 
 def make_runner(path: str) -> ModelRunner:
@@ -126,10 +127,10 @@ def test_models_it_does_not_apply_to_stay_eager(compile_on, tmp_path_factory, mo
     monkeypatch.setattr(layer, "packed", torch.empty(0), raising=False)  # a oneDNN-packed weight
     assert not cpu_compile.eligible(config, torch.device("cpu"), runner.model)
     monkeypatch.setenv("PAGEDSERVE_CPU_COMPILE", "off")
-    cpu_compile.compile_setting.cache_clear()
+    settings.forget()
     assert not cpu_compile.eligible(config, torch.device("cpu"), runner.model)
     monkeypatch.setenv("PAGEDSERVE_CPU_COMPILE", "yes")
-    cpu_compile.compile_setting.cache_clear()
+    settings.forget()
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_COMPILE='yes'"):
         cpu_compile.eligible(config, torch.device("cpu"), runner.model)
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from pagedserve import settings
 from pagedserve.benchmarks.kernels.bench_kernels import random_batch
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention.cpu import cpu_paged_attention
@@ -24,8 +25,22 @@ MIXED = ([9, 0, 30, 2, 0, 11], [1, 6, 1, 1, 3, 20])
 @pytest.fixture
 def fresh_kernel(monkeypatch):
     """`_kernel` looked up again under the test's environment, and again after it."""
+
+    class Env:
+        """monkeypatch's setenv/delenv, with the settings read again after each change."""
+
+        def setenv(self, name: str, value: str) -> None:
+            monkeypatch.setenv(name, value)
+            settings.forget()
+
+        def delenv(self, name: str) -> None:
+            monkeypatch.delenv(name)
+            settings.forget()
+
     cpu_native._kernel.cache_clear()
-    yield monkeypatch
+    yield Env()
+    monkeypatch.undo()
+    settings.forget()
     cpu_native._kernel.cache_clear()
 
 

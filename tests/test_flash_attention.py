@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve import settings
 from pagedserve.config import ModelConfig
-from pagedserve.kernels.attention import flash, registry, selection
+from pagedserve.kernels.attention import flash, selection
 from pagedserve.kernels.attention.dispatch import STEP_KINDS, per_step_kind, step_kind
 from pagedserve.kernels.attention.flash import flash_attn_importable
 from pagedserve.kernels.attention.metadata import build_attention_metadata
@@ -47,7 +48,7 @@ def test_step_kind_and_dispatch():
 
 def test_backend_names_refused_where_unusable(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
-    registry.forced_attention_backend.cache_clear()
+    settings.forget()
     assert selection.attention_backend_name("cpu") == "sdpa"
     with pytest.raises(ValueError, match="choose one of"):
         selection.attention_backend_name("cpu", "flash2")

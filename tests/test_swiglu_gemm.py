@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve import settings
 from pagedserve.kernels import backend, swiglu_gemm
 from pagedserve.kernels.activation import silu_and_mul_ref
 from pagedserve.kernels.swiglu_gemm import SWIGLU_GEMM_MIN_ROWS, swiglu_gemm_applies, swiglu_linear
@@ -22,14 +23,14 @@ needs_quack = pytest.mark.skipif(not HAS_QUACK_HOPPER, reason="needs an SM 9.x G
 
 def _without_fusions(monkeypatch, names: str) -> None:
     monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", names)
-    backend.disabled_fusions.cache_clear()
+    settings.forget()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_fusion_setting():
-    backend.disabled_fusions.cache_clear()
+    settings.forget()
     yield
-    backend.disabled_fusions.cache_clear()
+    settings.forget()
 
 
 def test_cpu_keeps_the_two_kernel_path():

@@ -17,6 +17,7 @@ from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 
 pytestmark = needs_triton
 
+from pagedserve import settings  # noqa: E402
 from pagedserve.kernels import backend  # noqa: E402
 from pagedserve.kernels.activation import silu_and_mul_ref  # noqa: E402
 from pagedserve.kernels.attention.reference import write_kv_cache_ref  # noqa: E402
@@ -231,19 +232,19 @@ def test_decoder_through_fused_kernels(monkeypatch):
 
 def test_fusion_switches(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "gemv, rope-cache")
-    backend.disabled_fusions.cache_clear()
+    settings.forget()
     try:
         assert not backend.fusion_enabled("gemv") and backend.fusion_enabled("graph-head")
         monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "all")
-        backend.disabled_fusions.cache_clear()
+        settings.forget()
         assert not any(backend.fusion_enabled(name) for name in backend.FUSIONS)
         monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "gemv,rotary")
-        backend.disabled_fusions.cache_clear()
+        settings.forget()
         with pytest.raises(ValueError, match="rotary"):
             backend.fusion_enabled("gemv")
     finally:
         monkeypatch.delenv("PAGEDSERVE_DISABLE_FUSIONS")
-        backend.disabled_fusions.cache_clear()
+        settings.forget()
 
 
 # GPU: Llama-3-8B shapes, bf16.

@@ -20,6 +20,7 @@ from triton_env import HAS_CUDA, HAS_TRITON, needs_triton, tiny
 pytestmark = needs_triton
 
 if HAS_TRITON:
+    from pagedserve import settings
     from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
     from pagedserve.kernels import fp8, triton_fp8
     from pagedserve.kernels.attention.reference import paged_attention_ref, write_kv_cache_ref
@@ -304,7 +305,7 @@ def test_gpu_model_with_quantizing_norms_is_unchanged(tmp_path, monkeypatch):
     layers quantized rows above SMALL_M tokens (counted), and the logits are bit-equal to the
     model with that fusion off."""
     from pagedserve.config import ModelConfig
-    from pagedserve.kernels import backend, triton_norm
+    from pagedserve.kernels import triton_norm
     from pagedserve.kernels.attention.metadata import build_attention_metadata
     from pagedserve.tests.tiny_models import tiny_model_dir
     from pagedserve.worker.models import build_model
@@ -319,7 +320,7 @@ def test_gpu_model_with_quantizing_norms_is_unchanged(tmp_path, monkeypatch):
 
     def logits(fusions_off: str) -> torch.Tensor:
         monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", fusions_off)
-        backend.disabled_fusions.cache_clear()
+        settings.forget()
         tokens = torch.randint(3, 100, (40,), device="cuda")
         meta, positions = build_attention_metadata([0], [40], [list(range(5))], 8, device="cuda")
         shape = (5, 2, 8, model.num_kv_heads_per_rank, model.head_dim)
@@ -332,4 +333,4 @@ def test_gpu_model_with_quantizing_norms_is_unchanged(tmp_path, monkeypatch):
     assert sum(calls) == 2 * layers, calls
     torch.manual_seed(0)
     assert torch.equal(fused, logits("norm-quant"))
-    backend.disabled_fusions.cache_clear()
+    settings.forget()

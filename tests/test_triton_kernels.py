@@ -21,9 +21,9 @@ if not HAS_TRITON and sys.platform == "linux":  # the test extra has it there: n
 pytestmark = needs_triton
 
 if HAS_TRITON:
+    from pagedserve import settings
     from pagedserve.benchmarks.kernels.bench_kernels import random_batch, relative_error
     from pagedserve.kernels.activation import silu_and_mul_ref
-    from pagedserve.kernels.attention import registry
     from pagedserve.kernels.attention.reference import paged_attention_ref, write_kv_cache_ref
     from pagedserve.kernels.attention.selection import select_backend
     from pagedserve.kernels.attention.triton import choose_num_splits, triton_paged_attention
@@ -202,15 +202,15 @@ def test_backend_choice(monkeypatch):
 
     assert select_backend(torch.device("cpu")) is cpu_paged_attention
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    registry.forced_attention_backend.cache_clear()
+    settings.forget()
     assert select_backend(torch.device("cpu")) is paged_attention_ref
     for value, error in (("flash2", "not one of"), ("triton", "CUDA device")):
         monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", value)
-        registry.forced_attention_backend.cache_clear()
+        settings.forget()
         with pytest.raises(ValueError, match=error):
             select_backend(torch.device("cpu"))
     monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND")
-    registry.forced_attention_backend.cache_clear()
+    settings.forget()
     if HAS_CUDA:  # every step kind on Triton (eager mixed steps split into decode + prompt)
         chosen = select_backend(torch.device("cuda"))
         assert set(chosen.backends.values()) == {triton_paged_attention}

@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 import pagedserve
+from pagedserve import settings
 from pagedserve.config import MOE_MODEL_TYPES, EngineConfig
-from pagedserve.disk_cache import cache_root
 from pagedserve.ipc.process import Child, die_with_parent, spawn
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.worker.layers.attention import Attention
@@ -129,12 +129,8 @@ def eligible(config: EngineConfig, device: torch.device, model: nn.Module) -> bo
     )
 
 
-@functools.cache
 def compile_setting() -> str:
-    setting = os.environ.get("PAGEDSERVE_CPU_COMPILE", "auto")
-    if setting not in ("auto", "off"):
-        raise ValueError(f"PAGEDSERVE_CPU_COMPILE={setting!r} is not one of auto, off")
-    return setting
+    return settings.current().cpu_compile
 
 
 @functools.cache
@@ -160,7 +156,7 @@ def _cache_path(kind: str, **key: object) -> str:
         "sources": _sources_digest(),
     }
     digest = hashlib.sha256(json.dumps(code | key, sort_keys=True).encode()).hexdigest()
-    return os.path.join(cache_root(), "cpu_compiled", f"{kind}-{digest[:24]}.pt2")
+    return os.path.join(settings.current().cache_dir, "cpu_compiled", f"{kind}-{digest[:24]}.pt2")
 
 
 def build_package(config: EngineConfig) -> None:
@@ -266,7 +262,9 @@ def main() -> None:
     die_with_parent(args.parent_pid)
     os.nice(10)  # serving comes first
     torch.set_num_threads(1)
-    build_package(EngineConfig.from_json(args.config))
+    config = EngineConfig.from_json(args.config)
+    settings.activate(config.settings)
+    build_package(config)
 
 
 if __name__ == "__main__":

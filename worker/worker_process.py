@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -19,6 +18,7 @@ import traceback
 
 import zmq
 
+from pagedserve import settings
 from pagedserve.config import EngineConfig
 from pagedserve.ipc.curve import load_key
 from pagedserve.ipc.messages import (
@@ -93,7 +93,7 @@ def run_loop(
     lookahead = info.pp_size == 1 and device.type == "cuda"
     freeze_startup_heap()
     pending = None
-    trace = _open_trace(rank)
+    trace = _open_trace(config, rank)
     try:
         while True:
             if runner.grammars.pending:
@@ -126,7 +126,7 @@ def run_loop(
                 )
             elif isinstance(msg, CompileGrammar):
                 if info.is_last_stage:  # only the sampling ranks need grammars
-                    runner.grammars.submit(msg.key, msg.spec)
+                    runner.grammars.submit(msg.key, msg.spec, msg.drop_keys)
             elif isinstance(msg, ShutdownWorkers):
                 _memory_report(runner, rank)
                 return
@@ -139,7 +139,7 @@ def run_loop(
 def _memory_report(runner, rank: int) -> None:
     """PAGEDSERVE_MEMORY_REPORT=FILE (GPU): this rank's profiled peak (weights + the worst
     step) plus its KV cache, against the real peak since the profile, as JSON in FILE.rank."""
-    path = os.environ.get("PAGEDSERVE_MEMORY_REPORT")
+    path = runner.config.settings.memory_report
     if not path or runner.device.type != "cuda" or runner.profiled_peak is None:
         return
     import json
@@ -169,9 +169,9 @@ class PhaseClock:
         self._last = now
 
 
-def _open_trace(rank: int) -> StepTrace | None:
+def _open_trace(config: EngineConfig, rank: int) -> StepTrace | None:
     """PAGEDSERVE_STEP_TRACE=FILE (see core/engine_core.py): this rank's times per step."""
-    path = os.environ.get("PAGEDSERVE_STEP_TRACE")
+    path = config.settings.step_trace
     return StepTrace(f"{path}.worker{rank}") if path else None
 
 
@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
     try:
         addresses = CoreAddresses(args.plans, args.results)
-        serve(EngineConfig.from_json(args.config), args.rank, addresses, args.dist_port)
+        config = EngineConfig.from_json(args.config)
+        settings.activate(config.settings)
+        serve(config, args.rank, addresses, args.dist_port)
     except Exception:
         traceback.print_exc()
         return 1

@@ -1,30 +1,26 @@
 """Which attention kernel a step runs on CUDA, by step kind.
 
 Step kinds, from host values only: `decode` (every row adds one token), `prefill` (every row adds
-several) and `mixed`. `--attention-backend auto` may run a different backend per kind
-(measured, kernels/attention/selection.py); either way an eager mixed step of at least
-`SPLIT_MIN_TOKENS` tokens runs as two calls, its decode rows as a decode batch and its prompt rows
-as a prefill batch. A kernel
-tiles query rows 128 at a time for prompts; a decode row alone in such a tile fills 4 of its 128
-rows (Llama-3's 4 query heads per KV head) yet streams its whole context: in W5 (23 decodes at 16k
-context beside an 8192-token prompt chunk) that is 12-38% more attention work than the chunk's.
-As a decode batch the same rows get 16-row tiles and key splits. The row subsets are built once per
-step (`meta.scratch`) and shared by every layer; a mixed-step CUDA graph has no host row layout
-and runs the `mixed` backend on the whole batch.
+several) and `mixed`. `--attention-backend auto` may run a different backend per kind (measured,
+kernels/attention/selection.py); either way an eager mixed step of at least `mixed_split_tokens`
+(settings.py) tokens runs as two calls, its decode rows as a decode batch and its prompt rows as a
+prefill batch. A kernel tiles query rows 128 at a time for prompts; a decode row alone in such a
+tile fills 4 of its 128 rows (Llama-3's 4 query heads per KV head) yet streams its whole context: in
+W5 (23 decodes at 16k context beside an 8192-token prompt chunk) that is 12-38% more attention work
+than the chunk's. As a decode batch the same rows get 16-row tiles and key splits. The row subsets
+are built once per step (`meta.scratch`) and shared by every layer; a mixed-step CUDA graph has no
+host row layout and runs the `mixed` backend on the whole batch.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from pagedserve import settings
 from pagedserve.kernels.attention.interface import PagedAttention
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 
-# Below this a second launch and the gathers cost more than they save; 0 turns the split off.
-SPLIT_MIN_TOKENS = int(os.environ.get("PAGEDSERVE_MIXED_SPLIT_TOKENS", "1024"))
 STEP_KINDS = ("prefill", "decode", "mixed")
 
 
@@ -93,10 +89,14 @@ def split_rows(meta: AttentionMetadata, min_tokens: int) -> list | None:
 
 
 def per_step_kind(
-    backends: dict[str, PagedAttention], min_split_tokens: int = SPLIT_MIN_TOKENS
+    backends: dict[str, PagedAttention], min_split_tokens: int | None = None
 ) -> PagedAttention:
     """One backend that runs `backends[step_kind(meta)]`, an eager mixed step as its decode and
-    prompt parts (a graph keeps the calls it captured)."""
+    prompt parts (a graph keeps the calls it captured). Below `min_split_tokens` (settings:
+    `PAGEDSERVE_MIXED_SPLIT_TOKENS`, 1024) a second launch and the gathers cost more than they
+    save; 0 turns the split off."""
+    if min_split_tokens is None:
+        min_split_tokens = settings.current().mixed_split_tokens
 
     def attend(query, kv_cache, meta, scale, sliding_window=None, *args, **kwargs):
         kind = step_kind(meta)

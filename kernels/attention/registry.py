@@ -14,12 +14,11 @@ and the core, which validate the config, never import torch.
 
 from __future__ import annotations
 
-import functools
 import importlib
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve import settings
 from pagedserve.kernels.attention.interface import BackendCaps
 
 if TYPE_CHECKING:
@@ -126,11 +125,6 @@ def backend_caps(name: str) -> tuple[BackendCaps, ...]:
     return tuple(get_backend(n).caps for n in names)
 
 
-@functools.cache
 def forced_attention_backend() -> str | None:
-    name = os.environ.get("PAGEDSERVE_ATTENTION_BACKEND") or None
-    if name is not None and name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"PAGEDSERVE_ATTENTION_BACKEND={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
-        )
-    return name
+    """The backend `PAGEDSERVE_ATTENTION_BACKEND` forces (settings.py), or None."""
+    return settings.current().attention_backend
