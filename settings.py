@@ -146,10 +146,10 @@ _active: Settings | None = None
 
 
 def activate(settings: Settings) -> None:
-    """Install the config's settings in this process; a process main calls it once at start-up,
-    before anything reads `current()` (an engine process never reads the environment itself)."""
+    """Install the config's settings in this process: a process main calls it once at start-up,
+    right after decoding its config (which may already have looked up the cache directory in
+    the same environment). From then on the config's settings are the process's."""
     global _active
-    assert _active is None or _active == settings, "settings installed twice, differently"
     _active = settings
 
 
