@@ -29,6 +29,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.admission import ModelLimits, check_request
 from pagedserve.core.grammar_gate import GrammarGate
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.stats_log import StatsLog
 from pagedserve.errors import EngineDeadError, StepTimeoutError
 from pagedserve.ipc.messages import (
     AbortRequests,
@@ -67,7 +68,14 @@ class Transport(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, transport: Transport, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        transport: Transport,
+        num_blocks: int,
+        log_stats_interval: float | None = None,
+    ) -> None:
+        """`log_stats_interval`: seconds between stats lines in the log (None: none)."""
         self.transport = transport
         # One plan per pipeline stage keeps every stage busy. With one stage, async scheduling
         # keeps a second plan queued behind the running one: the workers start it the moment the
@@ -97,6 +105,8 @@ class EngineCore:
         self.running = True
         self._last_stats = 0.0
         self._last_liveness = 0.0
+        now = time.monotonic()
+        self.stats_log = None if log_stats_interval is None else StatsLog(log_stats_interval, now)
         # PAGEDSERVE_STEP_TRACE=FILE: one line per step (sent, result in, result handled,
         # requests, tokens), to see where a benchmark's time goes; off by default. Line-buffered:
         # a process stopped by a signal keeps every line.
@@ -166,6 +176,8 @@ class EngineCore:
     def _add_request(self, msg: AddRequest) -> RequestDelta | None:
         """The answer to an AddRequest: admitted (no tokens yet), rejected or invalid; None for
         a request that waits for its grammar (answered once every sampling rank holds it)."""
+        if self.stats_log is not None:
+            self.stats_log.num_arrived += 1
         try:
             check_request(msg, self.limits)
         except ValueError as e:
@@ -284,6 +296,8 @@ class EngineCore:
         by_client: dict[int, list[RequestDelta]] = defaultdict(list)
         for client_index, delta in deltas:
             by_client[client_index].append(delta)
+        if self.stats_log is not None:
+            self.stats_log.count(deltas)
         stats = self.scheduler.get_stats()
         for client_index, outputs in by_client.items():
             self.transport.send_outputs(client_index, EngineOutputs(outputs, stats))
@@ -296,6 +310,9 @@ class EngineCore:
             return
         self._last_stats = time.monotonic()
         stats = self.scheduler.get_stats()
+        if self.stats_log is not None:
+            computed = self.scheduler.num_prompt_tokens_computed
+            self.stats_log.maybe_log(self._last_stats, stats, computed)
         for client_index in self.transport.client_indices():
             if client_index not in skip:
                 self.transport.send_outputs(client_index, EngineOutputs([], stats))

@@ -3,6 +3,9 @@
 A full block is identified by a chained hash: blake2b(parent hash + its token ids). Chaining makes
 a block's hash name its whole prefix, so equal hashes mean equal KV (not just equal local tokens).
 blake2b, not Python's `hash()`: stable across processes and runs, and collisions are negligible.
+A request's `cache_salt` (SamplingParams) is the parent of its first block (`root_hash`), so the
+salt is in every hash of its chain: requests share blocks only with requests of the same salt, and
+a client cannot learn from cache hits (`cached_tokens`, timing) what another salt's prompts hold.
 
 Invariant: `req.blocks[:req.num_hashed_blocks]` are exactly the request's blocks that are full of
 known tokens once every planned token is computed, and each is registered (or a duplicate of a
@@ -39,11 +42,19 @@ from array import array
 from pagedserve.core.block_pool import SKIPPED_BLOCK, BlockPool, KVBlock
 from pagedserve.core.request import Request
 
-ROOT_HASH = b""  # parent of a sequence's first block
+ROOT_HASH = b""  # parent of an unsalted sequence's first block
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: the salt's own hash (its own domain, `person`, so
+    it equals no block's hash), or ROOT_HASH without a salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -90,12 +101,12 @@ class KVCacheManager:
 
     def block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the first `num_blocks` full blocks, extended lazily and kept on
-        the request (they depend on its tokens only, so they survive preemption)."""
+        the request (they depend on its tokens and salt only, so they survive preemption)."""
         hashes, bs, tokens = req.block_hashes, self.block_size, req.all_token_ids
         assert num_blocks * bs <= len(tokens)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(req.sampling.cache_salt)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 

@@ -18,7 +18,9 @@ listed once in `finished_ids`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
+from itertools import repeat
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.admission import check_result
@@ -88,12 +90,17 @@ class Scheduler:
         self.running: list[Request] = []  # policy order: the tail is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # cumulative; prefix-cache hits are not computed
         self._finished_ids: list[str] = []  # left the workers' batch since the last plan
         # Per plan in flight: (request, its num_preemptions when planned), aligned with
         # scheduled_ids, so a result for a request that has since left is dropped.
         self._inflight: dict[int, list[tuple[Request, int]]] = {}
         self._next_step_id = 0
         self._next_seq = 0
+        # Grammar key -> unfinished requests under it (waiting, running or preempted): the
+        # workers must hold these compiled until the last one ends (core/grammar_gate.py).
+        self.grammar_users: Counter[str] = Counter()
+        self._grammar_of: dict[str, str] = {}  # req_id -> grammar key, constrained requests
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -110,25 +117,37 @@ class Scheduler:
         self._next_seq += 1
         self.requests[req.req_id] = req
         self.policy.push(req)
+        spec = msg.sampling.structured_outputs
+        if spec is not None:
+            key = self._grammar_of[req.req_id] = spec.key
+            self.grammar_users[key] += 1
+
+    def _drop_grammar_user(self, req_id: str) -> None:
+        key = self._grammar_of.pop(req_id, None)
+        if key is not None:
+            self.grammar_users[key] -= 1
+            if not self.grammar_users[key]:
+                del self.grammar_users[key]
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[tuple[int, RequestDelta]]:
-        """Drop unfinished requests (unknown ids are ignored: they may have just finished)."""
-        out = []
-        for req_id in req_ids:
-            req = self.requests.pop(req_id, None)
-            if req is None:
-                continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.policy.remove(req)
+        """Drop unfinished requests (unknown ids are ignored: they may have just finished), in
+        one pass over `running` and a lazy removal from the waiting queue (core/policy.py)."""
+        aborted = [r for r in map(self.requests.pop, req_ids, repeat(None)) if r is not None]
+        if not aborted:
+            return []
+        gone = {id(r) for r in aborted if r.status == RequestStatus.RUNNING}
+        if gone:
+            self.running = [r for r in self.running if id(r) not in gone]
+        self.policy.remove(r for r in aborted if id(r) not in gone)
+        for req in aborted:
             self._release(req, RequestStatus.FINISHED_ABORTED)
-            out.append((req.client_index, request_delta(req, [], None)))
-        return out
+        return [(req.client_index, request_delta(req, [], None)) for req in aborted]
 
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Free the blocks of a request that left `running`; the workers hear it next plan."""
         req.status = status
+        if self._grammar_of and status != RequestStatus.PREEMPTED:
+            self._drop_grammar_user(req.req_id)
         self.kv.free(req)
         if req.in_batch:
             self._finished_ids.append(req.req_id)
@@ -236,6 +255,8 @@ class Scheduler:
                 req.in_batch = True
             req.num_tokens_sent = req.num_tokens
             req.num_blocks_sent = req.num_blocks
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(num_new, prompt_left))
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
                 req.num_placeholders += 1  # every known token is computed: this step samples
@@ -333,10 +354,11 @@ class Scheduler:
             num_unfinished=len(self.requests),
         )
 
-    def is_full(self) -> bool:
-        """The waiting queue is at `max_waiting`: a new request would be refused."""
+    def is_full(self, num_held: int = 0) -> bool:
+        """The waiting queue, with `num_held` requests waiting outside it (for their grammar), is
+        at `max_waiting`: a new request would be refused."""
         limit = self.config.max_waiting
-        return limit is not None and self.num_waiting >= limit
+        return limit is not None and self.num_waiting + num_held >= limit
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

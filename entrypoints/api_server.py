@@ -72,7 +72,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S)
     ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    ap.add_argument("--log-requests", action="store_true")
+    ap.add_argument("--log-requests", action="store_true", help="a line per request")
+    ap.add_argument("--log-prompts", action="store_true", help="with its prompt text")
     ap.add_argument("--uvicorn-log-level", default="info")
     ap.add_argument("--chat-template", help="the template itself (the launcher read the file)")
     ap.add_argument("--trust-request-chat-template", action="store_true")
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         drain=drain,
         max_request_bytes=args.max_request_bytes,
         log_requests=args.log_requests,
+        log_prompts=args.log_prompts,
         allowed_origins=args.allowed_origins,
         chat_options=ChatOptions(
             args.enable_auto_tool_choice,

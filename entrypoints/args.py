@@ -148,10 +148,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="let requests bring their own chat_template (rendered under a time limit)")  # fmt: skip
     a("--log-level", default="info", choices=LOG_LEVELS)
     a("--uvicorn-log-level", choices=[*LOG_LEVELS, "trace"], help="default: --log-level")
-    a("--log-requests", "--enable-log-requests", dest="log_requests", action="store_true",
-      help="log each request's prompt (off: no prompt text)")  # fmt: skip
     a("--disable-log-requests", dest="log_requests", action="store_false",
-      help="no prompt text in the log (the default)")  # fmt: skip
+      help="no log line per request (default: method, path, status, tokens, latency)")  # fmt: skip
+    a("--log-prompts", "--log-requests", "--enable-log-requests", dest="log_prompts",
+      action="store_true", help="put each request's prompt text in its log line")  # fmt: skip
+    a("--log-stats-interval", type=_positive_float, default=10.0,
+      help="seconds between the engine's stats lines (throughput, queues, KV cache)")  # fmt: skip
+    a("--disable-log-stats", action="store_true", help="no engine stats lines")
     a("--allowed-origins", type=_str_list, help="CORS: origins browsers may call from, as a JSON "
       "list or comma-separated ('*': any); default: no CORS headers")  # fmt: skip
     a("--ssl-keyfile", help="serve HTTPS with this key (and --ssl-certfile)")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pagedserve
-from pagedserve.entrypoints.args import add_launch_args, engine_kwargs, parse_size
+from pagedserve.entrypoints.args import add_launch_args, engine_kwargs, guard_argv, parse_size
 from pagedserve.frontend.hub import DEFAULT_MODEL_NAME, default_model_dir
 
 if TYPE_CHECKING:
@@ -59,12 +59,14 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(
         args.host, args.port, args.api_servers, args.api_key, args.log_level,
         drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
-        log_requests=args.log_requests, chat_template=template,
+        log_requests=args.log_requests, log_prompts=args.log_prompts,
+        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+        chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
         uvicorn_log_level=args.uvicorn_log_level or args.log_level,
         allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, root_path=args.root_path,
-        api_server_args=_chat_args(args),
+        api_server_args=(*_chat_args(args), *guard_argv(args)),
     )  # fmt: skip
 
 
@@ -83,13 +85,29 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     try:
         config = engine_config(args)
         opts = launch_options(args)
+        if config.parallel.nnodes > 1:  # every node needs the key: say so before starting any
+            from pagedserve.ipc.curve import load_key
+
+            load_key()
     except (ValueError, TypeError, OSError) as e:
         fail(str(e))
     if config.parallel.node_rank > 0:
         from pagedserve.entrypoints.launcher import run_worker_node
 
         return run_worker_node(config)
+    if args.enable_auto_tool_choice:
+        _warn_if_tools_unseen(config, opts.chat_template)
     return Launcher(config, opts).run()
+
+
+def _warn_if_tools_unseen(config: EngineConfig, chat_template: str | None) -> None:
+    """One line on stderr when the chat template never shows the model its tools."""
+    from pagedserve.frontend.chat_template import model_chat_template, tools_unseen_warning
+
+    template = chat_template or model_chat_template(config.model.tokenizer_path)
+    warning = tools_unseen_warning(template)
+    if warning is not None:
+        print(f"pagedserve: {warning}", file=sys.stderr, flush=True)
 
 
 def serve(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:

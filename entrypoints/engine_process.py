@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ipc-dir", required=True)
     ap.add_argument("--parent-pid", type=int)
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--log-stats-interval", type=float, help="seconds (default: no stats lines)")
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         transport.start_workers(args.config)
         num_blocks = transport.init_cache()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
-        core = EngineCore(config, transport, num_blocks)
+        core = EngineCore(config, transport, num_blocks, args.log_stats_interval)
         freeze_startup_heap()
         core.run()
     except Exception as e:

@@ -5,7 +5,8 @@ so the kernel spreads connections over the servers without a proxy. It then only
 - start-up: servers report "engine I" / "server I" on a pipe; the launcher prints phase times;
 - run: if any child dies, print which one and how (`Child.death_message`, plus the EngineCore's
   own reason: which worker died or which step hung), then stop the rest: API servers get SIGINT
-  (abort running requests with an error, /health 503, exit), then the EngineCore; exit 1;
+  (abort running requests with an error, /health 503, exit; SIGTERM to one still starting, where
+  SIGINT would print a KeyboardInterrupt traceback), then the EngineCore; exit 1;
 - SIGINT / SIGTERM: drain. API servers get SIGTERM: they answer 503 to new requests and /health,
   let running requests and streams finish for up to `--drain-timeout` s (then abort them with an
   error event), and exit; then the EngineCore stops; exit 0. A second signal aborts at once.
@@ -49,7 +50,9 @@ class LaunchOptions:
     log_level: str = "info"
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 << 20
-    log_requests: bool = False
+    log_requests: bool = True  # one line per HTTP request (--disable-log-requests: none)
+    log_prompts: bool = False  # the prompt text in that line (--log-prompts)
+    log_stats_interval: float | None = 10.0  # the EngineCore's stats line (None: none)
     chat_template: str | None = None  # the template's text (--chat-template, loaded)
     trust_request_chat_template: bool = False
     uvicorn_log_level: str = "info"
@@ -70,6 +73,8 @@ class LaunchOptions:
         ]  # fmt: skip
         if self.log_requests:
             argv.append("--log-requests")
+        if self.log_prompts:
+            argv.append("--log-prompts")
         if self.trust_request_chat_template:
             argv.append("--trust-request-chat-template")
         if self.chat_template is not None:
@@ -126,6 +131,7 @@ class Launcher:
         self.stop_signal: int | None = None
         self.num_signals = 0
         self.directory = ""
+        self.servers_ready: set[int] = set()  # indices of API servers that said "server I"
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stop_signal = signum
@@ -174,7 +180,10 @@ class Launcher:
         defaults = describe_defaults(mc)
         if defaults is not None:
             say(defaults)
-        core = start_engine_core(self.config, directory, self.opts.log_level.upper())
+        opts = self.opts
+        core = start_engine_core(
+            self.config, directory, opts.log_level.upper(), opts.log_stats_interval
+        )
         self.children.append(core)
         config_json = self.config.to_json()
         for i in range(self.opts.api_servers):
@@ -185,7 +194,6 @@ class Launcher:
 
     def _watch(self, t0: float, sock: socket.socket, ready_r: int) -> int:
         engine_ready = False
-        servers_ready: set[int] = set()
         pending = b""
         pipe_open = True
         while self.stop_signal is None:
@@ -212,8 +220,8 @@ class Launcher:
                     engine_ready = True
                     say(f"engine ready in {time.monotonic() - t0:.1f} s")
                 elif what == "server":
-                    servers_ready.add(int(index))
-                    if len(servers_ready) == self.opts.api_servers:
+                    self.servers_ready.add(int(index))
+                    if len(self.servers_ready) == self.opts.api_servers:
                         self._say_listening(t0, sock)
         say(f"{signal.Signals(self.stop_signal).name} received; shutting down")
         return 0
@@ -244,27 +252,32 @@ class Launcher:
             say(f"draining: running requests may finish for up to {self.opts.drain_timeout:g} s")
             self._wait_servers(servers, signal.SIGTERM, self.opts.drain_timeout + ABORT_GRACE_S)
         else:
-            self._wait_servers(servers, signal.SIGINT, ABORT_GRACE_S)
+            self._wait_servers(servers, None, ABORT_GRACE_S)
         stop_all(servers, timeout=0)  # whatever is left: SIGTERM, then SIGKILL
         stop_all([c for c in self.children if c not in servers], timeout=10)
         say("stopped")
 
-    def _wait_servers(self, servers: list[Child], sig: int, timeout: float) -> None:
-        """Signal the servers and wait for them to exit; a further signal to the launcher turns a
-        drain into an abort (SIGINT)."""
-        for child in servers:
-            if child.proc.poll() is None:
-                child.proc.send_signal(sig)
+    def _wait_servers(self, servers: list[Child], sig: int | None, timeout: float) -> None:
+        """Signal the servers (`sig`, or None: abort) and wait for them to exit; a further
+        signal to the launcher turns a drain into an abort."""
+        self._signal_servers(servers, sig)
         seen = self.num_signals
         deadline = time.monotonic() + timeout
         while any(c.proc.poll() is None for c in servers) and time.monotonic() < deadline:
             if self.num_signals != seen:
                 seen = self.num_signals
                 say("signal received again; aborting running requests")
-                for child in servers:
-                    if child.proc.poll() is None:
-                        child.proc.send_signal(signal.SIGINT)
+                self._signal_servers(servers, None)
             time.sleep(0.05)
+
+    def _signal_servers(self, servers: list[Child], sig: int | None) -> None:
+        """`sig` to each live server; None aborts: SIGINT to a serving one (it ends its requests
+        with an error), SIGTERM to one still starting, which has no requests, and which SIGINT
+        would stop with a KeyboardInterrupt traceback from wherever its imports are."""
+        for index, child in enumerate(servers):
+            if child.proc.poll() is None:
+                abort = signal.SIGINT if index in self.servers_ready else signal.SIGTERM
+                child.proc.send_signal(abort if sig is None else sig)
 
 
 def run_worker_node(config: EngineConfig) -> int:

@@ -1,8 +1,10 @@
 """`AsyncEngine`: the asyncio client an API server uses to stream requests through EngineCore.
 
 The output socket's IO thread hands each EngineOutputs to the event loop (call_soon_threadsafe);
-there it is detokenized and fanned out to one asyncio.Queue per request. Leaving `generate` early
-(client disconnect, cancellation) aborts the request in the core, which frees its KV blocks.
+there it is detokenized and each request it touched is marked ready for its reader (`Collector`:
+one pending output per request, never a queue of them, so a reader that falls behind costs
+nothing per step). Leaving `generate` early (client disconnect, cancellation) aborts the request in
+the core, which frees its KV blocks.
 
 The core answers each request at once: admitted (an output with no tokens, the first item
 `generate` yields), rejected because its waiting queue is full (`generate` raises
@@ -22,9 +24,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.errors import EngineDeadError, EngineOverloadedError, RequestRefusedError
 from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_ids
-from pagedserve.frontend.output_processor import OutputProcessor
+from pagedserve.frontend.output_processor import OutputProcessor, ParentRequest
 from pagedserve.frontend.outputs import RequestOutput
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from pagedserve.ipc.messages import (
     AbortRequests,
     CoreToClient,
@@ -36,6 +38,44 @@ from pagedserve.ipc.messages import (
 )
 
 LIVENESS_INTERVAL_S = 1.0
+
+
+class Collector:
+    """One request's hand-off from the engine to its reader: at most one pending output, however
+    far behind the reader is (vLLM's RequestOutputCollector merges deltas the same way). Outputs
+    are cumulative, so a pending one is not stored but built when the reader takes it: while a
+    client reads nothing, each step only marks its request ready, and the memory a stalled stream
+    holds is its own output, once."""
+
+    def __init__(self, parent: ParentRequest) -> None:
+        self.parent = parent
+        self.error: Exception | None = None
+        self._ready = asyncio.Event()
+
+    def notify(self) -> None:
+        self._ready.set()
+
+    def fail(self, error: Exception) -> None:
+        """End the request with `error` (one that finished already keeps its final output)."""
+        if not self.parent.finished:
+            self.error = error
+            self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The request's output as it stands, once something changed since the last call."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self.error is not None:
+            raise self.error
+        parent = self.parent
+        output = parent.make_output(streamable=True)
+        output.inter_token_latencies, parent.token_gaps = parent.token_gaps, []
+        output.metrics = {"arrival_time": parent.arrival_time}
+        if parent.first_token_time is not None:
+            output.metrics["first_token_time"] = parent.first_token_time
+        if parent.first_scheduled_time is not None:
+            output.metrics["first_scheduled_time"] = parent.first_scheduled_time
+        return output
 
 
 class AsyncEngine:
@@ -58,13 +98,14 @@ class AsyncEngine:
             self.client.close()
             raise
         self.eos_token_ids = stop_eos_ids(config.model, self.tokenizer)
+        # the most characters one token stands for (None: no safe bound): a prompt longer than
+        # max_model_len of them is refused before it is tokenized
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.default_sampling = sampling_defaults(config.model)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.stats = SchedulerStats()
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
-        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
-        # request id -> when the core first scheduled it (for the queue-time metric)
-        self._first_scheduled: dict[str, float] = {}
+        self._collectors: dict[str, Collector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._liveness: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -97,31 +138,19 @@ class AsyncEngine:
                 self.stats = msg.stats
                 for listener in self.stats_listeners:
                     listener(msg.stats)
-            self._note_first_scheduled(msg)
             touched, to_abort = self.processor.process(msg.outputs)
             if to_abort:
                 self.client.send(AbortRequests(to_abort))
             for parent in touched:
-                queue = self._queues.get(parent.request_id)
-                if queue is not None:
-                    output = parent.make_output(streamable=True)
-                    output.metrics = _metrics(parent)
-                    scheduled = self._first_scheduled.get(parent.request_id)
-                    if scheduled is not None:
-                        output.metrics["first_scheduled_time"] = scheduled
-                    queue.put_nowait(output)
-
-    def _note_first_scheduled(self, msg: EngineOutputs) -> None:
-        for delta in msg.outputs:
-            entry = self.processor.children.get(delta.req_id)
-            if entry is not None and delta.first_scheduled_time:
-                self._first_scheduled.setdefault(entry[0].request_id, delta.first_scheduled_time)
+                collector = self._collectors.get(parent.request_id)
+                if collector is not None:
+                    collector.notify()
 
     def _fail_all(self, error: Exception) -> None:
         """End every request with `error` (raised from its `generate`)."""
+        for collector in self._collectors.values():
+            collector.fail(error)
         self.processor.fail_all(str(error))
-        for queue in self._queues.values():
-            queue.put_nowait(error)
 
     def abort_all(self, error: Exception) -> None:
         """Abort every request in the core too (a drain that timed out)."""
@@ -133,7 +162,7 @@ class AsyncEngine:
     @property
     def num_tracked(self) -> int:
         """Requests this client holds state for (0 when idle: anything else is a leak)."""
-        return len(self._queues) + len(self.processor.parents) + len(self._first_scheduled)
+        return len(self._collectors) + len(self.processor.parents)
 
     def new_request_id(self) -> str:
         return f"{self.client.client_index}-{next(self._ids)}"
@@ -146,23 +175,24 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after each engine step that touched it."""
+        """Yield the request's cumulative output whenever engine steps touched it since the last
+        one (one output for many steps when the caller is slower than the engine)."""
         self.client.check_alive()
         request_id = request_id or self.new_request_id()
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         messages = self.processor.add(
             request_id, prompt, prompt_token_ids, sampling_params, priority,
             self.client.client_index,
         )  # fmt: skip
-        self._queues[request_id] = queue
+        collector = self._collectors[request_id] = Collector(self.processor.parents[request_id])
         finished = False
         try:
-            for msg in messages:
-                self.client.send(msg)
+            try:
+                for msg in messages:
+                    self.client.send(msg)
+            except (TypeError, ValueError) as e:  # encoded here, so nothing is dropped unanswered
+                raise RequestRefusedError(f"the request cannot be sent to the engine: {e}") from e
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
+                item = await collector.get()
                 finished = item.finished
                 if any(c.finish_reason == "rejected" for c in item.outputs):
                     # admitted siblings (n > 1) are aborted below
@@ -172,8 +202,7 @@ class AsyncEngine:
                     raise RequestRefusedError(refused[0])
                 yield item
         finally:
-            self._queues.pop(request_id, None)
-            self._first_scheduled.pop(request_id, None)
+            self._collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -189,10 +218,3 @@ class AsyncEngine:
         if self._liveness is not None:
             self._liveness.cancel()
         self.client.close()
-
-
-def _metrics(parent: Any) -> dict[str, float]:
-    metrics = {"arrival_time": parent.arrival_time}
-    if parent.first_token_time is not None:
-        metrics["first_token_time"] = parent.first_token_time
-    return metrics

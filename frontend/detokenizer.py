@@ -49,18 +49,68 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def find_stop_string(
-    text: str, new_len: int, stops: list[str], include: bool
-) -> tuple[str, int] | None:
-    """The earliest stop string that ends inside the last `new_len` characters of `text`, and
-    the length at which to cut the text (after the stop string when `include`)."""
-    best: tuple[str, int] | None = None
+# Stop strings a request may carry. vLLM sets no limit; these are far above what clients send
+# (OpenAI takes 4), yet bound the work per token: each new token scans at most MAX_STOP_STRINGS
+# windows of MAX_STOP_STRING_CHARS characters.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    """ValueError (with a message for the user) unless `stops` is a list of stop strings this
+    engine matches: not empty (vLLM refuses it too), within the limits, valid Unicode (a lone
+    surrogate cannot cross the ipc)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings (got {len(stops)}).")
     for stop in stops:
-        start = max(0, len(text) - new_len - len(stop) + 1)
-        at = text.find(stop, start)
-        if at != -1 and (best is None or at < best[1]):
-            best = (stop, at)
-    if best is None:
-        return None
-    stop, at = best
-    return stop, at + len(stop) if include else at
+        if not stop:
+            raise ValueError("stop cannot contain an empty string.")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"Each stop string may be at most {MAX_STOP_STRING_CHARS} characters long "
+                f"(got {len(stop)})."
+            )
+        check_unicode(stop, "stop")
+
+
+def check_unicode(text: str, name: str) -> None:
+    """ValueError if `text` holds a lone surrogate (valid JSON, "\\ud800", but not text: UTF-8,
+    msgpack and the tokenizer all refuse it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode text: it holds a lone surrogate "
+            f"({ascii(text[e.start])} at character {e.start})."
+        ) from None
+
+
+class StopStrings:
+    """A request's stop strings, matched incrementally: a stop string that was not in the text
+    before can only end inside the newly added text, so each check scans the new text and the
+    `len(stop) - 1` characters before it, and only for the stop strings whose last character is
+    in the new text."""
+
+    def __init__(self, stops: list[str], include: bool) -> None:
+        self.include = include
+        self.by_last: dict[str, list[tuple[int, str]]] = {}  # last character -> (index, stop)
+        for index, stop in enumerate(stops):
+            self.by_last.setdefault(stop[-1], []).append((index, stop))
+        # While unfinished, hold back text that could still turn out to be a stop string's start.
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def find(self, text: str, new_len: int) -> tuple[str, int] | None:
+        """The earliest stop string (the first listed among those that start at the same place)
+        that ends inside the last `new_len` characters of `text`, and the length at which to cut
+        the text (after the stop string when `include`)."""
+        best: tuple[int, int, str] | None = None  # (where, index, stop)
+        tail = len(text) - new_len
+        for char in set(text[tail:]):
+            for index, stop in self.by_last.get(char, ()):
+                at = text.find(stop, max(0, tail - len(stop) + 1))
+                if at != -1 and (best is None or (at, index) < best[:2]):
+                    best = (at, index, stop)
+        if best is None:
+            return None
+        at, _, stop = best
+        return stop, at + len(stop) if self.include else at

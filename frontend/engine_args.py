@@ -31,7 +31,7 @@ ENGINE_ARGS: dict[str, Any] = {
     # scheduler
     "max_num_seqs": None, "max_num_batched_tokens": None, "scheduling_policy": "fcfs",
     "max_waiting": None, "step_timeout": None, "async_scheduling": True,
-    "enable_chunked_prefill": None,
+    "enable_chunked_prefill": None, "max_grammar_compile_seconds": 10.0,
     # parallelism
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "device": "auto", "nnodes": 1,
     "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None, "pp_layer_partition": None,
@@ -87,6 +87,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             max_waiting=a["max_waiting"],
             step_timeout=a["step_timeout"] or 600.0,
             async_scheduling=a["async_scheduling"],
+            max_grammar_compile_seconds=a["max_grammar_compile_seconds"],
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=a["tensor_parallel_size"],

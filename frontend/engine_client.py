@@ -29,15 +29,22 @@ from pagedserve.ipc.sockets import Receiver, Sender, ipc_address, ipc_dir
 __all__ = ["EngineClient", "start_engine_core"]
 
 
-def start_engine_core(config: EngineConfig, directory: str, log_level: str = "WARNING") -> Child:
+def start_engine_core(
+    config: EngineConfig,
+    directory: str,
+    log_level: str = "WARNING",
+    log_stats_interval: float | None = None,
+) -> Child:
     """Spawn the EngineCore process (entrypoints/engine_process.py: by module name, so this
-    client never imports what it starts)."""
+    client never imports what it starts); it logs a stats line every `log_stats_interval` s."""
     args = [
         "--config", config.to_json(),
         "--input-address", ipc_address(directory, "input"),
         "--ipc-dir", directory,
         "--log-level", log_level,
     ]  # fmt: skip
+    if log_stats_interval is not None:
+        args += ["--log-stats-interval", str(log_stats_interval)]
     return spawn("pagedserve.entrypoints.engine_process", args, "EngineCore")
 
 

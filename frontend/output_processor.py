@@ -13,7 +13,11 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedserve.frontend.detokenizer import (
+    IncrementalDetokenizer,
+    StopStrings,
+    check_stop_strings,
+)
 from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.ipc.messages import AddRequest, RequestDelta, SamplingParams, TokenLogprobs
 
@@ -34,9 +38,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
-        stops = params.stop or []
-        # While unfinished, hold back text that could still turn out to be a stop string's start.
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stops = StopStrings(params.stop or [], params.include_stop_str_in_output)
 
     def process(self, delta: RequestDelta) -> bool:
         """Apply one delta. True when a stop string ended the request here (the core still runs
@@ -44,9 +46,13 @@ class RequestState:
         if self.finish_reason is not None:
             return False
         self.num_cached_tokens = delta.num_cached_tokens
+        # The EOS or stop token id that ended the request keeps its id but not its text (vLLM's
+        # rule), unless include_stop_str_in_output.
+        last = len(delta.new_token_ids) - 1
+        hide_last = delta.finish_reason == "stop" and not self.params.include_stop_str_in_output
         for i, token_id in enumerate(delta.new_token_ids):
             self.token_ids.append(token_id)
-            new_text = self.detok.add(token_id)
+            new_text = "" if hide_last and i == last else self.detok.add(token_id)
             if delta.new_logprobs is not None and self.logprobs is not None:
                 self._add_logprobs(delta.new_logprobs[i])
             if self._check_stop_strings(new_text):
@@ -63,9 +69,7 @@ class RequestState:
     def _check_stop_strings(self, new_text: str) -> bool:
         if not self.params.stop or not new_text:
             return False
-        hit = find_stop_string(
-            self.detok.text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
-        )
+        hit = self.stops.find(self.detok.text, len(new_text))
         if hit is None:
             return False
         stop, cut = hit
@@ -87,7 +91,7 @@ class RequestState:
     def streamable_text(self) -> str:
         if self.finish_reason is not None or not self.params.stop:
             return self.text
-        return self.text[: max(0, len(self.text) - self.hold)]
+        return self.text[: max(0, len(self.text) - self.stops.hold)]
 
     def to_output(self, streamable: bool = False) -> CompletionOutput:
         return CompletionOutput(
@@ -109,10 +113,21 @@ class ParentRequest:
     children: list[RequestState]
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when the core first scheduled a child
+    last_token_time: float = 0.0
+    token_gaps: list[float] = field(default_factory=list)  # since the last output was taken
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
+
+    def add_token_time(self, now: float) -> None:
+        """An engine step brought tokens (counted once per step, however many children)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif now != self.last_token_time:
+            self.token_gaps.append(now - self.last_token_time)
+        self.last_token_time = now
 
     def make_output(self, streamable: bool = False) -> RequestOutput:
         return RequestOutput(
@@ -147,6 +162,7 @@ class OutputProcessor:
     ) -> list[AddRequest]:
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already running")
+        check_stop_strings(params.stop or [])
         parent = ParentRequest(request_id, prompt, prompt_token_ids, [])
         messages = []
         for i in range(params.n):
@@ -182,8 +198,10 @@ class OutputProcessor:
             if entry is None:
                 continue  # finished on our side already (stop string) or aborted
             parent, state = entry
-            if parent.first_token_time is None and delta.new_token_ids:
-                parent.first_token_time = now
+            if delta.new_token_ids:
+                parent.add_token_time(now)
+            if parent.first_scheduled_time is None and delta.first_scheduled_time:
+                parent.first_scheduled_time = delta.first_scheduled_time
             if state.process(delta):
                 to_abort.append(delta.req_id)
             if state.finish_reason is not None:

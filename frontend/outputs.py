@@ -40,3 +40,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # seconds between the engine steps that brought tokens since the previous output (several
+    # when the reader fell behind: one output then stands for many steps)
+    inter_token_latencies: list[float] = field(default_factory=list)

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from pagedserve.frontend.chat_template import model_chat_template
+
 # Tokenizer classes whose behaviour is all in tokenizer.json (transformers adds nothing in Python).
 PLAIN_CLASSES = {None, "TokenizersBackend", "PreTrainedTokenizerFast"}
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -74,14 +76,7 @@ class FastTokenizer:
             return None
         from tokenizers import Tokenizer
 
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default")
-        jinja_file = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+        template = model_chat_template(path, config)
         return cls(Tokenizer.from_file(tokenizer_file), config, template)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
@@ -91,7 +86,12 @@ class FastTokenizer:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encode_batch([text], add_special_tokens)[0]
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`tokenizers` releases the GIL in encode_batch: a long text tokenized on another
+        thread leaves the event loop free."""
+        return [e.ids for e in self._tk.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -177,3 +177,102 @@ def render_chat(
 def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a prompt text. Rendered chat templates already hold BOS: pass False."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def encode_prompts(
+    tokenizer: Any, texts: list[str], add_special_tokens: bool = True
+) -> list[list[int]]:
+    """`encode_prompt` for several texts in one call (one that releases the GIL for a
+    FastTokenizer, and for transformers' fast tokenizers, which batch through `tokenizers`)."""
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.encode_batch(texts, add_special_tokens)
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [list(ids) for ids in encoded]
+
+
+# How a prompt's length in characters bounds its length in tokens, read from tokenizer.json.
+# Normalizers: the most input characters one output character can stand for (canonical
+# composition joins at most 4 code points into one); a normalizer that can delete characters
+# (Strip, StripAccents, BertNormalizer's clean-up, SentencePiece's Precompiled) is not listed.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1,
+                      "ByteLevel": 1}  # fmt: skip
+# Pre-tokenizers that keep every character (Whitespace, WhitespaceSplit, BertPreTokenizer and
+# CharDelimiterSplit drop some; Split and Punctuation do with the behavior "Removed").
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                           "UnicodeScripts"}  # fmt: skip
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of prompt text one token can stand for, or None where no safe bound
+    follows from tokenizer.json: a prompt of more than `max_model_len` times this many characters
+    cannot fit, whatever it holds, so it is refused without tokenizing it.
+
+    A bound holds when no character can be dropped or fused with others into an unknown token:
+    byte-level BPE (every character is bytes the vocabulary holds) or byte fallback, normalizers
+    that keep characters, no added token that absorbs the spaces beside it. The longest
+    vocabulary entry then bounds a token (in bytes for byte-level BPE, more than characters)."""
+    if not isinstance(tokenizer, FastTokenizer):
+        return None  # transformers may change the text in Python first
+    spec = json.loads(tokenizer._tk.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or spec.get("truncation") or not _keeps_characters(spec.get("pre_tokenizer")):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None
+    model = spec.get("model") or {}
+    vocab = tokenizer.get_vocab()
+    byte_level = _has_byte_level(spec.get("pre_tokenizer")) and all(c in vocab for c in _BYTE_CHARS)
+    byte_fallback = model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))
+    if model.get("type") not in ("BPE", "Unigram") or not (byte_level or byte_fallback):
+        return None
+    return shrink * max(len(token) for token in vocab)
+
+
+def _normalizer_shrink(spec: dict[str, Any] | None) -> int | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        total = 1
+        for part in spec.get("normalizers", []):
+            shrink = _normalizer_shrink(part)
+            if shrink is None:
+                return None
+            total *= shrink
+        return total
+    if kind == "Replace":  # a plain string replaced by a non-empty one
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content")
+        if not pattern or not content:
+            return None
+        return -(-len(pattern) // len(content))
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _pre_tokenizers(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if spec is None:
+        return []
+    if spec.get("type") == "Sequence":
+        return [p for part in spec.get("pretokenizers", []) for p in _pre_tokenizers(part)]
+    return [spec]
+
+
+def _keeps_characters(spec: dict[str, Any] | None) -> bool:
+    return all(
+        p.get("type") in _KEEPING_PRE_TOKENIZERS and p.get("behavior") != "Removed"
+        for p in _pre_tokenizers(spec)
+    )
+
+
+def _has_byte_level(spec: dict[str, Any] | None) -> bool:
+    return any(p.get("type") == "ByteLevel" for p in _pre_tokenizers(spec))
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-character table: the 256 characters byte-level BPE spells bytes with."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(extra)}
+    return [table[b] for b in range(256)]
+
+
+_BYTE_CHARS = _byte_chars()

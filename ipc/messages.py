@@ -15,6 +15,7 @@ import msgspec
 
 _HOT = dict(array_like=True, omit_defaults=True, gc=False)
 MAX_N = 128  # choices per request: each is an engine request, so this bounds one HTTP request
+MAX_CACHE_SALT = 1024  # characters: every choice's SamplingParams carries it to the core
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs); the core enforces it
 # Integers must fit msgpack (64 bits) and the workers' tensors; bounds keep a client's huge number
 # a 400 instead of an encoding error on an IO thread.
@@ -89,6 +90,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's request field: salts the prefix cache, so only requests with the same salt share KV
+    # blocks (the core hashes it into the first block's hash)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +124,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty must be > 0",
         )
+        _check(
+            self.cache_salt is None or valid_cache_salt(self.cache_salt),
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+        )
         if self.logit_bias:
             _check(all(_finite(v) for v in self.logit_bias.values()), "logit_bias must be finite")
         if self.stop_token_ids:
@@ -129,6 +137,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def valid_cache_salt(salt: object) -> bool:
+    """A non-empty string of at most MAX_CACHE_SALT characters that UTF-8 can encode (a lone
+    surrogate cannot cross ipc)."""
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+        return False
+    try:
+        salt.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _finite(x: float) -> bool:
@@ -273,11 +293,14 @@ class ShutdownWorkers(msgspec.Struct, tag=True, **_HOT):
 
 
 class CompileGrammar(msgspec.Struct, tag=True, **_HOT):
-    """Sampling ranks: compile this grammar off the step loop, answer with GrammarCompiled.
-    The core schedules no request of this grammar before every sampling rank has answered."""
+    """Sampling ranks: drop the grammars `drop_keys`, then compile this one off the step loop
+    and answer with GrammarCompiled. The core schedules no request of this grammar before every
+    sampling rank has answered, and decides alone which grammars the ranks hold
+    (core/grammar_gate.py): a rank never drops one by itself."""
 
     key: str
     spec: StructuredOutputs
+    drop_keys: list[str] = []
 
 
 CoreToWorker = StepPlan | InitCache | ShutdownWorkers | CompileGrammar

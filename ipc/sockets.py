@@ -2,10 +2,11 @@
 
 Most sockets are owned by one IO thread that feeds (or drains) a queue: ZeroMQ sockets are not
 thread-safe, and a busy loop must never block on a socket it does not need, so the main thread only
-touches `queue.Queue`s (`Receiver[T]` decodes into its queue, `Sender[T]` encodes and sends what its
-queue holds). The step path is the exception: the one socket a loop waits on (plans into a worker,
-results into the core) and the sends that start the next step are done on the caller's thread
-(`StepReceiver[T]`, `StepSender[T]`), because each thread hand-off costs a GIL switch per message.
+touches `queue.Queue`s (`Receiver[T]` decodes into its queue, `Sender[T]` sends the bytes its
+callers encoded, so a message that cannot be encoded raises where it was sent). The step path is
+the exception: the one socket a loop waits on (plans into a worker, results into the core) and the
+sends that start the next step are done on the caller's thread (`StepReceiver[T]`,
+`StepSender[T]`), because each thread hand-off costs a GIL switch per message.
 """
 
 from __future__ import annotations
@@ -196,7 +197,10 @@ class StepReceiver(Generic[T]):
 
 
 class Sender(Generic[T]):
-    """PUSH or PUB socket; `send(msg)` queues, an IO thread encodes and sends in order.
+    """PUSH or PUB socket; `send(msg)` encodes on the caller's thread and queues the bytes, an IO
+    thread sends them in order. A message that cannot be encoded (a lone surrogate in a string)
+    raises from `send`, to the caller that can answer for it, instead of vanishing on the IO
+    thread (msgspec holds the GIL either way, so encoding here costs the caller nothing extra).
 
     Several connect addresses may share one sender (the core's PUSH to each client's PULL is one
     sender per client). For PUB with `wait_subscribers=n`, XPUB is used so `wait_ready` can block
@@ -234,7 +238,9 @@ class Sender(Generic[T]):
         self._thread.start()
 
     def send(self, msg: T) -> None:
-        self._queue.put(msg)
+        """Raises TypeError or ValueError (UnicodeEncodeError) for a message msgpack cannot
+        hold; nothing is queued then."""
+        self._queue.put(self._encoder.encode(msg))
 
     def send_raw(self, payload: bytes) -> None:
         """Send already-encoded bytes (one encode for many senders of one broadcast)."""
@@ -263,12 +269,7 @@ class Sender(Generic[T]):
             if self.gone:
                 continue
             try:
-                payload = item if isinstance(item, bytes) else self._encoder.encode(item)
-            except (TypeError, ValueError, OverflowError) as e:  # a bug upstream; keep sending
-                logger.error("%s: cannot encode %s: %s", self.address, type(item).__name__, e)
-                continue
-            try:
-                self._sock.send(payload)
+                self._sock.send(item)
             except zmq.Again:  # only with a peer_timeout: the peer is gone or stopped reading
                 logger.warning("%s: the peer took nothing for a while; dropping it", self.address)
                 self.gone = True

@@ -54,7 +54,7 @@ def main() -> None:
     constrained = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True,
                                  structured_outputs=spec)  # fmt: skip
     if a.constrained:
-        runner.grammars.submit(spec.key, spec)
+        runner.grammars.hold(spec)  # the core would wait for it before the plan
     news = [
         NewRequest(f"r{i}", list(range(5, 5 + a.context)),
                    list(range(i * per_row, (i + 1) * per_row)),

@@ -51,8 +51,7 @@ def main() -> None:
     constrained = round(a.share * a.rows)
     compiler = GrammarCompiler(a.model, a.vocab)
     spec = StructuredOutputs(json=SCHEMA)
-    compiler.submit(spec.key, spec)
-    compiled = compiler.get(spec)
+    compiled = compiler.hold(spec)
     matchers: list[RowMatcher | None] = [RowMatcher(compiled, spec, [1]) for _ in range(a.rows)]
     matchers[constrained:] = [None] * (a.rows - constrained)
     outputs: list[list[int]] = [[] for _ in range(a.rows)]

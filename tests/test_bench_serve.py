@@ -33,7 +33,8 @@ VLLM_KEYS = [
 def server(tmp_path_factory: pytest.TempPathFactory):
     """The embedded default model (vocabulary 4096: the old 32000 default drew invalid ids)."""
     log = str(tmp_path_factory.mktemp("bench") / "launch.log")
-    launched = Launched(["--host", "127.0.0.1", "--port", "0", *CPU_ARGS], log)
+    args = ["--host", "127.0.0.1", "--port", "0", *CPU_ARGS, "--enable-prompt-tokens-details"]
+    launched = Launched(args, log)
     try:
         yield launched.wait_ready()
     finally:

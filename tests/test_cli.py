@@ -31,9 +31,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model_dir("llama", tmp_path_factory.getbasetemp())
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 60, env: dict | None = None
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def child_pids(launched: Launched) -> dict[str, int]:

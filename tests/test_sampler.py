@@ -3,6 +3,8 @@ min_tokens, logprobs, and that temperature-1 sampling follows softmax."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from triton_env import HAS_CUDA, needs_triton, tiny
@@ -12,7 +14,9 @@ from pagedserve.worker.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
+    block_race,
     filtered_probs,
+    race_block,
 )
 
 V = 32
@@ -48,6 +52,40 @@ def test_seeded_sampling_reproducible_and_batch_independent():
         for k in range(20)
     }
     assert len(steps) > 1
+
+
+def test_seeded_draw_ignores_last_bit_noise():
+    """Issue 33, finding 12: logits that differ by a relative 1e-6 (another batch shape, a
+    prefix-cache hit) give a seeded row the same token. Half the mass on one token and the rest
+    over 32k unlikely ones, where a draw by inverse cumulative sum moved on 6 of these rows."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, num_rows = 32768, 256
+    logits = torch.randn(num_rows, vocab, generator=gen) * 0.5
+    logits[:, 0] = math.log(vocab)  # about half the mass
+    noise = (torch.rand(logits.shape, generator=gen) - 0.5) * 2e-6
+    rows = [row(temperature=1.0, seed=5, output=[0] * k) for k in range(num_rows)]
+    drawn = Sampler().sample_ids(logits, rows)
+    assert (drawn != 0).sum() > num_rows // 3  # many draws land in the tail
+    assert torch.equal(Sampler().sample_ids(logits * (1 + noise), rows), drawn)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 64, 4096, 4097])
+def test_block_race_draws_from_probs(vocab):
+    """The CPU race in two rounds (blocks, then a token of the chosen block) draws each token
+    with its probability (a chi-square test), partial last block included; tokens of
+    probability 0 (top-k, top-p) never."""
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(vocab, generator=gen) + 0.2
+    probs[1::3] = 0.0
+    probs /= probs.sum()
+    n, block = 200_000, race_block(vocab)
+    noise = torch.empty(n, 2 * block).exponential_(generator=gen)
+    counts = torch.bincount(block_race(probs.expand(n, -1), noise, block), minlength=vocab)
+    live = probs > 0
+    assert counts[~live].sum() == 0
+    expected = n * probs[live]
+    chi2, dof = float(((counts[live] - expected) ** 2 / expected).sum()), int(live.sum()) - 1
+    assert chi2 <= dof + 6 * (2 * dof) ** 0.5 + 1, (chi2, dof)
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import httpx
@@ -50,12 +51,19 @@ class Launched:
     """A `pagedserve launch` subprocess whose output goes to a file."""
 
     def __init__(
-        self, args: list[str], log_path: str, command: str = "launch", env: dict | None = None
+        self,
+        args: list[str],
+        log_path: str,
+        command: str = "launch",
+        env: dict | None = None,
+        preexec_fn: Callable[[], None] | None = None,  # e.g. to lower a resource limit
     ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (outlives this call)
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", command, *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn
+        )
 
     def output(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -100,7 +108,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def launched(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     args = launch_args(
         model_dir, "--served-model-name", MODEL, "--api-servers", "2", "--api-key", API_KEY,
-        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details",
     )  # fmt: skip
     proc = Launched(args, str(tmp_path_factory.mktemp("launch") / "launch.log"))
     yield proc
@@ -526,7 +534,7 @@ def test_api_key(url: str) -> None:
     assert_error(httpx.get(url + "/v1/models", headers={"Authorization": API_KEY}), 401)
     assert_error(httpx.post(url + "/tokenize", json={"prompt": "a"}), 401)
     assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
+    assert_error(httpx.get(url + "/metrics"), 401)  # open only with --metrics-public
     ok = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200
     bad = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0)

@@ -54,7 +54,9 @@ def test_no_other_module_reads_pagedserve_variables():
     reads = re.compile(r"(environ|getenv)[^\n]{0,40}PAGEDSERVE_")
     found = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if d not in (".git", "tests", "benchmarks", "deploy")]
+        dirs[:] = [
+            d for d in dirs if not d.startswith(".") and d not in ("tests", "benchmarks", "deploy")
+        ]
         for name in files:
             path = os.path.join(folder, name)
             if name.endswith(".py") and name != "settings.py":

@@ -150,7 +150,7 @@ def test_matcher_waits_for_the_end_of_reasoning():
 
     compiler = GrammarCompiler(default_model_dir(), 4096)
     spec = StructuredOutputs(choice=["yes"], after_token_id=4)
-    matcher = RowMatcher(compiler.get(spec), spec, eos_token_ids=[1])
+    matcher = RowMatcher(compiler.hold(spec), spec, eos_token_ids=[1])
     matcher.catch_up([10, 11, 12])  # thinking: free text
     assert not matcher.active and not matcher.broken
     matcher.catch_up([10, 11, 12, 4])

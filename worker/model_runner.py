@@ -104,7 +104,10 @@ class ModelRunner:
         self.cpu_compiler: CpuCompiler | None = None  # the compiled CPU forward, once built
         self.features = step_features(config, device, info, self.model, self.dtype)
         # Structured outputs: grammars compile here; the sampling ranks mask constrained rows.
-        self.grammars = GrammarCompiler(config.model.tokenizer_path, config.model.vocab_size)
+        self.grammars = GrammarCompiler(
+            config.model.tokenizer_path, config.model.vocab_size,
+            config.scheduler.max_grammar_compile_seconds,
+        )  # fmt: skip
         self.constrained = ConstrainedRows(
             self.grammars, config.scheduler.max_num_seqs, device, config.parallel.ranks_per_node
         )

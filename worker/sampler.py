@@ -1,17 +1,23 @@
 """Sampling with vLLM's semantics, vectorized over the batch.
 
 Order per step: logit bias -> min_tokens masks -> repetition / frequency / presence penalties ->
-greedy rows take the argmax; the others: temperature -> min_p -> top_k -> top_p -> sample as
-`argmax(probs / Exponential(1))` on CUDA, which draws exactly from `probs` and needs one noise
-tensor, or by inverting the cumulative distribution with one uniform per row on a CPU (where
-drawing a noise tensor costs more than the forward). A seeded request draws its noise (or
-uniform) from a generator seeded by (seed, number of tokens generated), so
-its tokens do not depend on which other requests share the batch or on preemption.
-Logprobs come from the raw logits (before penalties and temperature), as vLLM returns by default.
+greedy rows take the argmax; the others: temperature -> min_p -> top_k -> top_p -> an exponential
+race, as vLLM samples: `argmax(probs / q)` with `q ~ Exponential(1)` per token draws exactly from
+`probs`. The race is why a seed reproduces: the winner beats the runner-up by a ratio, so a
+last-bit change in some logit (a prefix-cache hit, another batch shape) almost never moves it,
+where inverting a float32 cumulative sum over the vocabulary moved the draw whenever it landed
+among the many tiny-probability tokens. On a CPU, where one exponential per vocabulary entry
+costs more than the decode step, the race runs in two rounds over blocks of the vocabulary
+(`block_race`: the same distribution, ~2 sqrt(V) exponentials a row). A seeded request draws its
+noise from a generator seeded by (seed, number of tokens generated), unseeded rows from the
+sampler's own generator, so a seeded row's tokens do not depend on which other requests share
+the batch or on preemption. Logprobs come from the raw logits (before penalties and
+temperature), as vLLM returns by default.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,38 +119,28 @@ class Sampler:
         return token_ids
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [R]
-        """One token per row, drawn from `probs` [R, V]. On CUDA: `argmax(probs / Exponential(1))`
-        (no scan over the vocabulary). On a CPU one exponential per vocabulary entry costs more
-        than the whole decode step (2.7 ms for 32 x 4096, 21 ms for 32 x 32000), so there a row
-        takes one uniform `u` and the first token whose cumulative probability passes it."""
+        """One token per row, drawn from `probs` [R, V] by an exponential race: over the whole
+        vocabulary on CUDA (one noise tensor, no scan), in two rounds on a CPU (one exponential
+        per vocabulary entry costs 2.7 ms for 32 x 4096 there, more than the forward)."""
         if probs.device.type == "cuda":
-            return argmax_rows(probs / self._exponential_noise(probs, rows))
-        cdf = probs.cumsum(dim=-1)  # [R, V]
-        u = self._uniform(rows, probs.device) * cdf[:, -1]  # [R]: the total is 1 up to rounding
-        picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # first cdf > u
-        return picked.clamp_max_(probs.shape[1] - 1)
+            return argmax_rows(probs / self._noise(rows, probs.shape[1], probs.device))
+        block = race_block(probs.shape[1])
+        return block_race(probs, self._noise(rows, 2 * block, probs.device), block)
 
-    def _uniform(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:  # [R]
-        u = torch.rand(len(rows), generator=self._generator(device), device=device)
+    def _noise(self, rows: list[SamplingRow], width: int, device: torch.device) -> torch.Tensor:
+        """`[R, width]` Exponential(1): a seeded row's from its (seed, step) generator, so the
+        same whatever the batch; the other rows' from this sampler's generator."""
+        noise = torch.empty(len(rows), width, device=device)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            return noise.exponential_(generator=self._generator(device))
+        if unseeded:
+            noise[to_device(unseeded, device)] = torch.empty(
+                len(unseeded), width, device=device
+            ).exponential_(generator=self._generator(device))
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 g = torch.Generator(device)
-                g.manual_seed(seed_for_step(row.params.seed, len(row.output_token_ids)))
-                u[i] = torch.rand(1, generator=g, device=device)[0]
-        return u
-
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if len(unseeded) == len(rows):
-            return noise.exponential_(generator=self._generator(probs.device))
-        if unseeded:
-            noise[to_device(unseeded, probs.device)] = torch.empty(
-                len(unseeded), probs.shape[1], device=probs.device
-            ).exponential_(generator=self._generator(probs.device))
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                g = torch.Generator(probs.device)
                 g.manual_seed(seed_for_step(row.params.seed, len(row.output_token_ids)))
                 noise[i].exponential_(generator=g)
         return noise
@@ -153,6 +149,37 @@ class Sampler:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
+
+
+def race_block(vocab: int) -> int:
+    """Tokens per block of `block_race`: about sqrt(V), so both rounds are short; a function of
+    the vocabulary only, so a seeded row's draw does not depend on the batch."""
+    return math.isqrt(vocab - 1) + 1  # ceil(sqrt(V))
+
+
+def block_race(probs: torch.Tensor, noise: torch.Tensor, block: int) -> torch.Tensor:
+    """`argmax(probs / q)` over the vocabulary, q ~ Exp(1) per token, with `2 * block` noise
+    values a row instead of V. Token i's `q_i / p_i` is Exp(p_i); a block's minimum is
+    Exp(block mass) and independent of which token attains it (a token with probability
+    p_i / mass). So round one races the block masses against `noise[:, :block]`, round two the
+    chosen block's tokens against `noise[:, block:]`: the same distribution, and a winner that a
+    last-bit change in the masses or probabilities almost never moves.
+    probs [R, V], noise [R, 2 * block] -> [R] token ids."""
+    num_rows, vocab = probs.shape
+    full = vocab // block  # blocks of `block` tokens; a last partial one if V is not a multiple
+    masses = probs[:, : full * block].view(num_rows, full, block).sum(-1)  # [R, full]
+    partial = full * block < vocab
+    if partial:
+        masses = torch.cat([masses, probs[:, full * block :].sum(-1, keepdim=True)], dim=1)
+    chosen = (masses / noise[:, : masses.shape[1]]).argmax(-1, keepdim=True)  # [R, 1]
+    offsets = torch.arange(block, device=probs.device)
+    token_ids = torch.add(offsets, chosen, alpha=block)  # [R, block]: the chosen block's
+    if partial:  # the last block's ids past the vocabulary race with probability 0
+        p = probs.gather(1, token_ids.clamp_max(vocab - 1)).masked_fill_(token_ids >= vocab, 0)
+    else:
+        p = probs.gather(1, token_ids)  # [R, block]
+    winner = (p / noise[:, block:]).argmax(-1, keepdim=True)  # [R, 1]
+    return torch.add(winner, chosen, alpha=block)[:, 0]
 
 
 def to_device(values: list | np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -10,11 +10,14 @@ core as WorkerError (with the traceback) before the process exits, so the core c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import signal
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 import zmq
 
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.WARNING)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
     try:
         addresses = CoreAddresses(args.plans, args.results)
@@ -260,5 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's teardown. A worker has nothing left to save once it
+    stops (its results went out, the core is shutting down or gave up on it), and the teardown
+    is where the noise comes from: SIGTERM's SystemExit raised inside a finalizer (`Exception
+    ignored in ... SystemExit: 0`), and extension modules reporting objects still alive at exit
+    (`nanobind: leaked N instances` from triton: GPU kernels import it, and so does torch._dynamo,
+    which transformers loads when the GGUF loader builds its meta model)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -12,8 +12,10 @@ for up to `--drain-timeout` s, then are aborted with an error), then the process
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,9 +46,25 @@ from pagedserve.frontend.openai.protocol import (
 from pagedserve.frontend.openai.serving import Serving, now_s
 from pagedserve.frontend.openai.serving_chat import ChatOptions, ChatServing
 from pagedserve.frontend.openai.serving_completions import CompletionServing
-from pagedserve.frontend.tokenizer import encode_prompt
+from pagedserve.ipc.messages import MAX_CACHE_SALT, valid_cache_salt
 
 logger = logging.getLogger("pagedserve.api")
+CACHE_SALT_BY = ("none", "user", "api-key")
+
+
+@dataclass(frozen=True)
+class TenancyOptions:
+    """What one client may learn of another's requests (docs/serving.md, Security):
+    `--enable-prompt-tokens-details` reports `usage.prompt_tokens_details.cached_tokens`;
+    `--cache-salt-by user|api-key` salts each request's prefix cache by its `user` field or the
+    API key it presented; `--metrics-public` serves /metrics without the API key."""
+
+    prompt_tokens_details: bool = False
+    cache_salt_by: str = "none"
+    metrics_public: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.cache_salt_by in CACHE_SALT_BY, self.cache_salt_by
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -101,14 +119,17 @@ def build_app(
     drain: Drain | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     log_requests: bool = False,
+    log_prompts: bool = False,
     allowed_origins: list[str] | None = None,
     chat_options: ChatOptions | None = None,
+    tenancy: TenancyOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
     server accepts connections (uvicorn's `Server` is expected at `app.state.server`, and is told
     to exit when a drain started by `drain.request()` ends). `chat_options`: templates, tool and
     reasoning parsers; `allowed_origins`: CORS (None: no CORS headers)."""
     drain = drain or Drain()
+    tenancy = tenancy or TenancyOptions()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -130,16 +151,18 @@ def build_app(
     install_error_handlers(app)
     app.add_middleware(
         ServerMiddleware, api_key=api_key, server_index=server_index, drain=drain,
-        max_request_bytes=max_request_bytes,
+        max_request_bytes=max_request_bytes, metrics_public=tenancy.metrics_public,
+        log_requests=log_requests, log_prompts=log_prompts,
     )  # fmt: skip
     if allowed_origins is not None:  # outermost: preflight requests carry no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
-    base = Serving(engine, metrics, log_requests)
-    chat = ChatServing(engine, metrics, log_requests, options=chat_options)
-    add_openai_routes(app, engine, metrics, base, chat)
+    details = tenancy.prompt_tokens_details
+    base = Serving(engine, metrics, details)
+    chat = ChatServing(engine, metrics, chat_options, details)
+    add_openai_routes(app, engine, base, chat, tenancy.cache_salt_by)
     add_utility_routes(app, metrics, base, chat)
     return app
 
@@ -156,9 +179,9 @@ def _exit(app: FastAPI) -> None:
 
 
 def add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: Metrics | None, base: Serving, chat: ChatServing
+    app: FastAPI, engine: AsyncEngine, base: Serving, chat: ChatServing, cache_salt_by: str
 ) -> None:
-    completions = CompletionServing(engine, metrics, base.log_requests)
+    completions = CompletionServing(engine, base.metrics, base.prompt_tokens_details)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -168,7 +191,7 @@ def add_openai_routes(
                 "object": "model",
                 "created": now_s(),
                 "owned_by": "pagedserve",
-                "root": engine.config.model.model,
+                "root": engine.config.model.hf_dir,  # a GGUF's converted config and tokenizer
                 "parent": None,
                 "max_model_len": base.max_model_len,
             }
@@ -178,11 +201,32 @@ def add_openai_routes(
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+        salt_by_tenant(cache_salt_by, req, raw)
         return await completions.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+        salt_by_tenant(cache_salt_by, req, raw)
         return await chat.create(req, raw)
+
+
+def salt_by_tenant(by: str, req: CompletionRequest | ChatCompletionRequest, raw: Request) -> None:
+    """Check the request's `cache_salt`; with `--cache-salt-by user|api-key` replace it by a hash
+    of (mode, tenant, its own salt), so a tenant's requests share cached blocks only among
+    themselves (and, with a salt of their own, only with the same salt). A request without a
+    tenant (no `user`, no bearer token) keeps its own salt, or none."""
+    if req.cache_salt is not None and not valid_cache_salt(req.cache_salt):
+        message = f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters."
+        raise APIError(400, message, param="cache_salt")
+    tenant = None
+    if by == "user":
+        tenant = req.user
+    elif by == "api-key":
+        scheme, _, token = raw.headers.get("authorization", "").partition(" ")
+        tenant = token.strip() if scheme.lower() == "bearer" else None
+    if tenant:
+        key = msgspec.json.encode([by, tenant, req.cache_salt])
+        req.cache_salt = hashlib.blake2b(key, digest_size=16).hexdigest()
 
 
 def add_utility_routes(
@@ -210,14 +254,14 @@ def add_utility_routes(
     async def tokenize(req: TokenizeRequest) -> Response:
         base.check_model(req.model)
         if req.messages is not None:
-            text, _ = chat.render(req)
+            text, param = chat.render(req), "messages"
             add_special = bool(req.add_special_tokens)
         elif req.prompt is not None:
-            text = req.prompt
+            text, param = req.prompt, "prompt"
             add_special = req.add_special_tokens is not False
         else:
             raise APIError(400, "Pass either prompt or messages.", param="prompt")
-        ids = encode_prompt(base.tokenizer, text, add_special_tokens=add_special)
+        (ids,) = await base.tokenize([text], add_special, param)
         strs = base.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         body = {"count": len(ids), "max_model_len": base.max_model_len, "tokens": ids}
         return _json({**body, "token_strs": strs})

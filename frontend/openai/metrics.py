@@ -1,4 +1,6 @@
-"""Prometheus metrics of one API server, named like vLLM's with the prefix `pagedserve:`.
+"""Prometheus metrics of one API server, named like vLLM's with the prefix `pagedserve:`; every
+series that has a vLLM twin is also served under vLLM's `vllm:` name (`_VLLM_TWINS`, same labels
+and values), so dashboards and alerts written for vLLM work unchanged.
 
 With `--api-servers N` every server is its own process, so values live in prometheus-client's
 multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before the servers start) and
@@ -46,6 +48,21 @@ _TOTALS = {
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Requests preempted by the scheduler.",
 }
+
+# pagedserve name -> its vLLM names (the first is vLLM V1's, the others older names that vLLM's
+# own dashboards used: gpu_cache_usage_perc until 0.10, time_per_output_token_seconds until 0.12).
+_VLLM_TWINS: dict[str, tuple[str, ...]] = {
+    name: (name,)
+    for name in (
+        "num_requests_running", "num_requests_waiting", "prefix_cache_queries",
+        "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+        "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+        "request_queue_time_seconds", "cache_config_info",
+    )
+} | {
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+}  # fmt: skip
 
 
 class Metrics:
@@ -123,7 +140,6 @@ class Metrics:
     ) -> AsyncIterator[RequestOutput]:
         """Pass a request's outputs through, observing token counts and latencies."""
         num_tokens = 0
-        last_time = 0.0
         finished: set[int] = set()
         try:
             async for out in stream:
@@ -136,10 +152,10 @@ class Metrics:
                         self.ttft.observe(out.metrics.get("first_token_time", now) - arrival)
                         if "first_scheduled_time" in out.metrics:
                             self.queue.observe(out.metrics["first_scheduled_time"] - arrival)
-                    else:
-                        self.itl.observe(now - last_time)
                     self.generation_tokens.inc(total - num_tokens)
-                    num_tokens, last_time = total, now
+                    num_tokens = total
+                for gap in out.inter_token_latencies:  # per engine step, as it came
+                    self.itl.observe(gap)
                 for c in out.outputs:
                     if c.finish_reason is not None and c.index not in finished:
                         finished.add(c.index)
@@ -165,6 +181,12 @@ class _Exporter:
         self.multiproc_dir = multiproc_dir
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._collect():
+            yield family
+            for name in _VLLM_TWINS.get(family.name.removeprefix(P), ()):
+                yield _renamed(family, "vllm:" + name)
+
+    def _collect(self) -> Iterator[Metric]:
         if self.multiproc_dir:
             families = MultiProcessCollector(None, self.multiproc_dir).collect()
         else:
@@ -178,3 +200,12 @@ class _Exporter:
             for s in family.samples:
                 counter.add_sample(family.name + "_total", s.labels, s.value)
             yield counter
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """`family` under another name: the same samples, suffixes (`_total`, `_bucket`) kept."""
+    twin = Metric(name, family.documentation, family.type)
+    for s in family.samples:
+        suffix = s.name[len(family.name) :]
+        twin.add_sample(name + suffix, s.labels, s.value, s.timestamp, s.exemplar)
+    return twin

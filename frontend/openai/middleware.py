@@ -2,10 +2,13 @@
 
 - Draining (after SIGTERM): `/health` and every new request answer 503 (OpenAI's error shape,
   `Connection: close`) while requests already running finish; `/metrics` stays open.
-- API key: compared in constant time (`hmac.compare_digest`); `/health` and `/metrics` are open.
+- API key: compared in constant time (`hmac.compare_digest`); `/health` is open, and `/metrics`
+  with `--metrics-public` only: its prefix-cache counters would tell any client whether a guessed
+  prompt was cached for another (docs/serving.md, Security).
 - Body size: a body over `max_request_bytes` is refused with 413 before the app parses any of it
   (by Content-Length, or while reading a chunked body), so a huge body costs no JSON parsing.
 - Responses carry `x-pagedserve-api-server: <index>`.
+- Each request, refused or served, gets a log line once its response ended (request_log.py).
 The middleware also counts the requests the app is serving, which is what a drain waits for.
 """
 
@@ -24,9 +27,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.frontend.openai.protocol import error_body
+from pagedserve.frontend.openai.request_log import log_request, new_tally
 
 logger = logging.getLogger("pagedserve.api")
-OPEN_PATHS = ("/health", "/metrics")
 SERVER_HEADER = b"x-pagedserve-api-server"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
@@ -94,9 +97,17 @@ class ServerMiddleware:
         server_index: int,
         drain: Drain | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        metrics_public: bool = False,
+        log_requests: bool = False,
+        log_prompts: bool = False,
     ) -> None:
+        """`log_requests`: a line per request (request_log.py), with its prompts if
+        `log_prompts`."""
         self.app = app
+        self.log_requests = log_requests
+        self.log_prompts = log_prompts
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = ("/health", "/metrics") if metrics_public else ("/health",)
         self.tag = (SERVER_HEADER, str(server_index).encode())
         self.drain = drain or Drain()
         self.max_request_bytes = max_request_bytes
@@ -104,7 +115,25 @@ class ServerMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if not self.log_requests:
+            return await self._serve(scope, receive, send)
+        started = time.monotonic()
+        tally = new_tally(scope)
+        status = 0  # none sent (the client left first)
 
+        async def status_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, status_send)
+        finally:
+            seconds = time.monotonic() - started
+            log_request(scope, route_path(scope), status, seconds, tally, self.log_prompts)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def tagged_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), self.tag]
@@ -114,7 +143,7 @@ class ServerMiddleware:
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(scope, receive)
             if body is None:
-                refusal = _error(
+                refusal = error_response(
                     413, f"The request body exceeds {self.max_request_bytes} bytes.",
                     "invalid_request_error", "request_too_large",
                 )  # fmt: skip
@@ -131,17 +160,17 @@ class ServerMiddleware:
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         path = route_path(scope)
         if self.drain.draining and path != "/metrics":
-            response = _error(
+            response = error_response(
                 503, "The server is shutting down.", "service_unavailable", "server_draining"
             )
             response.headers["connection"] = "close"
             return response
-        if self.api_key is not None and path not in OPEN_PATHS:
+        if self.api_key is not None and path not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 message = "Invalid or missing API key."
-                return _error(401, message, "invalid_request_error", "invalid_api_key")
+                return error_response(401, message, "invalid_request_error", "invalid_api_key")
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
@@ -192,5 +221,5 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _error(status: int, message: str, type: str, code: str) -> JSONResponse:
+def error_response(status: int, message: str, type: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, type, None, code), status)

@@ -35,8 +35,25 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,), "vllm_xargs": (),
     # prompts
     "suffix": (), "prompt_embeds": (), "echo": (False,), "add_special_tokens": (False,),
-    "mm_processor_kwargs": (), "cache_salt": (), "kv_transfer_params": (),
+    "mm_processor_kwargs": (), "kv_transfer_params": (),
 }  # fmt: skip
+# Fields vLLM itself removed (0.12 dropped `guided_*`): their 400 names what replaces them.
+_REPLACED_BY = {
+    "guided_json": "structured_outputs={'json': ...}",
+    "guided_regex": "structured_outputs={'regex': ...}",
+    "guided_choice": "structured_outputs={'choice': [...]}",
+    "guided_grammar": "structured_outputs={'grammar': ...}",
+    "guided_whitespace_pattern": "structured_outputs={'any_whitespace': true} (free whitespace "
+    "in JSON; a custom pattern is not supported)",
+    "guided_decoding_backend": "structured_outputs and leave the backend to the server "
+    "(pagedserve always uses xgrammar)",
+}
+
+
+def _unsupported_message(name: str) -> str:
+    if name in _REPLACED_BY:
+        return f"{name} was removed in vLLM 0.12; use {_REPLACED_BY[name]}."
+    return f"{name} is not supported by this server."
 
 
 class APIError(Exception):
@@ -107,7 +124,7 @@ class _Request(BaseModel):
                 value = data.get(name)
                 if value is not None and name not in cls.model_fields and value not in harmless:
                     raise APIError(
-                        400, f"{name} is not supported by this server.", param=name,
+                        400, _unsupported_message(name), param=name,
                         code="unsupported_parameter",
                     )  # fmt: skip
         return data
@@ -135,9 +152,10 @@ class ResponseFormat(_Request):
 
 class StructuredOutputsRequest(_Request):
     """vLLM's `structured_outputs` field: one of json, regex, choice, grammar, json_object,
-    structural_tag; `any_whitespace` lets JSON hold free whitespace (off: compact JSON)."""
+    structural_tag; `any_whitespace` lets JSON hold free whitespace (off: compact JSON). Any
+    other key (vLLM's `whitespace_pattern`, `disable_fallback`, ...) is a 400 naming it."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -194,6 +212,7 @@ class _SamplingRequest(_Request):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's field): see docs/serving.md
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

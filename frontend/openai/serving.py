@@ -1,42 +1,55 @@
-"""What the completion and chat endpoints share: checks, sampling params, streams, disconnects.
+"""What the completion and chat endpoints share: checks, sampling params, admission.
 
 Every check a client can fail raises `APIError(400, ...)` before anything reaches the engine, so a
 bad request never occupies the core. A request ends early (client gone, task cancelled) by closing
-its `AsyncEngine.generate` generator, which aborts it in the core and frees its KV blocks: streams
-are closed explicitly (`SSEResponse`, `merge_streams`) rather than left to the garbage collector.
+its `AsyncEngine.generate` generator, which aborts it in the core and frees its KV blocks (streams
+and their helpers: streams.py). Prompts are tokenized on a thread (the tokenizer releases the GIL),
+after a check of their length in characters that refuses, untokenized, a text too long for any
+`max_model_len` tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import functools
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
+import msgspec
 from fastapi import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from pagedserve.frontend.async_engine import AsyncEngine
+from pagedserve.frontend.detokenizer import check_stop_strings, check_unicode
 from pagedserve.frontend.openai.metrics import Metrics
-from pagedserve.frontend.openai.protocol import ENGINE_ERRORS, APIError, engine_api_error
+from pagedserve.frontend.openai.protocol import APIError
+from pagedserve.frontend.openai.request_log import request_tally, tally_outputs
+from pagedserve.frontend.openai.streams import (
+    ClientDisconnected,
+    first_item,
+    run_until_disconnect,
+)
 from pagedserve.frontend.openai.structured import GrammarValidator, spec_from_request
-from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.tokenizer import encode_prompts
 from pagedserve.ipc.messages import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
 
-T = TypeVar("T")
-_DONE = object()
-logger = logging.getLogger("pagedserve.api")
 MAX_CHOICES = 2048  # prompts x n of one request: each is an engine request
+# The core answers every request at once; this only ends a wait for an answer that got lost.
+ADMIT_TIMEOUT_S = 120.0
 
 
 class Serving:
     def __init__(
-        self, engine: AsyncEngine, metrics: Metrics | None = None, log_requests: bool = False
+        self,
+        engine: AsyncEngine,
+        metrics: Metrics | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
-        self.log_requests = log_requests  # prompts reach the log only when asked (--log-requests)
+        # usage.prompt_tokens_details.cached_tokens only when asked (--enable-prompt-tokens-
+        # details, as vLLM): a client's cache hits tell what other clients' prompts hold
+        self.prompt_tokens_details = prompt_tokens_details
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_name = engine.config.model.name
@@ -47,6 +60,8 @@ class Serving:
         self.vocab_size = engine.config.model.vocab_size
         self.metrics = metrics
         self.grammars = GrammarValidator()
+        per_token = engine.max_chars_per_token
+        self.max_prompt_chars = None if per_token is None else self.max_model_len * per_token
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> None:
@@ -96,6 +111,34 @@ class Serving:
             )
         return max_tokens
 
+    def check_text(self, text: str, param: str) -> None:
+        """A prompt text that cannot fit max_model_len whatever its tokens (refused before it is
+        tokenized), or that is not valid Unicode, is a 400."""
+        limit, bound = self.max_model_len, self.max_prompt_chars
+        if bound is not None and len(text) > bound:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{len(text)} characters, more than {limit} tokens of this model's tokenizer can "
+                f"hold ({bound} characters at most). Please reduce the length of the prompt.",
+                param=param,
+            )
+        try:
+            check_unicode(text, param)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    async def tokenize(
+        self, texts: list[str], add_special_tokens: bool, param: str
+    ) -> list[list[int]]:
+        """Token ids of prompt texts, checked first (`check_text`), tokenized on a thread."""
+        if not texts:
+            return []
+        for text in texts:
+            self.check_text(text, param)
+        encode = functools.partial(encode_prompts, self.tokenizer, texts, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(None, encode)
+
     def check_request(self, req: Any) -> None:
         """Checks that do not depend on the prompt."""
         self.check_model(req.model)
@@ -121,9 +164,21 @@ class Serving:
         what does not compile."""
         spec = spec_from_request(req)
         if spec is not None:
-            await self.grammars.check(spec, "response_format" if req.response_format else
-                                      "structured_outputs")  # fmt: skip
+            await self.check_grammar(
+                spec, "response_format" if req.response_format else "structured_outputs"
+            )
         return spec
+
+    async def check_grammar(self, spec: StructuredOutputs, param: str) -> None:
+        """A grammar that compiles and can cross the ipc (no lone surrogate in a regex, choice or
+        schema), else a 400 naming `param`."""
+        try:
+            msgspec.msgpack.encode(spec)
+        except UnicodeEncodeError as e:
+            surrogate = ascii(e.object[e.start])
+            message = f"{param} is not valid Unicode text: it holds a lone surrogate ({surrogate})."
+            raise APIError(400, message, param=param) from None
+        await self.grammars.check(spec, param)
 
     # ------------------------------------------------------------------ sampling
     def sampling_params(
@@ -140,6 +195,11 @@ class Serving:
         fields = {name: getattr(req, name) for name in names}
         fields = {**self.default_sampling, **{k: v for k, v in fields.items() if v is not None}}
         fields.pop("max_tokens", None)  # decided by check_prompt
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop
+        try:
+            check_stop_strings(stop or [])
+        except ValueError as e:
+            raise APIError(400, str(e), param="stop") from None
         try:
             return SamplingParams(
                 n=req.n,
@@ -154,6 +214,7 @@ class Serving:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured,
+                cache_salt=req.cache_salt,
                 **fields,
             )
         except ValueError as e:
@@ -179,72 +240,50 @@ class Serving:
             out[token_id] = float(value)
         return out
 
+    def usage(self, num_prompt: int, num_generated: int, num_cached: int | None = None) -> dict:
+        """The usage object; cached tokens only with --enable-prompt-tokens-details."""
+        return usage(num_prompt, num_generated, num_cached if self.prompt_tokens_details else None)
+
     # ------------------------------------------------------------------ generation
     def generate(
         self, ids: list[int], params: SamplingParams, prompt: str | None, priority: int
     ) -> AsyncIterator[RequestOutput]:
         request_id = self.engine.new_request_id()
-        if self.log_requests:
-            logger.info(
-                "request %s: prompt %r, %d tokens, %s", request_id, prompt, len(ids), params
-            )
         stream = self.engine.generate(ids, params, request_id, prompt=prompt, priority=priority)
         if self.metrics is not None:
             stream = self.metrics.track(stream, len(ids))
         return stream
 
     async def admit(
-        self, streams: list[AsyncIterator[RequestOutput]]
+        self, streams: list[AsyncIterator[RequestOutput]], raw: Request
     ) -> list[AsyncIterator[RequestOutput]]:
         """Start the requests and wait for the core's answer to each (admitted, or refused with a
         503 + Retry-After when its queue is full) before any status line is sent: a refusal is
-        then a 503, not an error inside a 200 stream. Refused: every other one is aborted."""
-        firsts = await asyncio.gather(*(_first(s) for s in streams), return_exceptions=True)
+        then a 503, not an error inside a 200 stream. Refused: every other one is aborted. A
+        client that leaves while waiting aborts them too (ClientDisconnected); an answer that
+        never comes is a 503 after ADMIT_TIMEOUT_S."""
+        wait = asyncio.gather(*(first_item(s) for s in streams), return_exceptions=True)
+        wait.add_done_callback(_retrieve)  # left behind on a disconnect: nothing to log
+        try:
+            firsts = await run_until_disconnect(asyncio.wait_for(wait, ADMIT_TIMEOUT_S), raw)
+        except (ClientDisconnected, asyncio.TimeoutError) as e:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)  # type: ignore[attr-defined]
+            if isinstance(e, ClientDisconnected):
+                raise
+            message = f"The engine did not answer within {ADMIT_TIMEOUT_S:.0f} s."
+            raise APIError(503, message, code="engine_timeout") from None
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)  # type: ignore[attr-defined]
             raise errors[0]
-        return [_prepend(f, s) for f, s in zip(firsts, streams, strict=True)]  # type: ignore[arg-type]
+        tally = request_tally(raw.scope)  # counted for the request's log line
+        return [tally_outputs(f, s, tally) for f, s in zip(firsts, streams, strict=True)]  # type: ignore[arg-type]
 
 
-async def _first(stream: AsyncIterator[T]) -> T:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        raise RuntimeError("a request ended without any output") from None
-
-
-async def _prepend(first: T, stream: AsyncIterator[T]) -> AsyncIterator[T]:
-    try:
-        yield first
-        async for item in stream:
-            yield item
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-
-
-class Cursor:
-    """How much of one choice a stream has sent: text, tokens and (legacy logprobs) text offset."""
-
-    def __init__(self, text_offset: int = 0) -> None:
-        self.text_len = 0
-        self.num_tokens = 0
-        self.text_offset = text_offset
-        self.started = False
-        self.done = False
-
-    def advance(self, choice: CompletionOutput) -> tuple[str, int] | None:
-        """(new text, index of the first new token), or None when nothing changed."""
-        if self.done:
-            return None
-        text = choice.text[self.text_len :]
-        start = self.num_tokens
-        self.done = choice.finish_reason is not None
-        if not text and len(choice.token_ids) == start and not self.done:
-            return None
-        self.text_len = max(self.text_len, len(choice.text))
-        self.num_tokens = len(choice.token_ids)
-        return text, start
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def clamp_logprob(value: float) -> float:
@@ -260,93 +299,6 @@ def usage(num_prompt: int, num_generated: int, num_cached: int | None = None) ->
     if num_cached is not None:
         out["prompt_tokens_details"] = {"cached_tokens": num_cached}
     return out
-
-
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Interleave several streams as (stream index, item). Leaving early cancels (and so closes)
-    every stream still running."""
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((i, item, None))
-        except Exception as e:
-            queue.put_nowait((i, None, e))
-            return
-        queue.put_nowait((i, _DONE, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is _DONE:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def run_until_disconnect(coro: Any, request: Request) -> Any:
-    """Await `coro` unless the client goes away first; then cancel it (which aborts its requests
-    in the engine) and raise ClientDisconnected."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events whose generator is always closed when the response ends (on a client
-    disconnect starlette cancels the send task; the generator may be parked at a `yield`)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
-def stream_error(e: Exception) -> dict[str, Any]:
-    """The error event that ends a stream that failed after its 200 went out."""
-    if isinstance(e, APIError):
-        return e.body()
-    if isinstance(e, ENGINE_ERRORS):
-        return engine_api_error(e).body()
-    logger.exception("a stream failed")
-    return APIError(500, f"Internal error: {type(e).__name__}: {e}").body()
-
-
-def sse(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def now_s() -> int:

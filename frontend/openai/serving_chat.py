@@ -29,23 +29,20 @@ from pagedserve.frontend.openai.chat_output import ChatShape, ChoiceStream
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
 from pagedserve.frontend.openai.reasoning_parsers import make_reasoning_parser
-from pagedserve.frontend.openai.serving import (
+from pagedserve.frontend.openai.serving import Serving, clamp_logprob, now_s
+from pagedserve.frontend.openai.streams import (
     SSE_DONE,
     ClientDisconnected,
     Cursor,
-    Serving,
     SSEResponse,
-    clamp_logprob,
-    now_s,
     run_until_disconnect,
     sse,
     stream_error,
-    usage,
 )
 from pagedserve.frontend.openai.structured import spec_from_request, tool_call_spec
 from pagedserve.frontend.openai.tool_parsers import make_tool_parser
 from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.frontend.tokenizer import encode_prompt, render_chat
+from pagedserve.frontend.tokenizer import render_chat
 from pagedserve.ipc.messages import StructuredOutputs
 
 _encode = msgspec.json.encode
@@ -69,10 +66,10 @@ class ChatServing(Serving):
         self,
         engine: AsyncEngine,
         metrics: Metrics | None = None,
-        log_requests: bool = False,
         options: ChatOptions | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
-        super().__init__(engine, metrics, log_requests)
+        super().__init__(engine, metrics, prompt_tokens_details)
         self.options = opts = options or ChatOptions()
         self.chat_template = opts.chat_template
         self.trust_request_chat_template = opts.trust_request_chat_template
@@ -101,15 +98,19 @@ class ChatServing(Serving):
             raise APIError(400, "tool_choice required or named cannot take response_format or "
                            "structured_outputs too.", param="tool_choice")  # fmt: skip
         else:
-            await self.grammars.check(spec, "tool_choice")
-        text, ids = self.render(req)
+            await self.check_grammar(spec, "tool_choice")
+        text = self.render(req)
+        (ids,) = await self.tokenize([text], False, "messages")
         max_tokens = self.check_prompt(ids, max_tokens)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         if spec is not None and self.reasoning is not None:
             after = self.reasoning.grammar_starts_after(ids)
             spec = msgspec.structs.replace(spec, after_token_id=after)
         params = self.sampling_params(req, max_tokens, top_n, spec)
-        (stream,) = await self.admit([self.generate(ids, params, text, req.priority)])
+        try:
+            (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -135,7 +136,7 @@ class ChatServing(Serving):
             })  # fmt: skip
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         body = {**head, "choices": choices}
-        body["usage"] = usage(len(ids), num_generated, final.num_cached_tokens)
+        body["usage"] = self.usage(len(ids), num_generated, final.num_cached_tokens)
         return Response(_encode(body), 200)
 
     def _shape(self, req: ChatCompletionRequest) -> tuple[ChatShape, StructuredOutputs | None]:
@@ -155,8 +156,9 @@ class ChatServing(Serving):
         )
         return shape, spec
 
-    def render(self, req: Any) -> tuple[str, list[int]]:
-        """The prompt text and its token ids for a chat request (also used by /tokenize)."""
+    def render(self, req: Any) -> str:
+        """The prompt text of a chat request (also used by /tokenize); rendered templates already
+        hold BOS, so it is tokenized without special tokens."""
         if req.add_generation_prompt and req.continue_final_message:
             raise APIError(
                 400, "add_generation_prompt and continue_final_message are exclusive.",
@@ -194,7 +196,7 @@ class ChatServing(Serving):
             raise APIError(400, f"Cannot apply the chat template: {e}", param="messages") from e
         if not isinstance(text, str):  # chat_template_kwargs such as {"tokenize": true}
             raise APIError(400, "chat_template_kwargs must not change the output.", "messages")
-        return text, encode_prompt(self.tokenizer, text, add_special_tokens=False)
+        return text
 
     async def _stream(
         self,
@@ -216,7 +218,7 @@ class ChatServing(Serving):
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
             body = {**head, "choices": [{**choice, **extra}]}
             if continuous:
-                body["usage"] = usage(num_prompt, num_generated)
+                body["usage"] = self.usage(num_prompt, num_generated)
             return sse(_encode(body))
 
         try:
@@ -245,7 +247,7 @@ class ChatServing(Serving):
                     if deltas[-1] or extra:
                         yield chunk(c.index, deltas[-1], **extra)
             if include_usage:
-                total = usage(num_prompt, num_generated, num_cached)
+                total = self.usage(num_prompt, num_generated, num_cached)
                 yield sse(_encode({**head, "choices": [], "usage": total}))
         except Exception as e:
             yield sse(_encode(stream_error(e)))

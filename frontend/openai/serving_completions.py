@@ -15,23 +15,18 @@ from fastapi import Request
 from starlette.responses import Response
 
 from pagedserve.frontend.openai.protocol import APIError, CompletionRequest
-from pagedserve.frontend.openai.serving import (
-    MAX_CHOICES,
+from pagedserve.frontend.openai.serving import MAX_CHOICES, Serving, clamp_logprob, now_s
+from pagedserve.frontend.openai.streams import (
     SSE_DONE,
     ClientDisconnected,
     Cursor,
-    Serving,
     SSEResponse,
-    clamp_logprob,
     merge_streams,
-    now_s,
     run_until_disconnect,
     sse,
     stream_error,
-    usage,
 )
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
-from pagedserve.frontend.tokenizer import encode_prompt
 from pagedserve.ipc.messages import SamplingParams
 
 _encode = msgspec.json.encode
@@ -42,7 +37,7 @@ class CompletionServing(Serving):
         self.check_request(req)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs (unsupported).", "echo")
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         if len(prompts) * req.n > MAX_CHOICES:
             message = f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts) * req.n})."
             raise APIError(400, message, param="prompt")
@@ -51,12 +46,14 @@ class CompletionServing(Serving):
             self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs, spec)
             for _, ids in prompts
         ]
-        streams = await self.admit(
-            [
-                self.generate(ids, p, text, req.priority)
-                for (text, ids), p in zip(prompts, params, strict=True)
-            ]
-        )
+        generating = [
+            self.generate(ids, p, text, req.priority)
+            for (text, ids), p in zip(prompts, params, strict=True)
+        ]
+        try:
+            streams = await self.admit(generating, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -71,20 +68,19 @@ class CompletionServing(Serving):
             return Response(status_code=499)
         return Response(_encode(self._response(req, head, prompts, finals)), 200)
 
-    def _prompts(self, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    async def _prompts(self, req: CompletionRequest) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt; text is decoded from ids for token-id prompts."""
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]  # type: ignore[list-item]
-        if not raw:
+        if not raw or any(not p for p in raw):
             raise APIError(400, "The prompt is empty.", param="prompt")
+        texts = [p for p in raw if isinstance(p, str)]
+        encoded = iter(await self.tokenize(texts, req.add_special_tokens, "prompt"))
         prompts = []
         for p in raw:
             if isinstance(p, str):
-                if not p:
-                    raise APIError(400, "The prompt is empty.", param="prompt")
-                ids = encode_prompt(self.tokenizer, p, add_special_tokens=req.add_special_tokens)
-                prompts.append((p, ids))
+                prompts.append((p, next(encoded)))
             else:
                 ids = list(p)
                 self.check_prompt(ids, req.max_tokens)  # out-of-vocab ids must not reach decode
@@ -109,7 +105,8 @@ class CompletionServing(Serving):
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
         num_cached = sum(out.num_cached_tokens for out in finals)
-        return {**head, "choices": choices, "usage": usage(num_prompt, num_generated, num_cached)}
+        total = self.usage(num_prompt, num_generated, num_cached)
+        return {**head, "choices": choices, "usage": total}
 
     async def _stream(
         self,
@@ -146,11 +143,11 @@ class CompletionServing(Serving):
                         )
                     chunk = {**head, "choices": [_choice(i * req.n + c.index, text, lp, c)]}
                     if continuous:
-                        chunk["usage"] = usage(len(prompts[i][1]), num_generated[i])
+                        chunk["usage"] = self.usage(len(prompts[i][1]), num_generated[i])
                     yield sse(_encode(chunk))
             if include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
-                total = usage(num_prompt, sum(num_generated), sum(num_cached))
+                total = self.usage(num_prompt, sum(num_generated), sum(num_cached))
                 yield sse(_encode({**head, "choices": [], "usage": total}))
         except Exception as e:
             yield sse(_encode(stream_error(e)))

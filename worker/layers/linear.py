@@ -4,12 +4,13 @@ Column-parallel layers split output features across TP ranks (no communication);
 layers split input features and all-reduce once. Every parameter carries
 `weight_loader(param, loaded_weight, shard_id=None)` that copies only this rank's shard.
 `loaded_weight` is a torch tensor or a safetensors slice (`safe_open(...).get_slice(name)`), so
-with slices no rank ever reads a full weight into memory.
+with slices no rank ever reads a full weight into memory. Each loader first checks the whole
+(unsharded) checkpoint tensor's shape against the one the config gives (`expect_shape`): cutting
+this rank's rows out of an oversized tensor would load another model without a word.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,13 @@ from pagedserve.kernels.linear import linear
 from pagedserve.kernels.swiglu_gemm import swiglu_gemm_applies, swiglu_linear
 from pagedserve.parallel.state import tp_all_gather, tp_all_reduce, tp_rank, tp_size
 from pagedserve.quant_config import Fp8Scheme
-from pagedserve.worker.layers.quant_linear import LinearBase, make_param
+from pagedserve.worker.layers.quant_linear import (
+    FusedShards,
+    LinearBase,
+    expect_shape,
+    make_param,
+    shape_of,
+)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -30,10 +37,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
             f"{what} ({numerator}) is not divisible by tensor parallel size {denominator}"
         )
     return numerator // denominator
-
-
-def shape_of(loaded: Any) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
 
 
 def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
@@ -48,14 +51,6 @@ def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
 def read_all(loaded: Any) -> torch.Tensor:
     """The whole of a tensor or safetensors slice (0-d ones too)."""
     return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
-
-
-@dataclass(frozen=True)
-class FusedShards:
-    """A shard id for a checkpoint tensor that is several parts concatenated along dim 0 (Phi-3's
-    `qkv_proj`, `gate_up_proj`): each part loads as if it were its own tensor with its own id."""
-
-    ids: tuple[Any, ...]
 
 
 class RowRange:
@@ -78,8 +73,7 @@ def load_fused(
     loader: Any, param: nn.Parameter, loaded: Any, fused: FusedShards, sizes: list[int]
 ) -> None:
     """Hand each part of a fused checkpoint tensor (full, unsharded `sizes` rows) to `loader`."""
-    if sum(sizes) != shape_of(loaded)[0]:
-        raise ValueError(f"fused weight of {shape_of(loaded)[0]} rows is not {sizes} rows")
+    expect_shape(loaded, (sum(sizes), *param.shape[1:]))
     start = 0
     for shard_id, size in zip(fused.ids, sizes, strict=True):
         loader(param, RowRange(loaded, start, size), shard_id)
@@ -89,6 +83,7 @@ def load_fused(
 def load_full(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
     """Loader for replicated parameters (norms, biases of row-parallel layers)."""
     assert shard_id is None
+    expect_shape(loaded, tuple(param.shape))
     _copy(param.data, read_all(loaded))
 
 
@@ -122,6 +117,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         assert shard_id is None
+        expect_shape(loaded, self.full_shape(param, shard_id))
         size = param.shape[0]
         _copy(param.data, narrow(loaded, 0, tp_rank() * size, size))
 
@@ -157,10 +153,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return None
         return swiglu_linear(x, self.weight)
 
+    def part_rows(self, param: nn.Parameter, shard_id: Any) -> int:
+        return self.output_sizes[shard_id]
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if isinstance(shard_id, FusedShards):
             load_fused(self.weight_loader, param, loaded, shard_id, self.output_sizes)
             return
+        expect_shape(loaded, self.full_shape(param, shard_id))
         size = self.part_sizes[shard_id]
         offset = sum(self.part_sizes[:shard_id])
         _copy(param.data.narrow(0, offset, size), narrow(loaded, 0, tp_rank() * size, size))
@@ -197,10 +197,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         for p in self.parameters():
             p.shard_ids = ("q", "k", "v")  # type: ignore[attr-defined]
 
+    def part_rows(self, param: nn.Parameter, shard_id: Any) -> int:
+        return self.full_sizes[("q", "k", "v").index(shard_id)]
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if isinstance(shard_id, FusedShards):
             load_fused(self.weight_loader, param, loaded, shard_id, self.full_sizes)
             return
+        expect_shape(loaded, self.full_shape(param, shard_id))
         if shard_id == "q":
             dst = param.data.narrow(0, 0, self.q_size)
             start = tp_rank() * self.q_size
@@ -231,16 +235,24 @@ class RowParallelLinear(LinearBase):
         super().__init__()
         self.input_size_per_rank = divide(input_size, tp_size(), "input size")
         self.reduce_results = reduce_results
+        block = quant.block if quant is not None else None
+        if block is not None and tp_size() > 1 and self.input_size_per_rank % block[1]:
+            raise ValueError(
+                f"FP8 block scales: this rank's {self.input_size_per_rank} input columns are not "
+                f"a multiple of the {block[1]}-column block (use a smaller --tp)"
+            )
         self._init_weight(output_size, self.input_size_per_rank, quant)
         self.bias = _param(output_size, loader=load_full) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         assert shard_id is None
+        expect_shape(loaded, self.full_shape(param, shard_id))
         size = param.shape[1]
         _copy(param.data, narrow(loaded, 1, tp_rank() * size, size))
 
-    def full_rows(self, param: nn.Parameter) -> int:
-        return param.shape[0]
+    def full_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
+        """Rows whole, columns (block-scale columns too: they align) split across ranks."""
+        return (param.shape[0], param.shape[1] * tp_size())
 
     def shard_scale(self, param: nn.Parameter, scale: torch.Tensor, shard_id: Any) -> None:
         """Rows are not split here; block scales split by column blocks, which must align."""
@@ -248,11 +260,6 @@ class RowParallelLinear(LinearBase):
         if self.quant.block is None:
             _copy(param.data, scale)
             return
-        if tp_size() > 1 and self.input_size_per_rank % self.quant.block[1]:
-            raise ValueError(
-                f"FP8 block scales: this rank's {self.input_size_per_rank} input columns are not "
-                f"a multiple of the {self.quant.block[1]}-column block (use a smaller --tp)"
-            )
         _copy(param.data, narrow(scale, 1, tp_rank() * param.shape[1], param.shape[1]))
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
@@ -276,6 +283,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         assert shard_id is None
+        expect_shape(loaded, (self.num_embeddings, param.shape[1]))
         _copy(param.data, narrow(loaded, 0, self.vocab_start, self.vocab_per_rank))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]

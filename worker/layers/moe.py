@@ -4,7 +4,7 @@ all-reduce per layer combines the ranks, as for a dense MLP.
 
 Checkpoints store one tensor per expert and projection; `weight_loader` copies expert `e`'s
 `w1` (gate), `w3` (up) or `w2` (down) shard into its slot of the stacked parameter, reading only
-this rank's rows or columns.
+this rank's rows or columns, once the whole tensor's shape is checked against the config.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.kernels.moe import fused_moe, select_experts
 from pagedserve.parallel.state import tp_all_reduce, tp_rank, tp_size
-from pagedserve.worker.layers.linear import _copy, _param, divide, narrow
+from pagedserve.worker.layers.linear import _copy, _param, divide, expect_shape, narrow
 
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: the shard ids' second part
 
@@ -59,6 +59,8 @@ class FusedMoE(nn.Module):
         expert, projection = shard_id
         size = self.inter_per_rank
         start = tp_rank() * size
+        hidden, full = self.w2_weight.shape[1], size * tp_size()
+        expect_shape(loaded, (hidden, full) if projection == "w2" else (full, hidden))
         if projection == "w2":  # [H, I]: this rank's columns
             _copy(param.data[expert], narrow(loaded, 1, start, size))
             return

@@ -20,6 +20,7 @@ and drops the plain copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,26 @@ from pagedserve.kernels.fp8 import (
 from pagedserve.kernels.linear import gated_linear, linear
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
+
+
+@dataclass(frozen=True)
+class FusedShards:
+    """A shard id for a checkpoint tensor that is several parts concatenated along dim 0 (Phi-3's
+    `qkv_proj`, `gate_up_proj`): each part loads as if it were its own tensor with its own id."""
+
+    ids: tuple[Any, ...]
+
+
+def shape_of(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def expect_shape(loaded: Any, expected: tuple[int, ...]) -> None:
+    """Refuse a checkpoint tensor (or fused part) whose full, unsharded shape is not the one the
+    config gives (the loader adds the tensor's name)."""
+    shape = shape_of(loaded)
+    if shape != tuple(expected):
+        raise ValueError(f"shape {shape} does not match the model's {tuple(expected)}")
 
 
 def make_param(
@@ -68,19 +89,30 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def _scale_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        """A checkpoint scale -> row layout over its whole part -> this rank's shard."""
+        """A checkpoint scale -> row layout over its whole part -> this rank's shard. Block
+        scales are checked before their rows are repeated (a cut would hide extra rows)."""
         scale = (loaded if isinstance(loaded, torch.Tensor) else loaded[...]).float()
         assert self.quant is not None
+        rows, cols = self.full_shape(param, shard_id)
         if self.quant.block is not None:
-            scale = expand_block_scales(scale, self.quant.block[0], self.full_rows(param))
+            expect_shape(scale, (-(-rows // self.quant.block[0]), cols))
+            scale = expand_block_scales(scale, self.quant.block[0], rows)
         elif scale.numel() == 1:  # per tensor
-            scale = scale.reshape(1, 1).expand(self.full_rows(param), 1)
-        else:  # per channel [out] or [out, 1]
+            scale = scale.reshape(1, 1).expand(rows, 1)
+        else:  # per channel [out] or [out, 1]: the shard's loader checks the rows
             scale = scale.reshape(-1, 1)
         self.shard_scale(param, scale, shard_id)
 
-    def full_rows(self, param: nn.Parameter) -> int:
-        """Output rows of the whole (unsharded) weight: column-parallel layers split them."""
+    def full_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
+        """The whole (unsharded) checkpoint shape of `param`'s part `shard_id` (a weight, bias
+        or scale); here column-parallel: rows split across ranks, a fused tensor's parts
+        stacked."""
+        if isinstance(shard_id, FusedShards):
+            return (sum(self.part_rows(param, i) for i in shard_id.ids), *param.shape[1:])
+        return (self.part_rows(param, shard_id), *param.shape[1:])
+
+    def part_rows(self, param: nn.Parameter, shard_id: Any) -> int:
+        """Rows of the whole checkpoint part `shard_id` (layers of several parts say which)."""
         return param.shape[0] * tp_size()
 
     def shard_scale(self, param: nn.Parameter, scale: torch.Tensor, shard_id: Any) -> None:

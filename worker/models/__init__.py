@@ -11,11 +11,11 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.kernels.attention.selection import select_backend
 from pagedserve.kernels.fp8 import require_fp8_device
+from pagedserve.worker.gguf_weights import gguf_weights
 from pagedserve.worker.loader import (
     after_loading,
     init_dummy_weights,
     iter_checkpoint,
-    iter_gguf,
     load_weights,
 )
 from pagedserve.worker.models.gemma import GemmaForCausalLM
@@ -97,7 +97,8 @@ def build_model(
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif config.gguf_file is not None:
-        load_weights(model, iter_gguf(config.gguf_file, config.hf_dir), config.gguf_file)
+        weights = gguf_weights(config.gguf_file, config.hf_dir, dtype)
+        load_weights(model, weights, config.gguf_file)
     else:
         load_weights(model, iter_checkpoint(config.model, show_progress), config.model)
     after_loading(model)
