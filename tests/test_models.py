@@ -100,6 +100,18 @@ def test_batched_prefill(models):
     check(PagedRunner(ours, seqs), theirs, [{i: len(s) for i, s in enumerate(seqs)}])
 
 
+def test_layers_share_one_rotary_table(models):
+    """Start-up builds the cos/sin table once per model, not once per layer (issue 34)."""
+    ours, _ = models
+    tables = {
+        m.cos_sin_cache.data_ptr()
+        for m in ours.modules()
+        if isinstance(getattr(m, "cos_sin_cache", None), torch.Tensor)
+    }
+    per_type = 2 if "gemma" in type(ours).__name__.lower() else 1  # Gemma 3: local and global
+    assert 1 <= len(tables) <= per_type
+
+
 def test_chunked_prefill(models):
     ours, theirs = models
     seqs = random_seqs([40, 21], seed=1)

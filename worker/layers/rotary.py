@@ -7,6 +7,21 @@ from torch import nn
 
 from pagedserve.kernels.rotary import RopeConfig, cos_sin_cache, rotary_embedding
 
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def shared_cos_sin_cache(max_position: int, rotary_dim: int, cfg: RopeConfig) -> torch.Tensor:
+    """`cos_sin_cache`, built once for all the layers of a model that share its settings (it was
+    built per layer: 30 times for SmolLM2 at start-up), on the current default device. The layers
+    only read it. A few tables are kept (a process builds one model; tests build many)."""
+    key = (max_position, rotary_dim, repr(cfg), str(torch.empty(0).device))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= 4:
+            _TABLES.clear()
+        table = _TABLES[key] = cos_sin_cache(max_position, rotary_dim, cfg)
+    return table
+
 
 class RotaryEmbedding(nn.Module):
     """Rotates the first `rotary_dim` features of each head by position; the rest pass through.
@@ -19,7 +34,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * cfg.partial_rotary_factor)
         assert self.rotary_dim % 2 == 0, "rotary_dim must be even"
-        cache = cos_sin_cache(max_position, self.rotary_dim, cfg)  # [P, R]
+        cache = shared_cos_sin_cache(max_position, self.rotary_dim, cfg)  # [P, R]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
