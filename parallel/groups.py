@@ -135,13 +135,20 @@ def layer_range(num_layers: int, info: RankInfo, partition: list[int] | None) ->
 
 
 def send_intermediate(hidden: torch.Tensor, residual: torch.Tensor, dst: int) -> None:
-    """Hidden states and residual to the next stage ([T, H] each, stacked: one message)."""
-    dist.send(torch.stack([hidden, residual]).contiguous(), dst)
+    """Hidden states and residual ([T, H] each) to the next stage, sent from where they lie
+    (a CUDA graph's static outputs: no stacked copy). Under NCCL the host never waits: each send
+    runs on NCCL's own stream after an event of the compute stream, and the compute stream waits
+    for it on the device only (so the next replay cannot overwrite what is still being sent)."""
+    dist.send(hidden.contiguous(), dst)
+    dist.send(residual.contiguous(), dst)
 
 
 def recv_intermediate(
-    num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device, src: int
+    hidden: torch.Tensor, residual: torch.Tensor, src: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    buf = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
-    dist.recv(buf, src)
-    return buf[0], buf[1]
+    """The previous stage's hidden states and residual into `hidden` and `residual` ([T, H]:
+    fresh tensors, or a graph's static input buffers); under NCCL the compute stream waits for
+    them on the device, the host goes on queueing the forward."""
+    dist.recv(hidden, src)
+    dist.recv(residual, src)
+    return hidden, residual
