@@ -57,7 +57,7 @@ print(f"{sys.argv[2]:<22} {key:<20} {d[key]:9.2f}")
 PY
 )")
   fi
-  echo "== $name: $(( $(date +%s) - t0 )) s"
+  echo "== $name: $(( $(date +%s) - t0 )) s ${table[-1]:-}"
 done
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 printf '%s\n' "${table[@]}"
