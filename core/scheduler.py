@@ -8,13 +8,10 @@ batch and feed it in; the core learns it from the result), unless that token is 
 request by length; without it (pipeline stages, whose first stage never sees samples) the request
 is skipped until its token is back.
 
-Micro-batches (`num_microbatches` = pipeline stages P): a plan takes at most 1/P of the running
+Micro-batches (`num_microbatches` = pipeline stages): a plan takes at most 1/P of the running
 requests, so with P plans in flight over disjoint requests every stage has a share of the batch to
 work on; without the cap the first plan would take every request and the next plans would find
 each one still in flight (stage 1 idle while stage 2 works, and back: a bubble of (P-1)/P).
-`max_num_seqs` bounds the rows of one plan (vLLM: sequences per iteration), so up to
-P x max_num_seqs requests run: each stage then reads its weights once per max_num_seqs rows, as one
-stage does, instead of once per max_num_seqs / P.
 
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
 (`NewRequest`), then only its new blocks (`CachedDelta`), and its sampled tokens only where the
@@ -98,7 +95,6 @@ class Scheduler:
         self.workers_keep_samples = workers_keep_samples
         assert num_microbatches >= 1
         self.num_microbatches = num_microbatches
-        self.max_running = scheduler_config.max_num_seqs * num_microbatches
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -177,9 +173,8 @@ class Scheduler:
            has none left and is skipped). If its blocks don't fit, preempt the tail of `running`
            (lowest priority / latest) by recompute, until it fits or it was the tail.
         2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
-           (rows of this plan; running requests up to num_microbatches x that) and blocks
-           allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at the
-           first that does not fit (no skipping ahead).
+           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at
+           the first that does not fit (no skipping ahead).
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
         step = _StepBuilder(self.config.max_num_batched_tokens)
@@ -188,8 +183,7 @@ class Scheduler:
             self._schedule_waiting(step)
         plan = self._build_plan(step)
         assert sum(plan.num_scheduled_tokens) <= self.config.max_num_batched_tokens
-        assert len(self.running) <= self.max_running
-        assert len(plan.scheduled_ids) <= self.config.max_num_seqs
+        assert len(self.running) <= self.config.max_num_seqs
         if self.debug:
             check_invariants(self)
         return plan
@@ -239,12 +233,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         now = time.time()
-        while (
-            len(self.policy)
-            and step.budget > 0
-            and len(self.running) < self.max_running
-            and len(step.scheduled) < self.config.max_num_seqs
-        ):
+        while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.policy.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, step.budget)

@@ -521,19 +521,6 @@ def test_pipeline_micro_batches_split_the_running_requests():
     assert not s.schedule().scheduled_ids  # both micro-batches in flight
 
 
-def test_max_num_seqs_bounds_each_micro_batch():
-    """max_num_seqs is per plan (vLLM: per iteration): two stages run twice as many requests, in
-    two micro-batches of at most max_num_seqs rows each."""
-    s = make(block_size=4, max_seqs=2, num_microbatches=2)
-    for i in range(5):
-        add(s, f"r{i}", range(3), ignore_eos=True)
-    first, second, third = s.schedule(), s.schedule(), s.schedule()
-    assert first.scheduled_ids == ["r0", "r1"] and second.scheduled_ids == ["r2", "r3"]
-    assert not third.scheduled_ids and len(s.running) == 4  # r4 waits: 2 x max_num_seqs run
-    s.update_from_output(first, result_for(s, first))
-    assert s.schedule().scheduled_ids == ["r0", "r1"]
-
-
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="max_model_len"):
         make(num_blocks=3, block_size=4, max_model_len=16)

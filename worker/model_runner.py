@@ -98,9 +98,9 @@ class ModelRunner:
         groups = kv_cache_groups(config.model.hf)
         slot_of = {layer: j for group in groups for j, layer in enumerate(group.layer_ids)}
         self.kv_slots = [slot_of[i] for i in range(*layers)]  # per layer of this stage
-        # Every running request has a row: max_num_seqs per plan, one plan per pipeline stage.
-        max_running = config.scheduler.max_num_seqs * info.pp_size
-        self.batch = InputBatch(max_running, config.max_model_len, self.block_size, len(groups))
+        self.batch = InputBatch(
+            config.scheduler.max_num_seqs, config.max_model_len, self.block_size, len(groups)
+        )
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.profiled_peak: int | None = None
         self._pin = device.type == "cuda"
