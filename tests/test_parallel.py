@@ -66,8 +66,11 @@ def llama(tmp_path_factory):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_equals_single(llama, tp, pp):
     path, want = llama
-    # A small budget makes several chunked steps, so pp=2 really keeps two plans in flight.
-    assert generate(path, tp, pp, grammars=True, max_num_batched_tokens=24) == want
+    # A small budget makes several chunked steps, so pp=2 really keeps two plans in flight (two
+    # micro-batches of half the running requests each); with pp, a KV cache of 24 blocks of 4
+    # tokens (a request needs up to 13) preempts requests while micro-batches are in flight.
+    kw = dict(block_size=4, num_gpu_blocks_override=24, max_model_len=64) if pp > 1 else {}
+    assert generate(path, tp, pp, grammars=True, max_num_batched_tokens=24, **kw) == want
 
 
 def test_kv_heads_fewer_than_tp_are_replicated(tmp_path_factory):

@@ -15,6 +15,11 @@ prompt on an H100 host) than the GPU takes to run them (~13 ms); replayed, 1.3 m
 have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that owns the
 padding tokens (they write nowhere and attend among themselves over block 0).
 
+Every pipeline stage captures its own layers. A stage after the first reads the hidden states and
+residual it receives from static buffers the runner owns (the forward it passes in slices them),
+and a stage before the last returns both ([n, H] each), which the runner sends on from the graph's
+outputs (parallel/groups.py: NCCL's stream, no host sync).
+
 For batch-1 latency, a decode bucket up to `HEAD_MAX_BATCH` rows also runs the LM head and the
 greedy argmax inside its graph (`head`).
 
