@@ -8,6 +8,11 @@ batch and feed it in; the core learns it from the result), unless that token is 
 request by length; without it (pipeline stages, whose first stage never sees samples) the request
 is skipped until its token is back.
 
+Micro-batches (`num_microbatches` = pipeline stages): a plan takes at most 1/P of the running
+requests, so with P plans in flight over disjoint requests every stage has a share of the batch to
+work on; without the cap the first plan would take every request and the next plans would find
+each one still in flight (stage 1 idle while stage 2 works, and back: a bubble of (P-1)/P).
+
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
 (`NewRequest`), then only its new blocks (`CachedDelta`), and its sampled tokens only where the
 ranks that embed tokens do not sample (pipeline stages before the last; with one stage every rank
@@ -63,9 +68,11 @@ class Scheduler:
         async_scheduling: bool = False,
         workers_keep_samples: bool = False,
         group_windows: list[int | None] | None = None,
+        num_microbatches: int = 1,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
-        absent, one global group."""
+        absent, one global group. `num_microbatches`: plans in flight over disjoint requests
+        (pipeline stages; see the module docstring)."""
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             group_windows or [None],
@@ -86,6 +93,8 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         # One pipeline stage: the ranks that embed tokens sampled them, so plans carry no tokens.
         self.workers_keep_samples = workers_keep_samples
+        assert num_microbatches >= 1
+        self.num_microbatches = num_microbatches
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -158,11 +167,11 @@ class Scheduler:
         """Plan one step.
 
         Algorithm: one budget of `max_num_batched_tokens` tokens, no prefill/decode phases.
-        1. Running requests, in policy order: each takes min(tokens left to compute, budget)
-           tokens (a decode is 1, an unfinished prompt a chunk; tokens in flight count as known
-           under async scheduling, else such a request has none left and is skipped). If its
-           blocks don't fit, preempt the tail of
-           `running` (lowest priority / latest) by recompute, until it fits or it was the tail.
+        1. Running requests, in policy order, at most 1/`num_microbatches` of them: each takes
+           min(tokens left to compute, budget) tokens (a decode is 1, an unfinished prompt a
+           chunk; tokens in flight count as known under async scheduling, else such a request
+           has none left and is skipped). If its blocks don't fit, preempt the tail of `running`
+           (lowest priority / latest) by recompute, until it fits or it was the tail.
         2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
            and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at
            the first that does not fit (no skipping ahead).
@@ -180,8 +189,9 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, step: _StepBuilder) -> None:
+        max_rows = cdiv(len(self.running), self.num_microbatches)  # this plan's micro-batch
         i = 0
-        while i < len(self.running) and step.budget > 0:
+        while i < len(self.running) and step.budget > 0 and len(step.scheduled) < max_rows:
             req = self.running[i]
             num_new = min(self._num_feedable(req) - req.num_computed_tokens, step.budget)
             if num_new > 0:

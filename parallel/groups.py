@@ -1,7 +1,9 @@
 """Process groups for one worker: the world, its tensor-parallel group and its pipeline neighbours.
 
 Rank layout: `rank = pp_stage * tp + tp_rank`, so a TP group is a contiguous run of ranks (one
-host's NVLink island when tp <= GPUs per host) and pipeline stages talk rank to rank +/- tp.
+host's NVLink island when tp <= GPUs per host) and pipeline stages talk rank to rank +/- tp, each
+link over a group of its own two ranks (P2P on the world group would be serialized with every other
+op of that group, and NCCL warns so).
 NCCL on GPU, gloo on CPU; both rendezvous over TCP at master_addr:master_port, with a timeout so
 that a missing peer fails start-up instead of hanging it.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +21,17 @@ from pagedserve.config import ParallelConfig
 from pagedserve.parallel.state import init_tp_group
 
 INIT_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass
+class _StageLinks:
+    """This rank's groups of two with the previous and the next pipeline stage (None: none)."""
+
+    prev: Any = None
+    next: Any = None
+
+
+_LINKS = _StageLinks()
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,12 @@ def init_distributed(info: RankInfo, master_addr: str, master_port: int, device:
         if stage == info.pp_stage:
             my_group = group
     init_tp_group(my_group, info.tp_rank, info.tp_size)
+    for rank in range(info.world_size - info.tp_size):  # every stage-to-stage link, on all ranks
+        link = dist.new_group([rank, rank + info.tp_size])
+        if rank == info.rank:
+            _LINKS.next = link
+        elif rank == info.prev_rank:
+            _LINKS.prev = link
     if device.type == "cuda" and info.tp_size > 1:
         check_same_devices(gather_devices(device, info.world_size))
 
@@ -135,13 +155,20 @@ def layer_range(num_layers: int, info: RankInfo, partition: list[int] | None) ->
 
 
 def send_intermediate(hidden: torch.Tensor, residual: torch.Tensor, dst: int) -> None:
-    """Hidden states and residual to the next stage ([T, H] each, stacked: one message)."""
-    dist.send(torch.stack([hidden, residual]).contiguous(), dst)
+    """Hidden states and residual ([T, H] each) to the next stage, sent from where they lie
+    (a CUDA graph's static outputs: no stacked copy). Under NCCL the host never waits: each send
+    runs on NCCL's own stream after an event of the compute stream, and the compute stream waits
+    for it on the device only (so the next replay cannot overwrite what is still being sent)."""
+    dist.send(hidden.contiguous(), dst, group=_LINKS.next)
+    dist.send(residual.contiguous(), dst, group=_LINKS.next)
 
 
 def recv_intermediate(
-    num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device, src: int
+    hidden: torch.Tensor, residual: torch.Tensor, src: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    buf = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
-    dist.recv(buf, src)
-    return buf[0], buf[1]
+    """The previous stage's hidden states and residual into `hidden` and `residual` ([T, H]:
+    fresh tensors, or a graph's static input buffers); under NCCL the compute stream waits for
+    them on the device, the host goes on queueing the forward."""
+    dist.recv(hidden, src, group=_LINKS.prev)
+    dist.recv(residual, src, group=_LINKS.prev)
+    return hidden, residual

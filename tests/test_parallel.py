@@ -66,8 +66,11 @@ def llama(tmp_path_factory):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_equals_single(llama, tp, pp):
     path, want = llama
-    # A small budget makes several chunked steps, so pp=2 really keeps two plans in flight.
-    assert generate(path, tp, pp, grammars=True, max_num_batched_tokens=24) == want
+    # A small budget makes several chunked steps, so pp=2 really keeps two plans in flight (two
+    # micro-batches of half the running requests each); with pp, a KV cache of 24 blocks of 4
+    # tokens (a request needs up to 13) preempts requests while micro-batches are in flight.
+    kw = dict(block_size=4, num_gpu_blocks_override=24, max_model_len=64) if pp > 1 else {}
+    assert generate(path, tp, pp, grammars=True, max_num_batched_tokens=24, **kw) == want
 
 
 def test_kv_heads_fewer_than_tp_are_replicated(tmp_path_factory):
@@ -249,3 +252,27 @@ def intrude(port: int, key: CurveKey, busy) -> list[bytes]:
         sock.close()
     ctx.term()
     return got
+
+
+def test_pipeline_keeps_micro_batches_in_flight(llama, tmp_path, monkeypatch):
+    """--pp 2 on CPU: two plans in flight over disjoint halves of the running requests (the
+    core's step trace: one line per plan, sent / result in / handled / requests / tokens)."""
+    from pagedserve import settings
+
+    path, _ = llama
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", str(tmp_path / "trace"))
+    settings.forget()
+    try:
+        batch = [{"prompt_token_ids": [5 + i, 9, 17 + i]} for i in range(8)]
+        with LLM(path, device="cpu", dtype="float32", pipeline_parallel_size=2) as llm:
+            outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        settings.forget()
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    with open(tmp_path / "trace") as f:
+        plans = [line.split() for line in f]
+    sent, received = [float(p[0]) for p in plans], [float(p[1]) for p in plans]
+    rows = [int(p[3]) for p in plans if p[3] == p[4]]  # decode-only plans
+    assert max(rows) == 4 and len(rows) >= 14, rows  # 8 running: micro-batches of 4
+    overlapped = sum(s < r for s, r in zip(sent[1:], received, strict=False))
+    assert overlapped >= len(plans) // 2, "the next plan left before the one before came back"

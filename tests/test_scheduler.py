@@ -32,6 +32,7 @@ def make(
     workers_keep_samples: bool = False,
     window: int | None = None,
     windows: list[int | None] | None = None,
+    num_microbatches: int = 1,
 ) -> Scheduler:
     """`window`: one windowed KV cache group; `windows`: one group per entry."""
     return Scheduler(
@@ -43,6 +44,7 @@ def make(
         async_scheduling=async_scheduling,
         workers_keep_samples=workers_keep_samples,
         group_windows=windows or ([window] if window else None),
+        num_microbatches=num_microbatches,
     )
 
 
@@ -502,6 +504,23 @@ def test_no_tokens_travel_back_when_the_workers_keep_their_samples():
     assert s.requests["a"].output_token_ids == [7, 8]
 
 
+def test_pipeline_micro_batches_split_the_running_requests():
+    """Two stages: each plan takes half of the running requests, disjoint from the plan in
+    flight, so both stages work (without the cap the second plan finds every request busy)."""
+    s = make(block_size=4, budget=64, num_microbatches=2)
+    for i in range(5):
+        add(s, f"r{i}", range(3), ignore_eos=True)
+    step(s)  # the prompts: every request samples its first token
+    first, second = s.schedule(), s.schedule()
+    assert first.scheduled_ids == ["r0", "r1", "r2"] and second.scheduled_ids == ["r3", "r4"]
+    s.update_from_output(first, result_for(s, first))
+    third = s.schedule()  # the first micro-batch again, while the second is in flight
+    assert third.scheduled_ids == ["r0", "r1", "r2"]
+    s.update_from_output(second, result_for(s, second))
+    assert s.schedule().scheduled_ids == ["r3", "r4"]
+    assert not s.schedule().scheduled_ids  # both micro-batches in flight
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="max_model_len"):
         make(num_blocks=3, block_size=4, max_model_len=16)
@@ -623,6 +642,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             async_scheduling=async_scheduling,
             workers_keep_samples=keep_samples,
             group_windows=windows,
+            num_microbatches=max_inflight if not keep_samples else 1,  # pipeline stages
         )
         self.rng = random.Random(seed)
         self.worker = FakeWorker(self.rng, block_size, windows)

@@ -15,6 +15,11 @@ prompt on an H100 host) than the GPU takes to run them (~13 ms); replayed, 1.3 m
 have `max_seqs + 1` sequence slots: the real rows, then empty rows, then one row that owns the
 padding tokens (they write nowhere and attend among themselves over block 0).
 
+Every pipeline stage captures its own layers. A stage after the first reads the hidden states and
+residual it receives from static buffers the runner owns (the forward it passes in slices them),
+and a stage before the last returns both ([n, H] each), which the runner sends on from the graph's
+outputs (parallel/groups.py: NCCL's stream, no host sync).
+
 For batch-1 latency, a decode bucket up to `HEAD_MAX_BATCH` rows also runs the LM head and the
 greedy argmax inside its graph (`head`).
 
@@ -43,11 +48,17 @@ from pagedserve.worker.input_batch import StepInputs
 # serving's typical step: a decode batch plus a prompt of a few hundred tokens), coarser above.
 MIXED_TOKEN_SIZES = (3072, 2560, 2048, 1792, 1536, 1280, *range(1024, 0, -128), 64)
 MIXED_MAX_TOKENS = MIXED_TOKEN_SIZES[0]
+DECODE_MAX_BATCH = 512  # the largest decode bucket
 HEAD_MAX_BATCH = 8  # decode buckets up to this run the LM head and argmax in their graph
 CASCADE_BUCKET_STEP = 64  # decode buckets with a cascade variant: multiples of this
 CASCADE_SLOT = 16  # int32 slots for the prefix length (one used; keeps the tables 16-aligned)
 
-GraphOutputs = tuple[torch.Tensor, ...]  # hidden [n, H], then (head) logits [n, V], ids [n]
+# hidden [n, H]; then on a stage that is not the last its residual [n, H], or on the last stage
+# with the head its logits [n, V] and argmax ids [n]
+GraphOutputs = tuple[torch.Tensor, ...]
+StageForward = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | tuple[torch.Tensor, ...]
+]
 GraphKey = tuple[int, bool]  # (bucket size, cascade)
 
 
@@ -72,7 +83,7 @@ class _GraphSet:
 
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        forward: StageForward,
         sizes: list[int],
         max_tokens: int,
         int32_len: int,
@@ -102,7 +113,8 @@ class _GraphSet:
         raise NotImplementedError
 
     def _graph_forward(self, key: GraphKey, *args: object) -> GraphOutputs:
-        return (self.forward(*args),)
+        out = self.forward(*args)
+        return out if isinstance(out, tuple) else (out,)
 
     def _metadata(
         self, num_tokens: int, num_seqs: int, max_query_len: int, query_start_loc_cpu: np.ndarray
@@ -180,7 +192,7 @@ class DecodeGraphs(_GraphSet):
 
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        forward: StageForward,
         max_batch: int,
         max_blocks: int,
         max_model_len: int,
@@ -212,10 +224,10 @@ class DecodeGraphs(_GraphSet):
         return meta
 
     def _graph_forward(self, key: GraphKey, *args: object) -> GraphOutputs:
-        hidden = self.forward(*args)
+        outputs = super()._graph_forward(key, *args)
         if self.head is None or key[0] > HEAD_MAX_BATCH:
-            return (hidden,)
-        return (hidden, *self.head(hidden))
+            return outputs
+        return (outputs[0], *self.head(outputs[0]))
 
     def bucket(self, num_seqs: int, cascade: bool = False) -> GraphKey | None:
         """The graph for a decode step of `num_seqs` rows: a cascade one when the step has a
@@ -254,7 +266,7 @@ class MixedGraphs(_GraphSet):
 
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        forward: StageForward,
         max_seqs: int,
         max_tokens: int,
         max_blocks: int,
@@ -288,15 +300,25 @@ class MixedGraphs(_GraphSet):
         inputs: StepInputs,
         size: int,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Copy a mixed batch into the static buffers, replay; hidden states [T, H]."""
+    ) -> GraphOutputs:
+        """Copy a mixed batch into the static buffers, replay; hidden states [T, H] (and on a
+        stage before the last, the residual [T, H])."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay((size, False), len(inputs.input_ids), end, fill)[0]
+        return self._replay((size, False), len(inputs.input_ids), end, fill)
+
+
+def max_graph_tokens(config: EngineConfig) -> int:
+    """The most tokens any graph of `capture_graphs` runs (the size of a later pipeline stage's
+    static buffers for the hidden states it receives)."""
+    sched = config.scheduler
+    max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
+    fits = [t for t in MIXED_TOKEN_SIZES if t >= max_tokens]
+    return max(min(fits) if fits else MIXED_MAX_TOKENS, min(sched.max_num_seqs, DECODE_MAX_BATCH))
 
 
 def capture_graphs(
-    forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+    forward: StageForward,
     config: EngineConfig,
     max_blocks: int,
     device: torch.device,
@@ -315,9 +337,8 @@ def capture_graphs(
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
     mixed = MixedGraphs(forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape)
     mixed.capture()
-    decode = DecodeGraphs(
-        forward, max_batch=min(sched.max_num_seqs, 512), head=head, cascade=cascade, **shape
-    )
+    max_batch = min(sched.max_num_seqs, DECODE_MAX_BATCH)
+    decode = DecodeGraphs(forward, max_batch=max_batch, head=head, cascade=cascade, **shape)
     decode.capture(pool=mixed.pool)
     return decode, mixed
 

@@ -25,7 +25,13 @@ from pagedserve.kernels.attention.cascade import cascade_len
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.parallel.groups import RankInfo, layer_range, recv_intermediate, send_intermediate
 from pagedserve.worker.cpu_compile import MAX_TOKENS, CpuCompiler, attention_layers
-from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_graphs
+from pagedserve.worker.cuda_graphs import (
+    DecodeGraphs,
+    GraphOutputs,
+    MixedGraphs,
+    capture_graphs,
+    max_graph_tokens,
+)
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
@@ -101,6 +107,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        # A later pipeline stage's graphs read the hidden states and residual it receives from
+        # these static buffers ([2, max graph tokens, H]).
+        self.stage_in: torch.Tensor | None = None
         self.cpu_compiler: CpuCompiler | None = None  # the compiled CPU forward, once built
         self.features = step_features(config, device, info, self.model, self.dtype)
         # Structured outputs: grammars compile here; the sampling ranks mask constrained rows.
@@ -199,9 +208,14 @@ class ModelRunner:
             warm_up_attention(layers, self.kv_caches[0], self.dtype, self.features.cascade)
             timings["attention warm-up"] = time.perf_counter() - t1
         if self.features.cuda_graphs:
+            if not self.info.is_first_stage:
+                shape = (2, max_graph_tokens(self.config), self.hidden_size)
+                self.stage_in = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
             def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
-                return self.model(ids, pos, self.kv_caches, meta)
+                n = len(ids)
+                received = None if self.stage_in is None else tuple(self.stage_in[:, :n])
+                return self.model(ids, pos, self.kv_caches, meta, received)
 
             max_blocks = self.batch.block_tables.shape[2]
             self.graphs, self.mixed_graphs = capture_graphs(
@@ -270,30 +284,40 @@ class ModelRunner:
                 inputs.block_tables, inputs.seq_lens, q_lens, self.block_size
             )
         fill = self._device_fill(inputs, prev)
-        info = self.info
-        intermediate = None
-        if not info.is_first_stage:
-            intermediate = recv_intermediate(
-                len(inputs.input_ids), self.hidden_size, self.dtype, self.device, info.prev_rank
-            )
         bucket = self._graph_bucket(inputs)
         mixed = self._mixed_bucket(inputs) if bucket is None else None
+        graph_size = bucket[0] if bucket is not None else mixed
+        intermediate = None if self.info.is_first_stage else self._receive(inputs, graph_size)
         if bucket is not None:
-            hidden, *head = self.graphs.run(inputs, bucket, fill)  # [T, H], logits, ids
-            if head and inputs.sample_rows:
-                return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
+            outputs = self.graphs.run(inputs, bucket, fill)  # [T, H], then residual or head
         elif mixed is not None:
-            hidden = self.mixed_graphs.run(inputs, mixed, fill)  # [T, H]
+            outputs = self.mixed_graphs.run(inputs, mixed, fill)
         else:
-            hidden = self._forward(inputs, self.kv_caches, intermediate, fill)  # [T, H]
-        if not info.is_last_stage:
-            send_intermediate(*hidden, info.next_rank)
+            outputs = self._forward(inputs, self.kv_caches, intermediate, fill)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if not self.info.is_last_stage:
+            send_intermediate(*outputs, self.info.next_rank)  # hidden, residual [T, H]
             return StartedStep(plan, inputs, None)
         if not inputs.sample_rows:
             return StartedStep(plan, inputs, None)
+        hidden, *head = outputs  # head: a decode graph's logits [T, V] and ids [T]
+        if head:
+            return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
         logits_idx = to_device(inputs.logits_indices, self.device)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
         return StartedStep(plan, inputs, logits)
+
+    def _receive(self, inputs: StepInputs, graph_size: int | None) -> GraphOutputs:
+        """The previous stage's hidden states and residual [T, H] for this step: into the
+        graphs' static buffers when a graph of `graph_size` tokens runs it (its padding rows
+        zeroed), else into fresh tensors."""
+        n = len(inputs.input_ids)
+        if graph_size is None:
+            hidden = torch.empty((n, self.hidden_size), dtype=self.dtype, device=self.device)
+            return recv_intermediate(hidden, torch.empty_like(hidden), self.info.prev_rank)
+        if graph_size > n:
+            self.stage_in[:, n:graph_size].zero_()
+        return recv_intermediate(self.stage_in[0, :n], self.stage_in[1, :n], self.info.prev_rank)
 
     def _sampled_rows(
         self, inputs: StepInputs, logits: torch.Tensor, ids: torch.Tensor

@@ -26,11 +26,12 @@ class StepFeatures:
     # prefix, and decode graphs get cascade variants. On where a backend the model may run reads
     # it (under `auto`, one of its candidates).
     cascade: bool
-    # Decode and mixed-step CUDA graphs (worker/cuda_graphs.py): capturable attention (every
-    # backend the model may run), one pipeline stage and one KV cache group (the graphs' static
-    # buffers hold one block table).
+    # Decode and mixed-step CUDA graphs (worker/cuda_graphs.py), on every pipeline stage:
+    # capturable attention (every backend the model may run) and one KV cache group (the
+    # graphs' static buffers hold one block table).
     cuda_graphs: bool
-    # LM head and greedy argmax inside small decode graphs (one rank: no collective inside).
+    # LM head and greedy argmax inside small decode graphs (one TP rank: no collective inside;
+    # the last pipeline stage, which holds the head).
     graph_head: bool
     # The compiled CPU forward (worker/cpu_compile.py says for which models).
     cpu_compile: bool
@@ -49,13 +50,17 @@ def step_features(
     cuda_graphs = (
         is_cuda
         and not model_config.enforce_eager
-        and info.pp_size == 1
         and len(kv_cache_groups(model_config.hf)) == 1
         and all(c.cuda_graphs for c in caps)
     )
     return StepFeatures(
         cascade=is_cuda and any(c.cascade for c in caps) and fusion_enabled("cascade"),
         cuda_graphs=cuda_graphs,
-        graph_head=cuda_graphs and fusion_enabled("graph-head") and info.tp_size == 1,
+        graph_head=(
+            cuda_graphs
+            and fusion_enabled("graph-head")
+            and info.tp_size == 1
+            and info.is_last_stage
+        ),
         cpu_compile=eligible(config, device, model),
     )

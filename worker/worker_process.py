@@ -86,14 +86,14 @@ def run_loop(
         WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start, clock.timings)
     )
     # One step may stay unfinished while the next is queued on the device: if the next plan is
-    # already here (async scheduling sends it early), it starts before this one's sampled ids are
-    # read back, so the device runs step N+1 while the host reports step N. With pipeline stages
-    # the core already keeps every stage busy, and a stage must not sit on a result while it
-    # waits for its neighbour, so there each step finishes before the next starts. On a CPU the
-    # forward runs as it is queued, so looking ahead would only hold step N's result back for a
-    # whole forward: there each step is reported as soon as it is sampled, and the core plans
-    # N + 2 while this worker computes N + 1.
-    lookahead = info.pp_size == 1 and device.type == "cuda"
+    # already here (async scheduling sends it early; with pipeline stages the core keeps one plan
+    # per stage out), it starts before this one's sampled ids are read back, so the device runs
+    # step N+1 while the host reports step N. A later pipeline stage's receive is queued on the
+    # device too (NCCL's stream), so starting N+1 never waits for the neighbour on the host. On a
+    # CPU the forward runs as it is queued (and gloo's receive blocks), so looking ahead would
+    # only hold step N's result back for a whole forward: there each step is reported as soon as
+    # it is sampled, and the core plans N + 2 while this worker computes N + 1.
+    lookahead = device.type == "cuda"
     freeze_startup_heap()
     pending = None
     trace = _open_trace(config, rank)
