@@ -61,6 +61,15 @@ class ChatOptions:
     trust_request_chat_template: bool = False
 
 
+@dataclass
+class Started:
+    """An admitted chat request: its prompt, how its reply is read, and its outputs."""
+
+    prompt_token_ids: list[int]
+    shape: ChatShape
+    stream: AsyncIterator[RequestOutput]
+
+
 class ChatServing(Serving):
     def __init__(
         self,
@@ -82,6 +91,44 @@ class ChatServing(Serving):
         )
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        try:
+            started = await self.start(req, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        ids, shape, stream = started.prompt_token_ids, started.shape, started.stream
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": now_s(),
+            "model": req.model or self.model_name,
+        }
+        if req.stream:
+            head["object"] = "chat.completion.chunk"
+            return SSEResponse(self._stream(req, head, len(ids), top_n or 0, stream, shape))
+        try:
+            final = await run_until_disconnect(last_output(stream), raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = shape.message(c.text, c.finish_reason)
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c, 0, top_n or 0) if c.logprobs is not None else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            })  # fmt: skip
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        body = {**head, "choices": choices}
+        body["usage"] = self.usage(len(ids), num_generated, final.num_cached_tokens)
+        return Response(_encode(body), 200)
+
+    async def start(self, req: ChatCompletionRequest, raw: Request) -> Started:
+        """Check, render, tokenize and admit a chat request: what every chat-shaped API (chat
+        completions, Responses, Anthropic Messages) shares. Raises APIError before anything runs,
+        ClientDisconnected if the client left while it was admitted."""
         self.check_request(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
@@ -107,37 +154,8 @@ class ChatServing(Serving):
             after = self.reasoning.grammar_starts_after(ids)
             spec = msgspec.structs.replace(spec, after_token_id=after)
         params = self.sampling_params(req, max_tokens, top_n, spec)
-        try:
-            (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        head = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": now_s(),
-            "model": req.model or self.model_name,
-        }
-        if req.stream:
-            head["object"] = "chat.completion.chunk"
-            return SSEResponse(self._stream(req, head, len(ids), top_n or 0, stream, shape))
-        try:
-            final = await run_until_disconnect(_last(stream), raw)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        choices = []
-        for c in final.outputs:
-            message, finish_reason = shape.message(c.text, c.finish_reason)
-            choices.append({
-                "index": c.index,
-                "message": message,
-                "logprobs": chat_logprobs(c, 0, top_n or 0) if c.logprobs is not None else None,
-                "finish_reason": finish_reason,
-                "stop_reason": c.stop_reason,
-            })  # fmt: skip
-        num_generated = sum(len(c.token_ids) for c in final.outputs)
-        body = {**head, "choices": choices}
-        body["usage"] = self.usage(len(ids), num_generated, final.num_cached_tokens)
-        return Response(_encode(body), 200)
+        (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
+        return Started(ids, shape, stream)
 
     def _shape(self, req: ChatCompletionRequest) -> tuple[ChatShape, StructuredOutputs | None]:
         """How replies are read, and the grammar tool_choice required/named imposes."""
@@ -256,7 +274,7 @@ class ChatServing(Serving):
         yield SSE_DONE
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     final = None
     async for out in stream:
         final = out
@@ -289,6 +307,8 @@ def _message(m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:  # templates that show past reasoning read it (as vLLM passes it)
+        out["reasoning_content"] = m.reasoning_content
     if m.tool_calls:  # templates read arguments as a mapping (transformers' convention)
         out["tool_calls"] = [
             {"id": t.id, "type": t.type, "function": {"name": t.function.name,
