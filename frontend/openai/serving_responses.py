@@ -128,7 +128,8 @@ class ResponsesServing:
             body = self._complete(run)
             for chunk in flush():
                 yield chunk
-            kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+            # cancelled too: an end without completing (OpenAI has no event of its own for it)
+            kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
             yield event({"type": kind, "response": body})
         except Exception as e:
             error = stream_error(e)["error"]
@@ -159,9 +160,11 @@ class ResponsesServing:
         reasoning = _reasoning_tokens(run.started.shape.reasoning, generated, run.output.items)
         body["usage"] = {
             "input_tokens": num_prompt,
+            # cached tokens only with --enable-prompt-tokens-details; no cache-write accounting
             "input_tokens_details": {
-                "cached_tokens": cached if self.chat.prompt_tokens_details else 0
-            },  # fmt: skip
+                "cached_tokens": cached if self.chat.prompt_tokens_details else 0,
+                "cache_write_tokens": 0,
+            },
             "output_tokens": len(generated),
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": num_prompt + len(generated),
