@@ -342,3 +342,52 @@ def test_response_store_bounds() -> None:
     assert store.get("c") is None and store.get("b") is not None
     time.sleep(0.25)
     assert store.get("b") is None and len(store) == 0
+
+
+@pytest.mark.parametrize("summary", [False, True])
+def test_reasoning_text_and_calls_become_items_and_events(summary: bool) -> None:
+    """A reasoning model's reply (qwen3 parser), read as a stream in uneven pieces, becomes a
+    reasoning item, a message and a function call, and Anthropic's thinking, text and tool_use
+    blocks; every event and item passes the SDKs' types."""
+    from anthropic.types import ContentBlock
+    from openai.types.responses import ResponseOutputItem
+
+    from pagedserve.frontend.openai.chat_output import ChatShape, ChoiceStream
+    from pagedserve.frontend.openai.reasoning_parsers import make_reasoning_parser
+    from pagedserve.frontend.openai.response_output import ResponseOutput
+    from pagedserve.frontend.openai.serving_messages import Blocks
+    from pagedserve.frontend.openai.tool_parsers import make_tool_parser
+
+    class Vocab:
+        def get_vocab(self) -> dict[str, int]:
+            return {"</think>": 7}
+
+    reply = '<think>Paris is asked for.</think>Let me look.<tool_call>\n{"name": "get_weather", ' \
+        '"arguments": {"city": "Paris"}}\n</tool_call>'  # fmt: skip
+    shape = ChatShape(reasoning=make_reasoning_parser("qwen3", Vocab()),
+                      tool_parser=make_tool_parser("hermes"))  # fmt: skip
+    output, blocks = ResponseOutput(summary, True), Blocks()
+    choice = ChoiceStream(shape)
+    for end in [3, 9, 30, 31, 45, 80, len(reply)]:
+        for delta in choice.deltas(reply[:end], final=end == len(reply)):
+            output.feed(delta)
+            blocks.feed(delta)
+    output.close()
+    blocks.close()
+    assert [i["type"] for i in output.items] == ["reasoning", "message", "function_call"]
+    for number, event in enumerate(output.events):
+        strict(ResponseStreamEvent, {**event, "sequence_number": number})
+    for item in output.items:
+        strict(ResponseOutputItem, item)
+    reasoning, message, call = output.items
+    assert reasoning["content"][0]["text"] == "Paris is asked for."
+    assert bool(reasoning["summary"]) == summary and reasoning["encrypted_content"]
+    assert message["content"][0]["text"] == "Let me look."
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    kinds = [e["type"] for e in output.events]
+    assert ("response.reasoning_summary_text.delta" in kinds) == summary
+    assert output.message()["tool_calls"][0]["function"]["name"] == "get_weather"
+    for event in blocks.events:
+        strict(RawMessageStreamEvent, event)
+    assert [strict(ContentBlock, b).type for b in blocks.blocks] == ["thinking", "text", "tool_use"]
+    assert blocks.blocks[2]["input"] == {"city": "Paris"}
