@@ -60,7 +60,7 @@ class ReasoningConfig(BaseModel):
 
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] | None = None  # none: previous_response_id's turn only
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -138,6 +138,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
 def conversation(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`history` then `req.input` as chat messages (instructions left out)."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = items or []
     messages = list(history)
     call_ids = {c["id"] for m in history for c in m.get("tool_calls") or ()}
     reasoning: str | None = None
