@@ -319,6 +319,30 @@ def test_messages_bad_inputs(url: str, http: httpx.Client, claude: anthropic.Ant
     assert claude.messages.create(model=MODEL, max_tokens=2, messages=[user]).usage.output_tokens
 
 
+def test_disconnect_aborts(url: str, http: httpx.Client) -> None:
+    """A client that leaves a stream early frees its request in the engine and the server (an
+    output stream nobody reads or closes would stay tracked)."""
+    user = {"role": "user", "content": "x"}
+    asks = [("/v1/responses", {"input": "class A:", "max_output_tokens": 400}),
+            ("/v1/messages", {"max_tokens": 400, "messages": [user]})]  # fmt: skip
+    names = ("pagedserve:num_requests_running{", "pagedserve:api_server_requests_tracked{")
+    for path, body in asks:
+        leaving = httpx.Client(base_url=url, headers={"x-api-key": KEY}, timeout=60)
+        with (
+            leaving,
+            leaving.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r,
+        ):
+            next(r.iter_lines())
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            lines = http.get("/metrics").text.splitlines()
+            busy = [float(line.split()[-1]) for line in lines if line.startswith(names)]
+            if len(busy) == 2 and not any(busy):
+                break
+            time.sleep(0.2)
+        assert len(busy) == 2 and not any(busy), (path, busy)
+
+
 def test_metrics_per_endpoint(http: httpx.Client) -> None:
     user = {"role": "user", "content": "x"}
     http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": [user]})

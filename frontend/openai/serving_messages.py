@@ -150,11 +150,16 @@ class MessagesServing:
 
     async def _collect(self, head: dict[str, Any], started: Started) -> dict[str, Any]:
         blocks, choice, final = Blocks(), ChoiceStream(started.shape), None
-        async for out in with_ticks(started.stream):
-            assert out is not None
-            final, c = out, out.outputs[0]
-            for delta in choice.deltas(c.text, final=c.finish_reason is not None):
-                blocks.feed(delta)
+        outputs = with_ticks(started.stream)
+        try:
+            async for out in outputs:
+                assert out is not None
+                final, c = out, out.outputs[0]
+                for delta in choice.deltas(c.text, final=c.finish_reason is not None):
+                    blocks.feed(delta)
+        finally:
+            await outputs.aclose()  # aborts the request if it did not finish
+            await started.stream.aclose()  # type: ignore[attr-defined]
         assert final is not None
         blocks.close()
         return {**head, "content": blocks.blocks, **self._stop(final.outputs[0], blocks),
@@ -167,10 +172,11 @@ class MessagesServing:
             events, blocks.events = blocks.events, []
             return [_event(e) for e in events]
 
+        outputs = with_ticks(started.stream, PING_S)
         try:
             yield _event({"type": "message_start", "message": head})
             yield _event({"type": "ping"})
-            async for out in with_ticks(started.stream, PING_S):
+            async for out in outputs:
                 if out is None:
                     yield _event({"type": "ping"})
                     continue
@@ -191,6 +197,9 @@ class MessagesServing:
             error = stream_error(e)["error"]
             status = {"service_unavailable": 529, "invalid_request_error": 400}
             yield _event(error_body(status.get(error["type"], 500), error["message"]))
+        finally:
+            await outputs.aclose()  # aborts the request if it did not finish
+            await started.stream.aclose()  # type: ignore[attr-defined]  (if never started)
 
     @staticmethod
     def _stop(c: CompletionOutput, blocks: Blocks) -> dict[str, Any]:

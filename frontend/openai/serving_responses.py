@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,36 +77,53 @@ class ResponsesServing:
         include = req.include or ()
         output = ResponseOutput(req.summary, "reasoning.encrypted_content" in include)
         head = self._head(req, new_id("resp"))
-        run = self.runs[head["id"]] = Run(req, head, messages, started, output)
+        run = Run(req, head, messages, started, output)
         if req.stream:
             return SSEResponse(self._stream(run))
         try:
-            body = await run_until_disconnect(self._finish(run, _drain(self._run(run))), raw)
+            body = await run_until_disconnect(self._collect(run), raw)
         except ClientDisconnected:
             return Response(status_code=499)
         return Response(_encode(body), 200)
 
     # ------------------------------------------------------------------ generation
+    @contextmanager
+    def _running(self, run: Run) -> Iterator[None]:
+        """While a response generates, GET and cancel find it. Its `done` future gets the final
+        body (`_complete`), or is cancelled if it failed."""
+        self.runs[run.head["id"]] = run
+        try:
+            yield
+        finally:
+            self.runs.pop(run.head["id"], None)
+            if not run.done.done():
+                run.done.cancel()
+
     async def _run(self, run: Run) -> AsyncIterator[None]:
         """Feed the reply's deltas to `run.output`; yields whenever events are queued."""
         choice = ChoiceStream(run.started.shape)
-        async for out in with_ticks(run.started.stream, cancel=run.cancel):
-            assert out is not None  # no ticks asked for
-            c = out.outputs[0]
-            for delta in choice.deltas(c.text, final=c.finish_reason is not None):
-                run.output.feed(delta)
-            run.final = out
-            yield None
-
-    async def _finish(self, run: Run, generating: Any) -> dict[str, Any]:
+        outputs = with_ticks(run.started.stream, cancel=run.cancel)
         try:
-            await generating
-        except BaseException:
-            self.runs.pop(run.head["id"], None)
-            run.done.cancel()  # a cancel waiting on it answers with the head
-            raise
-        self.runs.pop(run.head["id"], None)
-        return self._complete(run)
+            async for out in outputs:
+                assert out is not None  # no ticks asked for
+                c = out.outputs[0]
+                for delta in choice.deltas(c.text, final=c.finish_reason is not None):
+                    run.output.feed(delta)
+                run.final = out
+                yield None
+        finally:
+            await outputs.aclose()  # aborts the request if it did not finish
+            await run.started.stream.aclose()  # type: ignore[attr-defined]  (if never started)
+
+    async def _collect(self, run: Run) -> dict[str, Any]:
+        with self._running(run):
+            updates = self._run(run)
+            try:
+                async for _ in updates:
+                    pass
+            finally:
+                await updates.aclose()
+            return self._complete(run)
 
     async def _stream(self, run: Run) -> AsyncIterator[bytes]:
         sequence = 0
@@ -119,26 +137,28 @@ class ResponsesServing:
             events, run.output.events = run.output.events, []
             return [event(e) for e in events]
 
-        try:
-            yield event({"type": "response.created", "response": _copy_head(run.head)})
-            yield event({"type": "response.in_progress", "response": _copy_head(run.head)})
-            async for _ in self._run(run):
+        with self._running(run):
+            updates = self._run(run)
+            try:
+                yield event({"type": "response.created", "response": _copy_head(run.head)})
+                yield event({"type": "response.in_progress", "response": _copy_head(run.head)})
+                async for _ in updates:
+                    for chunk in flush():
+                        yield chunk
+                body = self._complete(run)
                 for chunk in flush():
                     yield chunk
-            body = self._complete(run)
-            for chunk in flush():
-                yield chunk
-            # cancelled too: an end without completing (OpenAI has no event of its own for it)
-            kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-            yield event({"type": kind, "response": body})
-        except Exception as e:
-            error = stream_error(e)["error"]
-            yield event({"type": "error", "message": error["message"], "code": error["code"],
-                         "param": error["param"]})  # fmt: skip
-        finally:
-            self.runs.pop(run.head["id"], None)
-            if not run.done.done():
-                run.done.cancel()
+                # cancelled too: an end short of completion (OpenAI has no event of its own)
+                done = body["status"] == "completed"
+                yield event({"type": "response.completed" if done else "response.incomplete",
+                             "response": body})  # fmt: skip
+            except Exception as e:
+                error = stream_error(e)["error"]
+                yield event({"type": "error", "message": error["message"],
+                             "code": error["code"], "param": error["param"]})  # fmt: skip
+            finally:
+                await updates.aclose()
+                await run.started.stream.aclose()  # type: ignore[attr-defined]  (never started)
 
     def _complete(self, run: Run) -> dict[str, Any]:
         """The finished response (stored if asked); ends its output items."""
@@ -236,11 +256,6 @@ class ResponsesServing:
             "user": req.user,
             "metadata": req.metadata or {},
         }
-
-
-async def _drain(updates: AsyncIterator[None]) -> None:
-    async for _ in updates:
-        pass
 
 
 def _copy_head(head: dict[str, Any]) -> dict[str, Any]:
