@@ -415,3 +415,42 @@ def test_reasoning_text_and_calls_become_items_and_events(summary: bool) -> None
         strict(RawMessageStreamEvent, event)
     assert [strict(ContentBlock, b).type for b in blocks.blocks] == ["thinking", "text", "tool_use"]
     assert blocks.blocks[2]["input"] == {"city": "Paris"}
+
+
+def test_codex_style_input_becomes_a_chat_request() -> None:
+    """What Codex CLI sends (store false, developer instructions, the previous turn's reasoning
+    as encrypted_content, a call and its output) becomes the chat conversation it means."""
+    import base64
+
+    from pagedserve.frontend.openai.responses_protocol import (
+        ResponsesRequest,
+        chat_request,
+        conversation,
+    )
+
+    def text(role: str, value: str) -> dict:
+        return {"type": "message", "role": role, "content": [{"type": "input_text", "text": value}]}
+
+    thought = base64.b64encode(b"I should call it.").decode()
+    req = ResponsesRequest.model_validate({
+        "model": MODEL, "instructions": "Be terse.", "store": False, "stream": True,
+        "tools": [FUNCTION], "tool_choice": "required", "parallel_tool_calls": False,
+        "reasoning": {"effort": "low", "summary": "auto"}, "prompt_cache_key": "k",
+        "include": ["reasoning.encrypted_content"],
+        "input": [text("developer", "Use tools."), text("user", "Weather in Paris?"),
+                  {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": thought},
+                  {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                   "arguments": '{"city": "Paris"}'},
+                  {"type": "function_call_output", "call_id": "c1", "output": "21 C"}],
+    })  # fmt: skip
+    chat = chat_request(req, conversation(req, []))
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool"]
+    assert chat.messages[0].content == "Be terse.\n\nUse tools."
+    assistant = chat.messages[2]
+    assert assistant.reasoning_content == "I should call it." and assistant.content is None
+    assert assistant.tool_calls[0].id == "c1" and assistant.tool_calls[0].function.name == (
+        "get_weather"
+    )
+    assert chat.messages[3].tool_call_id == "c1" and chat.messages[3].content == "21 C"
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert chat.tools[0].function.parameters == WEATHER_SCHEMA and not chat.parallel_tool_calls

@@ -114,7 +114,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         kwargs["reasoning_effort"] = req.reasoning.effort  # templates that take it read it
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": [*system, *messages],
+        "messages": _merge_leading_system([*system, *messages]),
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -180,6 +180,18 @@ def conversation(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[d
                            "(message, function_call, function_call_output, reasoning).",
                            param="input")  # fmt: skip
     return messages
+
+
+def _merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`instructions` and the developer/system messages that open `input` (as Codex CLI sends
+    them) as one system message: many templates take a system message only first."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n < 2:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": text}, *messages[n:]]
 
 
 def _field(item: dict[str, Any], name: str, where: str) -> str:
