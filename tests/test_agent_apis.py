@@ -454,3 +454,41 @@ def test_codex_style_input_becomes_a_chat_request() -> None:
     assert chat.messages[3].tool_call_id == "c1" and chat.messages[3].content == "21 C"
     assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
     assert chat.tools[0].function.parameters == WEATHER_SCHEMA and not chat.parallel_tool_calls
+
+
+def test_claude_code_style_request_becomes_a_chat_request() -> None:
+    """What Claude Code sends (system blocks with cache_control, thinking and tool_use blocks
+    replayed, an is_error tool_result beside new text) becomes the chat conversation it means."""
+    from pagedserve.frontend.openai.messages_protocol import MessagesRequest, chat_request
+
+    cache = {"type": "ephemeral"}
+    req = MessagesRequest.model_validate({
+        "model": MODEL, "max_tokens": 64, "stream": True, "metadata": {"user_id": "u1"},
+        "system": [{"type": "text", "text": "You are an agent.", "cache_control": cache},
+                   {"type": "text", "text": "Be terse."}],
+        "tools": [{**TOOL, "cache_control": cache}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [
+            {"role": "user",
+             "content": [{"type": "text", "text": "Weather?", "cache_control": cache}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Call it.", "signature": "s"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                 "content": [{"type": "text", "text": "timeout"}]},
+                {"type": "text", "text": "Try again."}]},
+        ],
+    })  # fmt: skip
+    chat = chat_request(req)
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert chat.messages[0].content == "You are an agent.\nBe terse."
+    assistant = chat.messages[2]
+    assert assistant.content == "Checking." and assistant.reasoning_content == "Call it."
+    assert assistant.tool_calls[0].function.arguments == {"city": "Paris"}
+    assert chat.messages[3].content == "Error: timeout" and chat.messages[4].content == "Try again."
+    assert chat.tool_choice == "required" and not chat.parallel_tool_calls and chat.user == "u1"
+    assert chat.chat_template_kwargs == {"enable_thinking": True, "thinking_budget": 1024}
