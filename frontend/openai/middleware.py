@@ -4,8 +4,8 @@
   `Connection: close`) while requests already running finish; `/metrics` stays open.
 - API key: `Authorization: Bearer KEY` or (Anthropic's clients) `x-api-key: KEY`, compared in
   constant time (`hmac.compare_digest`); `/health` is open, and `/metrics` with `--metrics-public`
-  only: its prefix-cache counters would tell any client whether a guessed
-  prompt was cached for another (docs/serving.md, Security).
+  only: its prefix-cache counters would tell any client whether a guessed prompt was cached for
+  another (docs/serving.md, Security).
 - Body size: a body over `max_request_bytes` is refused with 413 before the app parses any of it
   (by Content-Length, or while reading a chunked body), so a huge body costs no JSON parsing.
 - Responses carry `x-pagedserve-api-server: <index>`. Refusals under /v1/messages are in

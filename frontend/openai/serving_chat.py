@@ -107,7 +107,7 @@ class ChatServing(Serving):
             head["object"] = "chat.completion.chunk"
             return SSEResponse(self._stream(req, head, len(ids), top_n or 0, stream, shape))
         try:
-            final = await run_until_disconnect(last_output(stream), raw)
+            final = await run_until_disconnect(_last(stream), raw)
         except ClientDisconnected:
             return Response(status_code=499)
         choices = []
@@ -274,7 +274,7 @@ class ChatServing(Serving):
         yield SSE_DONE
 
 
-async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     final = None
     async for out in stream:
         final = out
