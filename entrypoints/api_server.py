@@ -29,6 +29,7 @@ from pagedserve.frontend.openai.api_server import TenancyOptions, build_app
 from pagedserve.frontend.openai.connections import ConnectionGuard, connection_limit
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, Drain, DrainingServer
+from pagedserve.frontend.openai.response_store import ResponseStore
 from pagedserve.frontend.openai.serving_chat import ChatOptions
 from pagedserve.ipc.process import die_with_parent
 
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         tenancy=TenancyOptions(
             args.enable_prompt_tokens_details, args.cache_salt_by, args.metrics_public
         ),
+        response_store=ResponseStore(args.responses_store_size, args.responses_store_max_age),
     )
     server = DrainingServer(_uvicorn_config(app, args), drain, args.drain_timeout)
     app.state.server = server

@@ -179,7 +179,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def add_guard_args(p: argparse.ArgumentParser) -> None:
     """Flags of `launch` that its API servers take as they are (`guard_argv`): connections
-    (frontend/openai/connections.py) and what one client may learn of another's requests."""
+    (frontend/openai/connections.py), what one client may learn of another's requests, and the
+    Responses API's store."""
     a = p.add_argument
     a("--timeout-header", type=_positive_float, default=30.0,
       help="seconds a client may take to send a request's headers (from connecting, or from the "
@@ -200,6 +201,11 @@ def add_guard_args(p: argparse.ArgumentParser) -> None:
     a("--metrics-public", action="store_true",
       help="serve /metrics without the API key (default: it needs the key when one "
       "is set)")  # fmt: skip
+    a("--responses-store-size", type=_non_negative_int, default=1024,
+      help="Responses API: responses kept for GET and previous_response_id, per API server "
+      "(least recently used leave first; 0: none)")  # fmt: skip
+    a("--responses-store-max-age", type=_positive_float, default=3600.0,
+      help="Responses API: seconds a stored response is kept after its last use")  # fmt: skip
 
 
 def guard_argv(args: argparse.Namespace) -> list[str]:
@@ -209,6 +215,8 @@ def guard_argv(args: argparse.Namespace) -> list[str]:
         "--timeout-body", str(args.timeout_body),
         "--max-connections", str(args.max_connections),
         "--cache-salt-by", args.cache_salt_by,
+        "--responses-store-size", str(args.responses_store_size),
+        "--responses-store-max-age", str(args.responses_store_max_age),
     ]  # fmt: skip
     for flag in ("enable_prompt_tokens_details", "metrics_public"):
         if getattr(args, flag):

@@ -97,6 +97,12 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
         return run_worker_node(config)
     if args.enable_auto_tool_choice:
         _warn_if_tools_unseen(config, opts.chat_template)
+    if args.api_servers > 1 and args.responses_store_size > 0:
+        print("pagedserve: warning: the Responses API store is per API server: with "
+              f"--api-servers {args.api_servers} previous_response_id, GET and cancel of "
+              "/v1/responses/{id} find a response only on the server that made it (send "
+              "store false and the whole conversation, as Codex CLI does, or use one API "
+              "server)", file=sys.stderr, flush=True)  # fmt: skip
     return Launcher(config, opts).run()
 
 

@@ -4,6 +4,7 @@ the openai client (EOS, stop strings inside words, seeded n > 1, logprobs, a mul
 
 from __future__ import annotations
 
+import anthropic
 import gguf
 import numpy as np
 import openai
@@ -144,3 +145,26 @@ def test_prefix_cache_across_turns(client: openai.OpenAI) -> None:
     assert cached[0] < cached[1] < cached[2], (cached, prompt_tokens)
     for turn in (1, 2):  # at least the previous prompt's full blocks
         assert cached[turn] % 16 == 0 and cached[turn] >= prompt_tokens[turn - 1] // 16 * 16
+
+
+def test_responses_and_messages_apis(client: openai.OpenAI) -> None:
+    """The coding agents' APIs (tests/test_agent_apis.py) on real text: OpenAI's Responses with
+    a conversation continued by previous_response_id, Anthropic's Messages streamed, each ending
+    on the model's own <|im_end|> (completed, end_turn)."""
+    first = client.responses.create(
+        model=MODEL, input=FRANCE[0]["content"], temperature=0, max_output_tokens=24
+    )
+    assert first.status == "completed" and first.output_text == PARIS
+    more = client.responses.create(
+        model=MODEL, input="And of Italy?", previous_response_id=first.id, temperature=0,
+        max_output_tokens=24,
+    )  # fmt: skip
+    assert more.status == "completed" and "Rome" in more.output_text
+    assert more.usage.input_tokens_details.cached_tokens >= 16  # the first turn, from the cache
+    base_url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    with claude.messages.stream(
+        model=MODEL, max_tokens=24, messages=FRANCE, extra_body={"temperature": 0}
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason == "end_turn" and message.content[0].text == PARIS

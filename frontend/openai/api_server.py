@@ -1,8 +1,10 @@
 """The FastAPI app of one API server process: OpenAI routes, utility routes, error handlers,
 around an AsyncEngine client of the EngineCore (the process itself: entrypoints/api_server.py).
+The coding agents' APIs (OpenAI Responses, Anthropic Messages) are routed in agent_routes.py.
 
-Every error leaves in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; the
-engine client's own errors (pagedserve/errors.py) are mapped to statuses here.
+Every error leaves in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, or under
+/v1/messages in Anthropic's (`{"type": "error", "error": {"type", "message"}}`); the engine
+client's own errors (pagedserve/errors.py) are mapped to statuses here.
 
 Signals: SIGTERM drains (new requests and /health get 503, running requests and streams finish
 for up to `--drain-timeout` s, then are aborted with an error), then the process exits 0. SIGINT
@@ -12,6 +14,7 @@ for up to `--drain-timeout` s, then are aborted with an error), then the process
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from contextlib import asynccontextmanager
@@ -27,11 +30,16 @@ from starlette.responses import Response
 
 import pagedserve
 from pagedserve.frontend.async_engine import AsyncEngine
+from pagedserve.frontend.openai.agent_routes import add_agent_routes
+from pagedserve.frontend.openai.messages_protocol import PATH as MESSAGES_PATH
+from pagedserve.frontend.openai.messages_protocol import error_body as anthropic_error_body
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.middleware import (
     DEFAULT_MAX_REQUEST_BYTES,
     Drain,
     ServerMiddleware,
+    api_key_of,
+    route_path,
 )
 from pagedserve.frontend.openai.protocol import (
     ENGINE_ERRORS,
@@ -41,8 +49,8 @@ from pagedserve.frontend.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     engine_api_error,
-    error_body,
 )
+from pagedserve.frontend.openai.response_store import ResponseStore
 from pagedserve.frontend.openai.serving import Serving, now_s
 from pagedserve.frontend.openai.serving_chat import ChatOptions, ChatServing
 from pagedserve.frontend.openai.serving_completions import CompletionServing
@@ -82,32 +90,40 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid')}{more}", param
 
 
+def _error(request: Request, error: APIError) -> Response:
+    """`error` in OpenAI's shape, or in Anthropic's (503 as its 529) under /v1/messages."""
+    if route_path(request.scope).startswith(MESSAGES_PATH):
+        status = 529 if error.status == 503 else error.status
+        return _json(anthropic_error_body(status, error.message), status, error.headers)
+    return _json(error.body(), error.status, error.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> Response:
-        return _json(e.body(), e.status, e.headers)
+    async def api_error(request: Request, e: APIError) -> Response:
+        return _error(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> Response:
+    async def invalid(request: Request, e: RequestValidationError) -> Response:
         message, param = _validation_message(e)
-        return _json(error_body(message, "invalid_request_error", param), 400)
+        return _error(request, APIError(400, message, param))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> Response:
+    async def http_error(request: Request, e: HTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "internal_error"
-        return _json(error_body(str(e.detail), kind), e.status_code)
+        return _error(request, APIError(e.status_code, str(e.detail), type=kind))
 
-    async def engine_error(_: Request, e: Exception) -> Response:
-        error = engine_api_error(e)
-        return _json(error.body(), error.status, error.headers)
+    async def engine_error(request: Request, e: Exception) -> Response:
+        return _error(request, engine_api_error(e))
 
     for error_class in ENGINE_ERRORS:
         app.add_exception_handler(error_class, engine_error)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> Response:
+    async def internal(request: Request, e: Exception) -> Response:
         logger.exception("unhandled error")
-        return _json(error_body(f"Internal error: {type(e).__name__}: {e}", "internal_error"), 500)
+        message = f"Internal error: {type(e).__name__}: {e}"
+        return _error(request, APIError(500, message, type="internal_error"))
 
 
 def build_app(
@@ -123,11 +139,13 @@ def build_app(
     allowed_origins: list[str] | None = None,
     chat_options: ChatOptions | None = None,
     tenancy: TenancyOptions | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app around a constructed (ready) AsyncEngine; `on_ready()` is called once the
     server accepts connections (uvicorn's `Server` is expected at `app.state.server`, and is told
     to exit when a drain started by `drain.request()` ends). `chat_options`: templates, tool and
-    reasoning parsers; `allowed_origins`: CORS (None: no CORS headers)."""
+    reasoning parsers; `allowed_origins`: CORS (None: no CORS headers); `response_store`: the
+    Responses API's stored responses (default: its default bounds)."""
     drain = drain or Drain()
     tenancy = tenancy or TenancyOptions()
 
@@ -152,7 +170,7 @@ def build_app(
     app.add_middleware(
         ServerMiddleware, api_key=api_key, server_index=server_index, drain=drain,
         max_request_bytes=max_request_bytes, metrics_public=tenancy.metrics_public,
-        log_requests=log_requests, log_prompts=log_prompts,
+        log_requests=log_requests, log_prompts=log_prompts, metrics=metrics,
     )  # fmt: skip
     if allowed_origins is not None:  # outermost: preflight requests carry no API key
         app.add_middleware(
@@ -163,6 +181,8 @@ def build_app(
     base = Serving(engine, metrics, details)
     chat = ChatServing(engine, metrics, chat_options, details)
     add_openai_routes(app, engine, base, chat, tenancy.cache_salt_by)
+    salt = functools.partial(salt_by_tenant, tenancy.cache_salt_by)
+    add_agent_routes(app, chat, response_store or ResponseStore(), salt)
     add_utility_routes(app, metrics, base, chat)
     return app
 
@@ -210,11 +230,12 @@ def add_openai_routes(
         return await chat.create(req, raw)
 
 
-def salt_by_tenant(by: str, req: CompletionRequest | ChatCompletionRequest, raw: Request) -> None:
+def salt_by_tenant(by: str, req: Any, raw: Request) -> None:
     """Check the request's `cache_salt`; with `--cache-salt-by user|api-key` replace it by a hash
     of (mode, tenant, its own salt), so a tenant's requests share cached blocks only among
     themselves (and, with a salt of their own, only with the same salt). A request without a
-    tenant (no `user`, no bearer token) keeps its own salt, or none."""
+    tenant (no `user`, no API key) keeps its own salt, or none. `req`: any request with
+    `cache_salt` and `user`."""
     if req.cache_salt is not None and not valid_cache_salt(req.cache_salt):
         message = f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters."
         raise APIError(400, message, param="cache_salt")
@@ -222,8 +243,8 @@ def salt_by_tenant(by: str, req: CompletionRequest | ChatCompletionRequest, raw:
     if by == "user":
         tenant = req.user
     elif by == "api-key":
-        scheme, _, token = raw.headers.get("authorization", "").partition(" ")
-        tenant = token.strip() if scheme.lower() == "bearer" else None
+        key = api_key_of(raw.scope["headers"])
+        tenant = key.decode("latin-1") if key else None
     if tenant:
         key = msgspec.json.encode([by, tenant, req.cache_salt])
         req.cache_salt = hashlib.blake2b(key, digest_size=16).hexdigest()

@@ -111,6 +111,11 @@ class Metrics:
             [*labels, "finished_reason"],
             registry=reg,
         )
+        # By endpoint (route pattern) and status class, as vLLM's http_requests_total.
+        self._http = Counter(
+            P + "http_requests", "HTTP requests answered, by endpoint and status class.",
+            [*labels, "handler", "method", "status"], registry=reg,
+        )  # fmt: skip
         self.model_name = model_name
         lat = _LATENCY_BUCKETS
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", lat)
@@ -166,10 +171,33 @@ class Metrics:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
+    def count_http(self, path: str, method: str, status: int) -> None:
+        """One answered request; `path` without --root-path's prefix."""
+        handler = _handler(path)
+        self._http.labels(self.model_name, handler, method, f"{status // 100}xx").inc()
+
     def render(self) -> tuple[bytes, str]:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Exporter(self.registry, self.multiproc_dir))
         return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+# Endpoints counted by name; a path with an id counts under its route pattern, anything else
+# under "other" (so a client cannot grow the label set).
+_HANDLERS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+    "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+    "/version",
+})  # fmt: skip
+
+
+def _handler(path: str) -> str:
+    if path in _HANDLERS:
+        return path
+    parts = path.split("/")
+    if len(parts) in (4, 5) and path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}" + ("/" + parts[4] if len(parts) == 5 else "")
+    return "other"
 
 
 class _Exporter:

@@ -2,12 +2,14 @@
 
 - Draining (after SIGTERM): `/health` and every new request answer 503 (OpenAI's error shape,
   `Connection: close`) while requests already running finish; `/metrics` stays open.
-- API key: compared in constant time (`hmac.compare_digest`); `/health` is open, and `/metrics`
-  with `--metrics-public` only: its prefix-cache counters would tell any client whether a guessed
-  prompt was cached for another (docs/serving.md, Security).
+- API key: `Authorization: Bearer KEY` or (Anthropic's clients) `x-api-key: KEY`, compared in
+  constant time (`hmac.compare_digest`); `/health` is open, and `/metrics` with `--metrics-public`
+  only: its prefix-cache counters would tell any client whether a guessed prompt was cached for
+  another (docs/serving.md, Security).
 - Body size: a body over `max_request_bytes` is refused with 413 before the app parses any of it
   (by Content-Length, or while reading a chunked body), so a huge body costs no JSON parsing.
-- Responses carry `x-pagedserve-api-server: <index>`.
+- Responses carry `x-pagedserve-api-server: <index>`. Refusals under /v1/messages are in
+  Anthropic's error shape, the others in OpenAI's.
 - Each request, refused or served, gets a log line once its response ended (request_log.py).
 The middleware also counts the requests the app is serving, which is what a drain waits for.
 """
@@ -26,6 +28,8 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedserve.frontend.openai.messages_protocol import PATH as MESSAGES_PATH
+from pagedserve.frontend.openai.messages_protocol import error_body as anthropic_error_body
 from pagedserve.frontend.openai.protocol import error_body
 from pagedserve.frontend.openai.request_log import log_request, new_tally
 
@@ -100,10 +104,12 @@ class ServerMiddleware:
         metrics_public: bool = False,
         log_requests: bool = False,
         log_prompts: bool = False,
+        metrics: Any = None,
     ) -> None:
         """`log_requests`: a line per request (request_log.py), with its prompts if
-        `log_prompts`."""
+        `log_prompts`; `metrics`: counts each answered request by endpoint (metrics.py)."""
         self.app = app
+        self.metrics = metrics
         self.log_requests = log_requests
         self.log_prompts = log_prompts
         self.api_key = api_key.encode() if api_key else None
@@ -115,7 +121,7 @@ class ServerMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if not self.log_requests:
+        if not self.log_requests and self.metrics is None:
             return await self._serve(scope, receive, send)
         started = time.monotonic()
         tally = new_tally(scope)
@@ -130,8 +136,12 @@ class ServerMiddleware:
         try:
             await self._serve(scope, receive, status_send)
         finally:
-            seconds = time.monotonic() - started
-            log_request(scope, route_path(scope), status, seconds, tally, self.log_prompts)
+            path = route_path(scope)
+            if self.metrics is not None:
+                self.metrics.count_http(path, scope["method"], status or 499)
+            if self.log_requests:
+                seconds = time.monotonic() - started
+                log_request(scope, path, status, seconds, tally, self.log_prompts)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def tagged_send(message: dict[str, Any]) -> None:
@@ -145,7 +155,7 @@ class ServerMiddleware:
             if body is None:
                 refusal = error_response(
                     413, f"The request body exceeds {self.max_request_bytes} bytes.",
-                    "invalid_request_error", "request_too_large",
+                    "invalid_request_error", "request_too_large", route_path(scope),
                 )  # fmt: skip
             else:
                 receive = _replay(body, receive)
@@ -161,16 +171,17 @@ class ServerMiddleware:
         path = route_path(scope)
         if self.drain.draining and path != "/metrics":
             response = error_response(
-                503, "The server is shutting down.", "service_unavailable", "server_draining"
+                503, "The server is shutting down.", "service_unavailable", "server_draining", path
             )
             response.headers["connection"] = "close"
             return response
         if self.api_key is not None and path not in self.open_paths:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            token = api_key_of(scope["headers"])
+            if token is None or not hmac.compare_digest(token, self.api_key):
                 message = "Invalid or missing API key."
-                return error_response(401, message, "invalid_request_error", "invalid_api_key")
+                return error_response(
+                    401, message, "invalid_request_error", "invalid_api_key", path
+                )
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
@@ -221,5 +232,18 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def error_response(status: int, message: str, type: str, code: str) -> JSONResponse:
+def api_key_of(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request presents: `Authorization: Bearer KEY`, else `x-api-key: KEY`."""
+    given = dict(headers)
+    scheme, _, token = given.get(b"authorization", b"").partition(b" ")
+    if scheme.lower() == b"bearer":
+        return token.strip()
+    return given.get(b"x-api-key")
+
+
+def error_response(status: int, message: str, type: str, code: str, path: str = "") -> JSONResponse:
+    """An error in OpenAI's shape, or Anthropic's for a path under /v1/messages."""
+    if path.startswith(MESSAGES_PATH):
+        status = 529 if status == 503 else status
+        return JSONResponse(anthropic_error_body(status, message), status)
     return JSONResponse(error_body(message, type, None, code), status)

@@ -61,6 +61,15 @@ class ChatOptions:
     trust_request_chat_template: bool = False
 
 
+@dataclass
+class Started:
+    """An admitted chat request: its prompt, how its reply is read, and its outputs."""
+
+    prompt_token_ids: list[int]
+    shape: ChatShape
+    stream: AsyncIterator[RequestOutput]
+
+
 class ChatServing(Serving):
     def __init__(
         self,
@@ -82,35 +91,12 @@ class ChatServing(Serving):
         )
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_request(req)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
-            message = "max_completion_tokens must be at least 1."
-            raise APIError(400, message, param="max_completion_tokens")
-        if req.top_logprobs and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
-        shape, spec = self._shape(req)
-        if getattr(shape.tool_parser, "keeps_special_tokens", False):
-            req.skip_special_tokens = False
-        if spec is None:
-            spec = await self.structured_outputs(req)
-        elif spec_from_request(req) is not None:
-            raise APIError(400, "tool_choice required or named cannot take response_format or "
-                           "structured_outputs too.", param="tool_choice")  # fmt: skip
-        else:
-            await self.check_grammar(spec, "tool_choice")
-        text = self.render(req)
-        (ids,) = await self.tokenize([text], False, "messages")
-        max_tokens = self.check_prompt(ids, max_tokens)
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
-        if spec is not None and self.reasoning is not None:
-            after = self.reasoning.grammar_starts_after(ids)
-            spec = msgspec.structs.replace(spec, after_token_id=after)
-        params = self.sampling_params(req, max_tokens, top_n, spec)
         try:
-            (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
+            started = await self.start(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)
+        ids, shape, stream = started.prompt_token_ids, started.shape, started.stream
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -138,6 +124,38 @@ class ChatServing(Serving):
         body = {**head, "choices": choices}
         body["usage"] = self.usage(len(ids), num_generated, final.num_cached_tokens)
         return Response(_encode(body), 200)
+
+    async def start(self, req: ChatCompletionRequest, raw: Request) -> Started:
+        """Check, render, tokenize and admit a chat request: what every chat-shaped API (chat
+        completions, Responses, Anthropic Messages) shares. Raises APIError before anything runs,
+        ClientDisconnected if the client left while it was admitted."""
+        self.check_request(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            message = "max_completion_tokens must be at least 1."
+            raise APIError(400, message, param="max_completion_tokens")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+        shape, spec = self._shape(req)
+        if getattr(shape.tool_parser, "keeps_special_tokens", False):
+            req.skip_special_tokens = False
+        if spec is None:
+            spec = await self.structured_outputs(req)
+        elif spec_from_request(req) is not None:
+            raise APIError(400, "tool_choice required or named cannot take response_format or "
+                           "structured_outputs too.", param="tool_choice")  # fmt: skip
+        else:
+            await self.check_grammar(spec, "tool_choice")
+        text = self.render(req)
+        (ids,) = await self.tokenize([text], False, "messages")
+        max_tokens = self.check_prompt(ids, max_tokens)
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        if spec is not None and self.reasoning is not None:
+            after = self.reasoning.grammar_starts_after(ids)
+            spec = msgspec.structs.replace(spec, after_token_id=after)
+        params = self.sampling_params(req, max_tokens, top_n, spec)
+        (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
+        return Started(ids, shape, stream)
 
     def _shape(self, req: ChatCompletionRequest) -> tuple[ChatShape, StructuredOutputs | None]:
         """How replies are read, and the grammar tool_choice required/named imposes."""
@@ -289,6 +307,8 @@ def _message(m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:  # templates that show past reasoning read it (as vLLM passes it)
+        out["reasoning_content"] = m.reasoning_content
     if m.tool_calls:  # templates read arguments as a mapping (transformers' convention)
         out["tool_calls"] = [
             {"id": t.id, "type": t.type, "function": {"name": t.function.name,

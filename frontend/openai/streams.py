@@ -93,6 +93,39 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def with_ticks(
+    stream: AsyncIterator[T], tick_s: float | None = None, cancel: asyncio.Event | None = None
+) -> AsyncIterator[T | None]:
+    """The items of `stream`, and None after every `tick_s` seconds without one (the caller sends
+    a keep-alive); it ends early once `cancel` is set. Leaving closes `stream` (which aborts its
+    request in the engine)."""
+    waiter = asyncio.ensure_future(cancel.wait()) if cancel is not None else None
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(stream.__anext__())
+            waits = {pending} if waiter is None else {pending, waiter}
+            done, _ = await asyncio.wait(waits, timeout=tick_s, return_when="FIRST_COMPLETED")
+            if pending in done:
+                try:
+                    item = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield item
+            elif waiter is not None and waiter in done:
+                return
+            else:
+                yield None
+    finally:
+        left = [f for f in (pending, waiter) if f is not None]
+        for future in left:
+            future.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
 class ClientDisconnected(Exception):
     pass
 
