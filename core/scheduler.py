@@ -41,15 +41,27 @@ from pagedserve.ipc.messages import (
 class _StepBuilder:
     """What one `schedule()` call has decided so far."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, max_loras: int | None = None) -> None:
         self.budget = budget
         self.scheduled: list[tuple[Request, int]] = []
         self.preempted = False
+        self.max_loras = max_loras  # distinct LoRA adapters one step may run (the slots)
+        self.lora_ids: set[int] = set()
+
+    def fits_lora(self, req: Request) -> bool:
+        """Whether `req`'s adapter (if any) can run in this step: one of the step's already, or
+        a slot is left."""
+        lora_id = req.lora_id
+        if not lora_id or lora_id in self.lora_ids:
+            return True
+        return self.max_loras is not None and len(self.lora_ids) < self.max_loras
 
     def add(self, req: Request, num_tokens: int) -> None:
-        assert 0 < num_tokens <= self.budget
+        assert 0 < num_tokens <= self.budget and self.fits_lora(req)
         self.scheduled.append((req, num_tokens))
         self.budget -= num_tokens
+        if req.lora_id:
+            self.lora_ids.add(req.lora_id)
 
 
 class Scheduler:
@@ -63,9 +75,11 @@ class Scheduler:
         async_scheduling: bool = False,
         workers_keep_samples: bool = False,
         group_windows: list[int | None] | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
-        absent, one global group."""
+        absent, one global group. `max_loras`: distinct LoRA adapters per step (None: LoRA
+        is off, and a request with an adapter never runs: the core refuses it first)."""
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             group_windows or [None],
@@ -80,6 +94,7 @@ class Scheduler:
                 f"{groups}: lower --max-model-len or give the KV cache more memory"
             )
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.debug = debug  # full (O(blocks)) invariant checks after every call
@@ -163,12 +178,14 @@ class Scheduler:
            under async scheduling, else such a request has none left and is skipped). If its
            blocks don't fit, preempt the tail of
            `running` (lowest priority / latest) by recompute, until it fits or it was the tail.
-        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
-           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at
-           the first that does not fit (no skipping ahead).
+           A request whose LoRA adapter would exceed `max_loras` distinct adapters in the step
+           waits for a later step.
+        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs,
+           blocks and the step's adapter slots allow: reuse the longest cached prefix, take a
+           chunk, allocate, run. Stop at the first that does not fit (no skipping ahead).
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -184,7 +201,7 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             num_new = min(self._num_feedable(req) - req.num_computed_tokens, step.budget)
-            if num_new > 0:
+            if num_new > 0 and step.fits_lora(req):
                 if not self._allocate_or_preempt(req, num_new, step):
                     break  # it preempted itself: it was the tail, nothing follows it
                 step.add(req, num_new)
@@ -225,6 +242,8 @@ class Scheduler:
         now = time.time()
         while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.policy.peek()
+            if not step.fits_lora(req):
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, step.budget)
             if not self.kv.allocate_slots(req, num_new, hits):

@@ -29,6 +29,7 @@ from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_gra
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
+from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import (
@@ -84,6 +85,11 @@ class ModelRunner:
         kv_fp8 = config.cache.kv_fp8
         self.model = build_model(
             config.model, self.dtype, device, layers, kv_fp8=kv_fp8, show_progress=info.rank == 0
+        )
+        self.lora = (  # adapter slots in the linear layers, before the memory profile counts them
+            LoRAManager(config.lora, self.model, config.model.hf, device, self.dtype)
+            if config.lora is not None
+            else None
         )
         self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else self.dtype  # fp8: half the bytes
         self.block_size = config.cache.block_size
@@ -259,11 +265,15 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         self.batch.apply(plan)
+        if self.lora is not None:
+            self.lora.track(plan)
         if self.info.is_last_stage and (self.constrained or plan.new_requests):
             self.constrained.track(plan.finished_ids, plan.new_requests)
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        if self.lora is not None:  # steps with adapters run eager (graphs hold no LoRA yet)
+            self.lora.prepare(plan.scheduled_ids, inputs.query_start_loc)
         if self.features.cascade:
             q_lens = np.diff(inputs.query_start_loc)
             inputs.cascade_len = cascade_len(
@@ -368,12 +378,14 @@ class ModelRunner:
 
     def _graph_bucket(self, inputs: StepInputs) -> tuple[int, bool] | None:
         num_seqs = len(inputs.seq_lens)
+        if self.lora is not None and self.lora.batch.active:
+            return None
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
             return None
         return self.graphs.bucket(num_seqs, inputs.cascade_len > 0)
 
     def _mixed_bucket(self, inputs: StepInputs) -> int | None:
-        if self.mixed_graphs is None:
+        if self.mixed_graphs is None or (self.lora is not None and self.lora.batch.active):
             return None
         return self.mixed_graphs.bucket(len(inputs.input_ids), len(inputs.seq_lens))
 

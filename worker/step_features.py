@@ -57,5 +57,5 @@ def step_features(
         cascade=is_cuda and any(c.cascade for c in caps) and fusion_enabled("cascade"),
         cuda_graphs=cuda_graphs,
         graph_head=cuda_graphs and fusion_enabled("graph-head") and info.tp_size == 1,
-        cpu_compile=eligible(config, device, model),
+        cpu_compile=eligible(config, device, model) and config.lora is None,  # no LoRA inside
     )
