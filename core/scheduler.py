@@ -116,6 +116,7 @@ class Scheduler:
         # workers must hold these compiled until the last one ends (core/grammar_gate.py).
         self.grammar_users: Counter[str] = Counter()
         self._grammar_of: dict[str, str] = {}  # req_id -> grammar key, constrained requests
+        self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -132,6 +133,8 @@ class Scheduler:
         self._next_seq += 1
         self.requests[req.req_id] = req
         self.policy.push(req)
+        if req.lora is not None:
+            self.lora_users[req.lora.lora_name] += 1
         spec = msg.sampling.structured_outputs
         if spec is not None:
             key = self._grammar_of[req.req_id] = spec.key
@@ -163,6 +166,10 @@ class Scheduler:
         req.status = status
         if self._grammar_of and status != RequestStatus.PREEMPTED:
             self._drop_grammar_user(req.req_id)
+        if req.lora is not None and status != RequestStatus.PREEMPTED:
+            self.lora_users[req.lora.lora_name] -= 1
+            if not self.lora_users[req.lora.lora_name]:
+                del self.lora_users[req.lora.lora_name]
         self.kv.free(req)
         if req.in_batch:
             self._finished_ids.append(req.req_id)
@@ -371,7 +378,16 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_unfinished=len(self.requests),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, dict[str, int]]:
+        """Running and waiting requests per adapter (vLLM's lora_requests_info), with LoRA on."""
+        if not self.lora_users:
+            return {}
+        running = Counter(r.lora.lora_name for r in self.running if r.lora is not None)
+        waiting = {n: k - running[n] for n, k in self.lora_users.items() if k > running[n]}
+        return {"running_lora_adapters": dict(running), "waiting_lora_adapters": waiting}
 
     def is_full(self, num_held: int = 0) -> bool:
         """The waiting queue, with `num_held` requests waiting outside it (for their grammar), is

@@ -227,6 +227,8 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
     num_unfinished: int = 0  # requests the scheduler tracks (running + waiting; 0 when idle)
+    running_lora_adapters: dict[str, int] = {}  # adapter name -> running requests
+    waiting_lora_adapters: dict[str, int] = {}  # adapter name -> waiting requests
 
 
 class RequestDelta(msgspec.Struct, **_HOT):

@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 import pagedserve
 from pagedserve.frontend.async_engine import AsyncEngine
+from pagedserve.frontend.openai.lora_routes import add_lora_routes
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.middleware import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -182,6 +183,7 @@ def add_openai_routes(
     app: FastAPI, engine: AsyncEngine, base: Serving, chat: ChatServing, cache_salt_by: str
 ) -> None:
     completions = CompletionServing(engine, base.metrics, base.prompt_tokens_details)
+    add_lora_routes(app, engine, base.model_names)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -197,6 +199,8 @@ def add_openai_routes(
             }
             for name in base.model_names
         ]
+        for card in engine.loras.cards() if engine.loras is not None else []:
+            cards.append({**cards[0], **card})  # an adapter: its path as root, the base as parent
         return _json({"object": "list", "data": cards})
 
     @app.post("/v1/completions")

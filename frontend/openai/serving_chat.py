@@ -82,7 +82,7 @@ class ChatServing(Serving):
         )
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_request(req)
+        lora = self.check_request(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             message = "max_completion_tokens must be at least 1."
@@ -108,7 +108,9 @@ class ChatServing(Serving):
             spec = msgspec.structs.replace(spec, after_token_id=after)
         params = self.sampling_params(req, max_tokens, top_n, spec)
         try:
-            (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
+            (stream,) = await self.admit(
+                [self.generate(ids, params, text, req.priority, lora)], raw
+            )
         except ClientDisconnected:
             return Response(status_code=499)
         head = {

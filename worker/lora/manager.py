@@ -155,7 +155,12 @@ class LoRAManager:
         return adapter
 
     def _trim_host(self) -> None:
-        """Drop least recently used adapters beyond `max_cpu_loras`, never one in a slot
-        (max_cpu_loras >= max_loras, so there is always one)."""
-        while len(self.host) > self.config.max_cpu_loras:
-            self.host.pop(next(i for i in self.host if i not in self.slot_of))
+        """Drop least recently used adapters beyond `max_cpu_loras`, never one in a slot or one
+        a request in the batch uses (it may need it again after its slot went to another: an
+        adapter unloaded from the API, its files since gone, must not break its requests); so
+        the pool may run over while more adapters than that are in use."""
+        in_use = set(self.slot_of) | {lora.lora_int_id for lora in self.lora_of.values()}
+        for victim in [i for i in self.host if i not in in_use]:
+            if len(self.host) <= self.config.max_cpu_loras:
+                break
+            self.host.pop(victim)
