@@ -1,7 +1,7 @@
 """Multi-LoRA: adapters refused by name, the batched kernels against a per-row loop, the core's
 adapter rules (slots per step, prefix-cache keys), and the engine through `LLM` token for token
-against transformers + peft on a tiny Llama and a tiny Qwen3, one batch mixing the base model and
-three adapters of ranks 8 and 16 on different target modules."""
+against transformers + peft on a tiny Llama and a tiny Qwen3 (with tp=2), one batch mixing the
+base model and three adapters of ranks 8 and 16 on different target modules."""
 
 from __future__ import annotations
 
@@ -85,11 +85,13 @@ def test_mixed_batch_equals_peft_llama(llama):
             assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_more_adapters_than_slots_qwen3(qwen3):
-    """Three adapters over two device slots and a host pool of two: the scheduler runs at most
-    two adapters per step, slots and the host pool evict and reload, tokens stay exact."""
+def test_more_adapters_than_slots_tp2_qwen3(qwen3):
+    """Tensor parallel over two ranks (A and B sharded as their layers: q/k/v and gate/up by
+    output rows, o/down by input columns), three adapters over two device slots and a host pool
+    of two: the scheduler runs at most two adapters per step, slots and the host pool evict and
+    reload, and tokens stay exact."""
     with LLM(qwen3["model"], device="cpu", dtype="float32", enable_lora=True, max_loras=2,
-             max_cpu_loras=2, max_lora_rank=16) as llm:  # fmt: skip
+             max_cpu_loras=2, max_lora_rank=16, tensor_parallel_size=2) as llm:  # fmt: skip
         prompts, loras, want = _mixed(qwen3)
         outs = llm.generate(prompts, GREEDY, lora_request=loras)
         assert [o.outputs[0].token_ids for o in outs] == want
