@@ -13,41 +13,39 @@ On CUDA the Triton pair (kernels/triton_lora.py) runs straight over the segments
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pagedserve.kernels.backend import use_triton
 
 
-@dataclass
 class SlotRows:
-    """One step's LoRA rows. `groups`: (slot, token indices [n]) per adapter in the step;
-    `seg_starts` [num_seg + 1] / `seg_slots` [num_seg] (int32, on the device) for the kernels."""
+    """One step's LoRA rows: `seg_starts` [num_seg + 1] / `seg_slots` [num_seg] (int32, on the
+    device) for the kernels, and `groups`, (slot, token indices [n]) per adapter in the step,
+    for the reference (built on first use: the Triton path never needs them)."""
 
-    groups: list[tuple[int, torch.Tensor]]
-    seg_starts: torch.Tensor
-    seg_slots: torch.Tensor
-    max_seg_len: int
-
-    @classmethod
-    def build(cls, seg_starts: list[int], seg_slots: list[int], device: torch.device) -> SlotRows:
+    def __init__(self, seg_starts: list[int], seg_slots: list[int], device: torch.device) -> None:
         assert len(seg_starts) == len(seg_slots) + 1
-        by_slot: dict[int, list[int]] = {}
-        for i, slot in enumerate(seg_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).extend(range(seg_starts[i], seg_starts[i + 1]))
-        groups = [
-            (slot, torch.tensor(rows, dtype=torch.long, device=device))
-            for slot, rows in by_slot.items()
-        ]
+        self._host = (seg_starts, seg_slots)
+        self.device = device
+        self.seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
+        self.seg_slots = torch.tensor(seg_slots, dtype=torch.int32, device=device)
         lengths = [b - a for a, b in zip(seg_starts, seg_starts[1:], strict=False)]
-        return cls(
-            groups,
-            torch.tensor(seg_starts, dtype=torch.int32, device=device),
-            torch.tensor(seg_slots, dtype=torch.int32, device=device),
-            max(lengths, default=0),
-        )
+        self.max_seg_len = max(lengths, default=0)
+        self._groups: list[tuple[int, torch.Tensor]] | None = None
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        if self._groups is None:
+            seg_starts, seg_slots = self._host
+            by_slot: dict[int, list[int]] = {}
+            for i, slot in enumerate(seg_slots):
+                if slot >= 0:
+                    by_slot.setdefault(slot, []).extend(range(seg_starts[i], seg_starts[i + 1]))
+            self._groups = [
+                (slot, torch.tensor(rows, dtype=torch.long, device=self.device))
+                for slot, rows in by_slot.items()
+            ]
+        return self._groups
 
 
 def lora_shrink_ref(

@@ -182,7 +182,7 @@ def _case(dtype=torch.float32):
 
 def test_shrink_expand_reference_equals_row_loop():
     x, a, b, starts, slots = _case()
-    rows = SlotRows.build(starts, slots, x.device)
+    rows = SlotRows(starts, slots, x.device)
     y = lora_expand_ref(torch.zeros(40, 40), lora_shrink_ref(x, a, rows), b, rows)
     torch.testing.assert_close(y, _loop_reference(x, a, b, starts, slots), rtol=1e-4, atol=1e-3)
     assert y[5].abs().sum() == 0  # the base-model row
@@ -195,7 +195,7 @@ def test_triton_shrink_expand_equal_reference():
 
     device = "cuda" if HAS_CUDA else "cpu"
     x, a, b, starts, slots = (t.to(device) if torch.is_tensor(t) else t for t in _case())
-    rows = SlotRows.build(starts, slots, x.device)
+    rows = SlotRows(starts, slots, x.device)
     h = triton_lora_shrink(x, a, rows.seg_starts, rows.seg_slots, rows.max_seg_len)
     torch.testing.assert_close(h, lora_shrink_ref(x, a, rows), rtol=1e-3, atol=1e-2)
     y = triton_lora_expand(torch.ones(40, 40, device=device), h, b, rows.seg_starts,

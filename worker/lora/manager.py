@@ -91,7 +91,7 @@ class LoRAManager:
             return
         assert len(needed) <= self.config.max_loras, "the core schedules within max_loras"
         seg_slots = [-1 if lora is None else self._slot(lora, needed) for lora in loras]
-        self.batch.rows = SlotRows.build(query_start_loc.tolist(), seg_slots, self.device)
+        self.batch.rows = SlotRows(query_start_loc.tolist(), seg_slots, self.device)
 
     def _slot(self, lora: LoRARequest, needed: set[int]) -> int:
         held = self.host.get(lora.lora_int_id)
