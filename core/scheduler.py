@@ -37,6 +37,8 @@ from pagedserve.ipc.messages import (
     StepResult,
 )
 
+MAX_LORA_SKIPS = 256  # waiting requests of slot-less adapters one step may pass over
+
 
 class _StepBuilder:
     """What one `schedule()` call has decided so far."""
@@ -187,9 +189,11 @@ class Scheduler:
            `running` (lowest priority / latest) by recompute, until it fits or it was the tail.
            A request whose LoRA adapter would exceed `max_loras` distinct adapters in the step
            waits for a later step.
-        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs,
-           blocks and the step's adapter slots allow: reuse the longest cached prefix, take a
-           chunk, allocate, run. Stop at the first that does not fit (no skipping ahead).
+        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
+           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop
+           at the first that does not fit (no skipping ahead), except that a request whose
+           adapter finds no slot left in the step is passed over (up to MAX_LORA_SKIPS per
+           step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
         step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
@@ -247,10 +251,14 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         now = time.time()
+        skipped: list[Request] = []  # of adapters with no slot left in this step
         while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.policy.peek()
             if not step.fits_lora(req):
-                break
+                if len(skipped) == MAX_LORA_SKIPS:
+                    break
+                skipped.append(self.policy.pop())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, step.budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -264,6 +272,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.policy.add_running(self.running, req)
             step.add(req, num_new)
+        for req in reversed(skipped):  # back where they were
+            self.policy.push_preempted(req)
 
     def _build_plan(self, step: _StepBuilder) -> StepPlan:
         """Encode the step as a delta; nothing scheduled gives an empty plan that need not be
