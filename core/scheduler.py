@@ -119,6 +119,7 @@ class Scheduler:
         self.grammar_users: Counter[str] = Counter()
         self._grammar_of: dict[str, str] = {}  # req_id -> grammar key, constrained requests
         self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
+        self.lora_pool_counts = (0, 0)  # the workers' adapter loads and evictions (cumulative)
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -319,6 +320,8 @@ class Scheduler:
             return []  # an empty plan was never recorded (and needs no result)
         record = self._inflight.pop(plan.step_id, None)
         assert record is not None, f"no plan in flight with step_id {plan.step_id}"
+        if result.lora_loads:
+            self.lora_pool_counts = (result.lora_loads, result.lora_evictions)
         assert len(result.sampled_token_ids) == len(record)
         outputs, finished = [], []
         for i, (req, num_preemptions) in enumerate(record):
@@ -391,13 +394,20 @@ class Scheduler:
             **self._lora_stats(),
         )
 
-    def _lora_stats(self) -> dict[str, dict[str, int]]:
-        """Running and waiting requests per adapter (vLLM's lora_requests_info), with LoRA on."""
-        if not self.lora_users:
+    def _lora_stats(self) -> dict[str, object]:
+        """With LoRA on: running and waiting requests per adapter (vLLM's lora_requests_info),
+        the workers' adapter loads and evictions."""
+        if self.max_loras is None:
             return {}
-        running = Counter(r.lora.lora_name for r in self.running if r.lora is not None)
-        waiting = {n: k - running[n] for n, k in self.lora_users.items() if k > running[n]}
-        return {"running_lora_adapters": dict(running), "waiting_lora_adapters": waiting}
+        loads, evictions = self.lora_pool_counts
+        out: dict[str, object] = {"lora_loads": loads, "lora_evictions": evictions}
+        if self.lora_users:
+            running = Counter(r.lora.lora_name for r in self.running if r.lora is not None)
+            out["running_lora_adapters"] = dict(running)
+            out["waiting_lora_adapters"] = {
+                n: k - running[n] for n, k in self.lora_users.items() if k > running[n]
+            }
+        return out
 
     def is_full(self, num_held: int = 0) -> bool:
         """The waiting queue, with `num_held` requests waiting outside it (for their grammar), is

@@ -229,6 +229,8 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     num_unfinished: int = 0  # requests the scheduler tracks (running + waiting; 0 when idle)
     running_lora_adapters: dict[str, int] = {}  # adapter name -> running requests
     waiting_lora_adapters: dict[str, int] = {}  # adapter name -> waiting requests
+    lora_loads: int = 0  # cumulative: adapters the workers read into their host pool
+    lora_evictions: int = 0  # cumulative: adapters evicted from the workers' device slots
 
 
 class RequestDelta(msgspec.Struct, **_HOT):
@@ -344,6 +346,9 @@ class StepResult(msgspec.Struct, tag=True, **_HOT):
     step_id: int
     sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprobs | None] | None = None
+    # LoRA (cumulative, this rank): adapters read into the host pool, evicted from device slots
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True, **_HOT):

@@ -158,3 +158,11 @@ def test_lora_requests_info_metric(setup):
     text = http.get("/metrics").text
     assert 'vllm:lora_requests_info{max_lora="2"' in text
     assert "pagedserve:lora_requests_info{" in text
+    counts = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("pagedserve:lora_loads_total", "pagedserve:lora_evictions_total"))
+    }
+    # attn, mlp and late over two slots: three loads, at least one eviction
+    assert counts["pagedserve:lora_loads_total"] >= 3
+    assert counts["pagedserve:lora_evictions_total"] >= 1

@@ -374,7 +374,10 @@ class ModelRunner:
             sampled[i] = [token_ids[j]]
             if logprobs is not None:
                 logprobs[i] = step.logprobs[j]
-        return StepResult(plan.step_id, sampled, logprobs)
+        result = StepResult(plan.step_id, sampled, logprobs)
+        if self.lora is not None:
+            result.lora_loads, result.lora_evictions = self.lora.num_loads, self.lora.num_evictions
+        return result
 
     def _graph_bucket(self, inputs: StepInputs) -> tuple[int, bool] | None:
         num_seqs = len(inputs.seq_lens)

@@ -47,6 +47,8 @@ _TOTALS = {
     "prefix_cache_queries": "Prefix cache lookups, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Requests preempted by the scheduler.",
+    "lora_loads": "LoRA adapters the workers read into their host pool.",
+    "lora_evictions": "LoRA adapters evicted from the workers' device slots.",
 }
 
 # pagedserve name -> its vLLM names (the first is vLLM V1's, the others older names that vLLM's
@@ -145,6 +147,8 @@ class Metrics:
         self.totals["prefix_cache_queries"].set(stats.prefix_cache_queries)
         self.totals["prefix_cache_hits"].set(stats.prefix_cache_hits)
         self.totals["num_preemptions"].set(stats.num_preemptions)
+        self.totals["lora_loads"].set(stats.lora_loads)
+        self.totals["lora_evictions"].set(stats.lora_evictions)
         if self.max_loras is not None:
             labels = (
                 str(self.max_loras),
