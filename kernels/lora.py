@@ -25,7 +25,7 @@ class SlotRows:
 
     def __init__(self, seg_starts: list[int], seg_slots: list[int], device: torch.device) -> None:
         assert len(seg_starts) == len(seg_slots) + 1
-        self._host = (seg_starts, seg_slots)
+        self._host: tuple[list[int], list[int]] | None = (seg_starts, seg_slots)
         self.device = device
         self.seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
         self.seg_slots = torch.tensor(seg_slots, dtype=torch.int32, device=device)
@@ -33,9 +33,21 @@ class SlotRows:
         self.max_seg_len = max(lengths, default=0)
         self._groups: list[tuple[int, torch.Tensor]] | None = None
 
+    @classmethod
+    def static(
+        cls, seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int
+    ) -> SlotRows:
+        """Rows over device buffers a CUDA graph reads (their values change per replay): for the
+        Triton pair only, which reads nothing on the host."""
+        rows = cls.__new__(cls)
+        rows._host, rows._groups, rows.device = None, None, seg_starts.device
+        rows.seg_starts, rows.seg_slots, rows.max_seg_len = seg_starts, seg_slots, max_seg_len
+        return rows
+
     @property
     def groups(self) -> list[tuple[int, torch.Tensor]]:
         if self._groups is None:
+            assert self._host is not None, "static rows serve the Triton pair only"
             seg_starts, seg_slots = self._host
             by_slot: dict[int, list[int]] = {}
             for i, slot in enumerate(seg_slots):
@@ -78,7 +90,8 @@ def lora_apply(
     lora_b: torch.Tensor,  # [S, N, R]
     rows: SlotRows,
 ) -> torch.Tensor:
-    """`y += B_s (A_s x)` per row of an adapter; the Triton pair on CUDA, else the reference."""
+    """`y += B_s (A_s x)` per row of an adapter; the Triton pair on CUDA, else the reference.
+    (worker/lora/manager.py puts LoRA in decode CUDA graphs only where this takes Triton.)"""
     if use_triton(x) and x.dtype in (torch.float16, torch.bfloat16):
         from pagedserve.kernels.triton_lora import triton_lora_expand, triton_lora_shrink
 

@@ -202,6 +202,17 @@ def test_triton_shrink_expand_equal_reference():
                            rows.seg_slots, rows.max_seg_len)  # fmt: skip
     want = 1 + _loop_reference(x.cpu(), a.cpu(), b.cpu(), starts, slots)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-3, atol=5e-2)
+    # a decode graph's rows: one token each over static buffers, padding rows at slot -1
+    starts1, slots1 = list(range(9)), [2, -1, 0, 0, 1, -1, -1, -1]
+    static = SlotRows.static(
+        torch.arange(9, dtype=torch.int32, device=device),
+        torch.tensor(slots1, dtype=torch.int32, device=device), 1,
+    )  # fmt: skip
+    h = triton_lora_shrink(x[:8], a, static.seg_starts, static.seg_slots, 1)
+    y = triton_lora_expand(torch.zeros(8, 40, device=device), h, b, static.seg_starts,
+                           static.seg_slots, 1)  # fmt: skip
+    want = _loop_reference(x[:8].cpu(), a.cpu(), b.cpu(), starts1, slots1)
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-3, atol=5e-2)
 
 
 # ---------------------------------------------------------------- the core's adapter rules

@@ -87,7 +87,14 @@ class ModelRunner:
             config.model, self.dtype, device, layers, kv_fp8=kv_fp8, show_progress=info.rank == 0
         )
         self.lora = (  # adapter slots in the linear layers, before the memory profile counts them
-            LoRAManager(config.lora, self.model, config.model.hf, device, self.dtype)
+            LoRAManager(
+                config.lora,
+                self.model,
+                config.model.hf,
+                device,
+                self.dtype,
+                config.scheduler.max_num_seqs,
+            )  # fmt: skip
             if config.lora is not None
             else None
         )
@@ -207,6 +214,8 @@ class ModelRunner:
         if self.features.cuda_graphs:
 
             def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
+                if self.lora is not None:  # decode graphs read the slot table (stage_graph)
+                    self.lora.capture_rows(len(ids), decode=meta.max_query_len == 1)
                 return self.model(ids, pos, self.kv_caches, meta)
 
             max_blocks = self.batch.block_tables.shape[2]
@@ -272,7 +281,7 @@ class ModelRunner:
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
-        if self.lora is not None:  # steps with adapters run eager (graphs hold no LoRA yet)
+        if self.lora is not None:  # which slot each row uses; decode graphs hold LoRA too
             self.lora.prepare(plan.scheduled_ids, inputs.query_start_loc)
         if self.features.cascade:
             q_lens = np.diff(inputs.query_start_loc)
@@ -289,6 +298,8 @@ class ModelRunner:
         bucket = self._graph_bucket(inputs)
         mixed = self._mixed_bucket(inputs) if bucket is None else None
         if bucket is not None:
+            if self.lora is not None:
+                self.lora.stage_graph(len(inputs.seq_lens), bucket[0])
             hidden, *head = self.graphs.run(inputs, bucket, fill)  # [T, H], logits, ids
             if head and inputs.sample_rows:
                 return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
@@ -381,7 +392,7 @@ class ModelRunner:
 
     def _graph_bucket(self, inputs: StepInputs) -> tuple[int, bool] | None:
         num_seqs = len(inputs.seq_lens)
-        if self.lora is not None and self.lora.batch.active:
+        if self.lora is not None and self.lora.batch.active and not self.lora.in_graphs:
             return None
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
             return None

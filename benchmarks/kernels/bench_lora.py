@@ -49,7 +49,7 @@ def bench_row(n: int, k: int, parts: int, tokens: int, per_request: int) -> dict
     a = torch.randn(NUM_LORAS, parts * RANK, k, device=dev, dtype=dt) * 0.02
     b = torch.randn(NUM_LORAS, n, parts * RANK, device=dev, dtype=dt) * 0.02
     starts = list(range(0, tokens + 1, per_request))
-    rows = SlotRows.build(starts, [i % NUM_LORAS for i in range(len(starts) - 1)], x.device)
+    rows = SlotRows(starts, [i % NUM_LORAS for i in range(len(starts) - 1)], x.device)
     y = torch.zeros(tokens, n, device=dev, dtype=dt)
 
     def triton_pair() -> torch.Tensor:

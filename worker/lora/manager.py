@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedserve.config import LoRAConfig
 from pagedserve.ipc.messages import LoRARequest, StepPlan
+from pagedserve.kernels.backend import triton_available
 from pagedserve.kernels.lora import SlotRows
 from pagedserve.lora_checkpoint import AdapterSpec, read_adapter
 from pagedserve.worker.layers.quant_linear import LinearBase
@@ -52,6 +53,7 @@ class LoRAManager:
         hf: dict,
         device: torch.device,
         model_dtype: torch.dtype,
+        max_rows: int,  # the largest decode batch (max_num_seqs)
     ) -> None:
         self.config, self.hf, self.device = config, hf, device
         self.dtype = model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
@@ -73,6 +75,18 @@ class LoRAManager:
         self.lora_of: dict[str, LoRARequest] = {}  # req_id -> its adapter, requests in the batch
         self.num_loads = 0
         self.num_evictions = 0
+        # Decode CUDA graphs hold the LoRA pair, reading each row's slot from `graph_slots`
+        # (-1: the base model, padding rows too), written before every replay (`stage_graph`);
+        # a decode row is one token, so the segment starts are fixed. Only where lora_apply
+        # takes the Triton pair: the reference's row groups are host data, baked into a graph.
+        self.in_graphs = (
+            device.type == "cuda"
+            and triton_available()
+            and self.dtype in (torch.float16, torch.bfloat16)
+        )
+        if self.in_graphs:
+            self.graph_starts = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+            self.graph_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
 
     def track(self, plan: StepPlan) -> None:
         """Follow the persistent batch: who leaves, who joins with which adapter."""
@@ -92,6 +106,20 @@ class LoRAManager:
         assert len(needed) <= self.config.max_loras, "the core schedules within max_loras"
         seg_slots = [-1 if lora is None else self._slot(lora, needed) for lora in loras]
         self.batch.rows = SlotRows(query_start_loc.tolist(), seg_slots, self.device)
+
+    def capture_rows(self, num_tokens: int, decode: bool) -> None:
+        """Before a CUDA graph's capture: a decode graph reads the static slot table, a mixed
+        step's graph holds no LoRA (steps with adapter rows run those eagerly)."""
+        self.batch.rows = None
+        if decode and self.in_graphs:
+            starts, slots = self.graph_starts[: num_tokens + 1], self.graph_slots[:num_tokens]
+            self.batch.rows = SlotRows.static(starts, slots, 1)
+
+    def stage_graph(self, num_rows: int, bucket: int) -> None:
+        """Before a decode graph's replay: this step's slot per row, -1 past them."""
+        self.graph_slots[:bucket].fill_(-1)
+        if self.batch.rows is not None:
+            self.graph_slots[:num_rows].copy_(self.batch.rows.seg_slots, non_blocking=True)
 
     def _slot(self, lora: LoRARequest, needed: set[int]) -> int:
         held = self.host.get(lora.lora_int_id)
