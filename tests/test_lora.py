@@ -5,6 +5,7 @@ base model and three adapters of ranks 8 and 16 on different target modules."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 
@@ -271,3 +272,17 @@ def test_prefix_cache_keys_include_the_adapter():
     _add(s, "again", prompt, a1)
     plan, _ = step(s)
     assert plan.new_requests[0].num_computed_tokens == 12  # the same adapter's are
+
+
+def test_runtime_updating_follows_vllms_variable():
+    from pagedserve.entrypoints.args import add_launch_args
+    from pagedserve.settings import runtime_lora_updating_from_env
+
+    assert runtime_lora_updating_from_env({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    assert not runtime_lora_updating_from_env({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
+    assert not runtime_lora_updating_from_env({})
+    parser = argparse.ArgumentParser()
+    add_launch_args(parser)
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/x", '{"name": "b", '
+                              '"path": "/y", "base_model_name": "m"}'])  # fmt: skip
+    assert args.lora_modules == ["a=/x", {"name": "b", "path": "/y", "base_model_name": "m"}]
