@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 
@@ -24,6 +25,7 @@ def make_adapter(
     rslora: bool = False,
     std: float = 0.3,
 ) -> str:
+    pytest.importorskip("peft")  # the test extra has it; a bare GPU image may not
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

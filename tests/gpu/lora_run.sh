@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 39's GPU numbers (multi-LoRA), through the device tool like tests/gpu/device_run.sh (same
-# carry: .whl and .gpucarry/make_model_dir.py; same Llama-3-8B-shaped dummy model), outputs in
-# $OUT (or /tmp/out):
+# carry: .whl and .gpucarry/make_model_dir.py; same Llama-3-8B-shaped dummy model; add the peft
+# wheel to .whl, `bash ../shared/gpu/fetch-wheels.sh peft==0.21.2`, or lora-tests skip their
+# peft comparisons), outputs in $OUT (or /tmp/out):
 #   STEPS="lora-tests lora-kernels lora-w1 lora-w3 lora-table" bash tests/gpu/lora_run.sh
 # lora-tests:   tests/test_lora.py on the GPU (the Triton pair compiled; bf16 rows with adapters on
 #               the fused decode/prompt paths against peft)
@@ -17,8 +18,7 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-python3 -c "import peft" 2>/dev/null || python3 -m pip install -q peft 2>/dev/null \
-  || echo "peft is not installed: lora-tests will skip its peft comparisons"
+python3 -c "import peft" 2>/dev/null || echo "peft is not installed: lora-tests skip its peft comparisons"
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 unset PYTHONDONTWRITEBYTECODE
