@@ -10,7 +10,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestOutput",
-    "CompletionOutput", "AsyncEngine",
+    "CompletionOutput", "AsyncEngine", "LoRARequest",
 ]  # fmt: skip
 
 _LAZY = {
@@ -20,6 +20,7 @@ _LAZY = {
     "CompletionOutput": "pagedserve.frontend.outputs",
     "SamplingParams": "pagedserve.ipc.messages",
     "StructuredOutputs": "pagedserve.ipc.messages",
+    "LoRARequest": "pagedserve.ipc.messages",
 }
 
 

@@ -179,3 +179,10 @@ def curve_key_from_env(env: Mapping[str, str] | None = None) -> tuple[str | None
     """(the key's 64 hex digits, a file holding them): whichever the environment gives."""
     env = os.environ if env is None else env
     return env.get(CURVE_KEY_ENV) or None, env.get(CURVE_KEY_FILE_ENV) or None
+
+
+def runtime_lora_updating_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (1 or true): the default of `launch`'s
+    --allow-runtime-lora-updating."""
+    env = os.environ if env is None else env
+    return env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")

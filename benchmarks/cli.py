@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from pagedserve.benchmarks.common import add_engine_flags, report
+from pagedserve.benchmarks.lora import add_lora_flags
 from pagedserve.benchmarks.offline import bench_latency, bench_startup, bench_throughput
 from pagedserve.benchmarks.serve import add_serve_parser, bench_serve
 from pagedserve.benchmarks.structured import add_structured_parser, bench_structured
@@ -32,6 +33,8 @@ def add_bench_parser(sub: Any) -> None:
     lat.add_argument("--output-len", type=int, default=256)
     lat.add_argument("--num-iters-warmup", type=int, default=2)
     lat.add_argument("--num-iters", type=int, default=5)
+    for p in (tp, lat):
+        add_lora_flags(p)
     st = kinds.add_parser("startup", help="launch to first 200 on /health")
     st.add_argument("--port", type=int, default=8011)
     st.add_argument("--num-iters", type=int, default=2)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.benchmarks.common import engine_kwargs, random_lengths, random_prompts, vocab_size
+from pagedserve.benchmarks.lora import lora_engine_kwargs, lora_requests
 
 
 def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -39,10 +40,12 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     # measured ones must not find the warm-up's KV in the prefix cache. vLLM's bench runs no
     # warm-up, so its first request computes the shared prefix too.
     warm_up = random_prompts(in_lens[:8], vocab, np.random.default_rng(args.seed + 1))
-    with LLM(args.model, **engine_kwargs(args)) as llm:
-        llm.generate([{"prompt_token_ids": p} for p in warm_up], params[: len(warm_up)])
+    loras = lora_requests(args, len(prompts))  # --num-loras: adapters spread uniformly
+    with LLM(args.model, **engine_kwargs(args), **lora_engine_kwargs(args)) as llm:
+        warm = [{"prompt_token_ids": p} for p in warm_up]
+        llm.generate(warm, params[: len(warm_up)], lora_request=loras and loras[: len(warm)])
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=True)
+        outs = llm.generate(prompts, params, use_tqdm=True, lora_request=loras)
         elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     total = out_tokens + sum(in_lens) + len(prefix) * len(outs)
@@ -63,10 +66,11 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
     batch = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     times = []
-    with LLM(args.model, **engine_kwargs(args)) as llm:
+    loras = lora_requests(args, len(batch))
+    with LLM(args.model, **engine_kwargs(args), **lora_engine_kwargs(args)) as llm:
         for i in range(args.num_iters_warmup + args.num_iters):
             start = time.perf_counter()
-            llm.generate(batch, params)
+            llm.generate(batch, params, lora_request=loras)
             if i >= args.num_iters_warmup:
                 times.append(time.perf_counter() - start)
     mean = float(np.mean(times))

@@ -35,6 +35,7 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_logprobs: int = MAX_LOGPROBS
+    lora: bool = False  # the engine serves LoRA adapters (--enable-lora)
 
 
 def check_request(msg: AddRequest, limits: ModelLimits) -> None:
@@ -53,6 +54,10 @@ def check_request(msg: AddRequest, limits: ModelLimits) -> None:
     )
     _require(math.isfinite(msg.arrival_time), "arrival_time must be finite")
     _require(-_I32 <= msg.priority < _I32, "priority must fit in 32 bits")
+    _require(
+        msg.lora is None or limits.lora,
+        "a LoRA adapter was requested but the engine runs without --enable-lora",
+    )
     _check_sampling(msg, limits)
 
 

@@ -91,6 +91,7 @@ class EngineCore:
             workers_keep_samples=pp == 1,
             group_windows=config.model.kv_group_windows,
             num_microbatches=pp,
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size
@@ -98,7 +99,9 @@ class EngineCore:
             sampling_ranks=range((pp - 1) * tp, pp * tp),
             in_use=self.scheduler.grammar_users.__contains__,
         )
-        self.limits = ModelLimits(config.model.vocab_size, config.max_model_len)
+        self.limits = ModelLimits(
+            config.model.vocab_size, config.max_model_len, lora=config.lora is not None
+        )
         self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()
         self.step_timeout = config.scheduler.step_timeout

@@ -49,12 +49,15 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The parent of a sequence's first block: the salt's own hash (its own domain, `person`, so
-    it equals no block's hash), or ROOT_HASH without a salt."""
-    if cache_salt is None:
+def root_hash(cache_salt: str | None, lora_id: int = 0) -> bytes:
+    """The parent of a sequence's first block: the hash of its salt and LoRA adapter id (its own
+    domain, `person`, so it equals no block's hash), or ROOT_HASH with neither. The adapter is
+    in every block's key: two adapters' KV differ for the same tokens, and never share a block."""
+    if cache_salt is None and not lora_id:
         return ROOT_HASH
-    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+    key = (cache_salt or "").encode() if not lora_id else f"{lora_id}:{cache_salt or ''}".encode()
+    person = b"cache_salt" if not lora_id else b"lora"
+    return hashlib.blake2b(key, digest_size=16, person=person).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -106,7 +109,7 @@ class KVCacheManager:
         assert num_blocks * bs <= len(tokens)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else root_hash(req.sampling.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(req.sampling.cache_salt, req.lora_id)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 
 from pagedserve.core.block_pool import KVBlock
-from pagedserve.ipc.messages import AddRequest, SamplingParams
+from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +52,7 @@ class Request:
         priority: int = 0,
         client_index: int = 0,
         seq: int = 0,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -63,6 +64,7 @@ class Request:
         self.priority = priority
         self.client_index = client_index
         self.seq = seq  # admission order: the last tie-break of the priority key
+        self.lora = lora  # its adapter (None: the base model)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_placeholders = 0  # tokens sampled by plans in flight, not yet appended
@@ -89,7 +91,13 @@ class Request:
             priority=msg.priority,
             client_index=msg.client_index,
             seq=seq,
+            lora=msg.lora,
         )
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -42,19 +42,33 @@ from pagedserve.ipc.messages import (
     StepResult,
 )
 
+MAX_LORA_SKIPS = 256  # waiting requests of slot-less adapters one step may pass over
+
 
 class _StepBuilder:
     """What one `schedule()` call has decided so far."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, max_loras: int | None = None) -> None:
         self.budget = budget
         self.scheduled: list[tuple[Request, int]] = []
         self.preempted = False
+        self.max_loras = max_loras  # distinct LoRA adapters one step may run (the slots)
+        self.lora_ids: set[int] = set()
+
+    def fits_lora(self, req: Request) -> bool:
+        """Whether `req`'s adapter (if any) can run in this step: one of the step's already, or
+        a slot is left."""
+        lora_id = req.lora_id
+        if not lora_id or lora_id in self.lora_ids:
+            return True
+        return self.max_loras is not None and len(self.lora_ids) < self.max_loras
 
     def add(self, req: Request, num_tokens: int) -> None:
-        assert 0 < num_tokens <= self.budget
+        assert 0 < num_tokens <= self.budget and self.fits_lora(req)
         self.scheduled.append((req, num_tokens))
         self.budget -= num_tokens
+        if req.lora_id:
+            self.lora_ids.add(req.lora_id)
 
 
 class Scheduler:
@@ -69,10 +83,13 @@ class Scheduler:
         workers_keep_samples: bool = False,
         group_windows: list[int | None] | None = None,
         num_microbatches: int = 1,
+        max_loras: int | None = None,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
         absent, one global group. `num_microbatches`: plans in flight over disjoint requests
-        (pipeline stages; see the module docstring)."""
+        (pipeline stages; see the module docstring). `max_loras`: distinct LoRA adapters per
+        step (None: LoRA is off, and a request with an adapter never runs: the core refuses it
+        first)."""
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             group_windows or [None],
@@ -87,6 +104,7 @@ class Scheduler:
                 f"{groups}: lower --max-model-len or give the KV cache more memory"
             )
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.debug = debug  # full (O(blocks)) invariant checks after every call
@@ -110,6 +128,8 @@ class Scheduler:
         # workers must hold these compiled until the last one ends (core/grammar_gate.py).
         self.grammar_users: Counter[str] = Counter()
         self._grammar_of: dict[str, str] = {}  # req_id -> grammar key, constrained requests
+        self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
+        self.lora_pool_counts = (0, 0)  # the workers' adapter loads and evictions (cumulative)
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -126,6 +146,8 @@ class Scheduler:
         self._next_seq += 1
         self.requests[req.req_id] = req
         self.policy.push(req)
+        if req.lora is not None:
+            self.lora_users[req.lora.lora_name] += 1
         spec = msg.sampling.structured_outputs
         if spec is not None:
             key = self._grammar_of[req.req_id] = spec.key
@@ -157,6 +179,10 @@ class Scheduler:
         req.status = status
         if self._grammar_of and status != RequestStatus.PREEMPTED:
             self._drop_grammar_user(req.req_id)
+        if req.lora is not None and status != RequestStatus.PREEMPTED:
+            self.lora_users[req.lora.lora_name] -= 1
+            if not self.lora_users[req.lora.lora_name]:
+                del self.lora_users[req.lora.lora_name]
         self.kv.free(req)
         if req.in_batch:
             self._finished_ids.append(req.req_id)
@@ -172,12 +198,16 @@ class Scheduler:
            chunk; tokens in flight count as known under async scheduling, else such a request
            has none left and is skipped). If its blocks don't fit, preempt the tail of `running`
            (lowest priority / latest) by recompute, until it fits or it was the tail.
+           A request whose LoRA adapter would exceed `max_loras` distinct adapters in the step
+           waits for a later step.
         2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
-           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop at
-           the first that does not fit (no skipping ahead).
+           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop
+           at the first that does not fit (no skipping ahead), except that a request whose
+           adapter finds no slot left in the step is passed over (up to MAX_LORA_SKIPS per
+           step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -194,7 +224,7 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < max_rows:
             req = self.running[i]
             num_new = min(self._num_feedable(req) - req.num_computed_tokens, step.budget)
-            if num_new > 0:
+            if num_new > 0 and step.fits_lora(req):
                 if not self._allocate_or_preempt(req, num_new, step):
                     break  # it preempted itself: it was the tail, nothing follows it
                 step.add(req, num_new)
@@ -233,8 +263,14 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         now = time.time()
+        skipped: list[Request] = []  # of adapters with no slot left in this step
         while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.policy.peek()
+            if not step.fits_lora(req):
+                if len(skipped) == MAX_LORA_SKIPS:
+                    break
+                skipped.append(self.policy.pop())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, step.budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -248,6 +284,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.policy.add_running(self.running, req)
             step.add(req, num_new)
+        for req in reversed(skipped):  # back where they were
+            self.policy.push_preempted(req)
 
     def _build_plan(self, step: _StepBuilder) -> StepPlan:
         """Encode the step as a delta; nothing scheduled gives an empty plan that need not be
@@ -293,6 +331,8 @@ class Scheduler:
             return []  # an empty plan was never recorded (and needs no result)
         record = self._inflight.pop(plan.step_id, None)
         assert record is not None, f"no plan in flight with step_id {plan.step_id}"
+        if result.lora_loads:
+            self.lora_pool_counts = (result.lora_loads, result.lora_evictions)
         assert len(result.sampled_token_ids) == len(record)
         outputs, finished = [], []
         for i, (req, num_preemptions) in enumerate(record):
@@ -362,7 +402,23 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_unfinished=len(self.requests),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, object]:
+        """With LoRA on: running and waiting requests per adapter (vLLM's lora_requests_info),
+        the workers' adapter loads and evictions."""
+        if self.max_loras is None:
+            return {}
+        loads, evictions = self.lora_pool_counts
+        out: dict[str, object] = {"lora_loads": loads, "lora_evictions": evictions}
+        if self.lora_users:
+            running = Counter(r.lora.lora_name for r in self.running if r.lora is not None)
+            out["running_lora_adapters"] = dict(running)
+            out["waiting_lora_adapters"] = {
+                n: k - running[n] for n, k in self.lora_users.items() if k > running[n]
+            }
+        return out
 
     def is_full(self, num_held: int = 0) -> bool:
         """The waiting queue, with `num_held` requests waiting outside it (for their grammar), is

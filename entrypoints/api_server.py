@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ready = engine.ready
     cache_dtype = "fp8_e4m3" if config.cache.kv_fp8 else config.model.resolved_dtype
     metrics.set_cache(ready.num_blocks, ready.block_size, cache_dtype)
+    if config.lora is not None:
+        metrics.set_lora(config.lora.max_loras)
     app = build_app(
         engine,
         metrics,

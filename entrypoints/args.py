@@ -224,9 +224,39 @@ def guard_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _lora_module(text: str) -> str | dict[str, Any]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    if not text.strip().startswith("{"):
+        return text
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object") from None
+    if not isinstance(item, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return item
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--enable-lora", action="store_true", help="serve LoRA adapters of the base model")
+    a("--lora-modules", nargs="+", type=_lora_module, help="adapters served from the start: "
+      "name=path, or JSON {\"name\", \"path\", \"base_model_name\"}")  # fmt: skip
+    a("--max-loras", type=_positive_int, default=1, help="adapters in one batch (GPU slots)")
+    a("--max-lora-rank", type=_positive_int, default=16, help="largest adapter rank")
+    a("--max-cpu-loras", type=_positive_int, help="adapters kept in host memory (>= max-loras)")
+    a("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    a("--allow-runtime-lora-updating", action="store_true",
+      default=settings.runtime_lora_updating_from_env(),
+      help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
+      "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")  # fmt: skip
+    a("--lora-allowed-dirs", nargs="+", help="runtime loads only from under these directories")
+
+
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_engine_args(p)
+    add_lora_args(p)
     add_server_args(p)
 
 
@@ -267,4 +297,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        enable_lora=args.enable_lora,
+        lora_modules=args.lora_modules,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_dtype=args.lora_dtype,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_allowed_dirs=args.lora_allowed_dirs,
     )

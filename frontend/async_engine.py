@@ -24,6 +24,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.errors import EngineDeadError, EngineOverloadedError, RequestRefusedError
 from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_ids
+from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.output_processor import OutputProcessor, ParentRequest
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import load_tokenizer, max_chars_per_token
@@ -32,6 +33,7 @@ from pagedserve.ipc.messages import (
     CoreToClient,
     EngineDead,
     EngineOutputs,
+    LoRARequest,
     ResetPrefixCache,
     SamplingParams,
     SchedulerStats,
@@ -102,6 +104,12 @@ class AsyncEngine:
         # max_model_len of them is refused before it is tokenized
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.default_sampling = sampling_defaults(config.model)
+        # the LoRA adapters requests may name in `model` (None: --enable-lora is off)
+        self.loras = (
+            LoRARegistry(config.lora, config.model.hf, config.model.name)
+            if config.lora is not None
+            else None
+        )
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.stats = SchedulerStats()
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
@@ -174,6 +182,7 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output whenever engine steps touched it since the last
         one (one output for many steps when the caller is slower than the engine)."""
@@ -181,7 +190,7 @@ class AsyncEngine:
         request_id = request_id or self.new_request_id()
         messages = self.processor.add(
             request_id, prompt, prompt_token_ids, sampling_params, priority,
-            self.client.client_index,
+            self.client.client_index, lora_request,
         )  # fmt: skip
         collector = self._collectors[request_id] = Collector(self.processor.parents[request_id])
         finished = False

@@ -13,11 +13,13 @@ from typing import Any
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
 from pagedserve.frontend.hub import resolve_model
+from pagedserve.lora_checkpoint import read_adapter
 
 ENGINE_ARGS: dict[str, Any] = {
     # model and tokenizer
@@ -35,6 +37,10 @@ ENGINE_ARGS: dict[str, Any] = {
     # parallelism
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "device": "auto", "nnodes": 1,
     "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None, "pp_layer_partition": None,
+    # LoRA adapters
+    "enable_lora": False, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
+    "lora_dtype": "auto", "lora_modules": None, "allow_runtime_lora_updating": False,
+    "lora_allowed_dirs": None,
 }  # fmt: skip
 
 
@@ -57,7 +63,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
     tokenizer = a["tokenizer"]
     if tokenizer is not None:
         tokenizer = resolve_model(tokenizer, None, a["download_dir"], flag="--tokenizer")
-    return EngineConfig(
+    config = EngineConfig(
         model=ModelConfig(
             model=path,
             dtype=a["dtype"],
@@ -99,4 +105,46 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             master_port=a["master_port"],
             pp_layer_partition=a["pp_layer_partition"],
         ),
+        lora=lora_config(a),
     )
+    if config.lora is not None:
+        for name, path, _ in config.lora.lora_modules:
+            read_adapter(name, path, config.model.hf, config.lora.max_lora_rank)
+    return config
+
+
+def lora_config(a: dict[str, Any]) -> LoRAConfig | None:
+    """The LoRA section (None without enable_lora); static adapters are checked against the
+    model here, so a bad one stops the start with its name."""
+    if not a["enable_lora"]:
+        if a["lora_modules"]:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    modules = tuple(_lora_module(m) for m in a["lora_modules"] or ())
+    return LoRAConfig(
+        max_loras=a["max_loras"] or 1,
+        max_lora_rank=a["max_lora_rank"] or 16,
+        max_cpu_loras=a["max_cpu_loras"],
+        lora_dtype=a["lora_dtype"] or "auto",
+        lora_modules=modules,
+        allow_runtime_lora_updating=bool(a["allow_runtime_lora_updating"]),
+        lora_allowed_dirs=tuple(a["lora_allowed_dirs"] or ()),
+    )
+
+
+def _lora_module(item: Any) -> tuple[str, str, str | None]:
+    """`name=path`, `(name, path)` or vLLM's JSON form `{"name", "path", "base_model_name"}`."""
+    if isinstance(item, str):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: expected name=path or a JSON object")
+        return name, path, None
+    if isinstance(item, dict):
+        unknown = sorted(set(item) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ValueError(f"--lora-modules: unknown key {unknown[0]!r}")
+        if not item.get("name") or not item.get("path"):
+            raise ValueError(f"--lora-modules {item!r}: needs name and path")
+        return str(item["name"]), str(item["path"]), item.get("base_model_name")
+    name, path = item
+    return str(name), str(path), None

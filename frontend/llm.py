@@ -22,7 +22,14 @@ from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
 from pagedserve.grammar_spec import build_grammar  # xgrammar loads on the first call
-from pagedserve.ipc.messages import AbortRequests, EngineDead, EngineOutputs, SamplingParams
+from pagedserve.ipc.messages import (
+    AbortRequests,
+    EngineDead,
+    EngineOutputs,
+    LoRARequest,
+    SamplingParams,
+)
+from pagedserve.lora_checkpoint import read_adapter
 
 PromptType = str | dict[str, Any]
 logger = logging.getLogger("pagedserve")
@@ -53,6 +60,7 @@ class LLM:
             raise
         self._eos_ids = stop_eos_ids(mc, self.tokenizer)
         self._ids = itertools.count()
+        self._checked_loras: set[LoRARequest] = set()
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Any:
@@ -64,12 +72,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one per prompt (None: the base
+        model), as vLLM's (needs `enable_lora=True`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params or self._default_params, len(prompts))
+        loras = self._loras(lora_request, len(prompts))
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, params, list(priority or [0] * len(prompts)), use_tqdm)
+        return self._run(encoded, params, list(priority or [0] * len(prompts)), use_tqdm, loras)
 
     def chat(
         self,
@@ -118,6 +130,26 @@ class LLM:
             return prompt["prompt"], encode_prompt(self.tokenizer, prompt["prompt"])
         raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
+    def _loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked against the model once per LLM."""
+        if lora_request is None:
+            return [None] * count
+        loras = [lora_request] * count if isinstance(lora_request, LoRARequest) else lora_request
+        if len(loras) != count:
+            raise ValueError(f"{len(loras)} lora requests for {count} prompts")
+        lora_config = self.config.lora
+        for lora in loras:
+            if lora is None or lora in self._checked_loras:
+                continue
+            if lora_config is None:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r}: the LLM needs enable_lora=True")
+            read_adapter(lora.lora_name, lora.lora_path, self.config.model.hf,
+                         lora_config.max_lora_rank)  # fmt: skip
+            self._checked_loras.add(lora)
+        return list(loras)
+
     def _check_prompt(self, ids: list[int]) -> None:
         max_len = self.config.max_model_len
         if not ids:
@@ -134,6 +166,7 @@ class LLM:
         params: list[SamplingParams],
         priority: list[int],
         use_tqdm: bool = False,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         client = self._client
         if client is None:
@@ -145,10 +178,11 @@ class LLM:
                 build_grammar(p.structured_outputs)  # ValueError naming what does not compile
         processor = OutputProcessor(self.tokenizer, self._eos_ids)
         order = []
-        for (text, ids), p, prio in zip(encoded, params, priority, strict=True):
+        loras = loras or [None] * len(encoded)
+        for (text, ids), p, prio, lora in zip(encoded, params, priority, loras, strict=True):
             request_id = str(next(self._ids))
             order.append(request_id)
-            for msg in processor.add(request_id, text, ids, p, prio, client.client_index):
+            for msg in processor.add(request_id, text, ids, p, prio, client.client_index, lora):
                 client.send(msg)
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(order)) if use_tqdm else None

@@ -19,7 +19,13 @@ from pagedserve.frontend.detokenizer import (
     check_stop_strings,
 )
 from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.ipc.messages import AddRequest, RequestDelta, SamplingParams, TokenLogprobs
+from pagedserve.ipc.messages import (
+    AddRequest,
+    LoRARequest,
+    RequestDelta,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 class RequestState:
@@ -159,6 +165,7 @@ class OutputProcessor:
         params: SamplingParams,
         priority: int = 0,
         client_index: int = 0,
+        lora: LoRARequest | None = None,
     ) -> list[AddRequest]:
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -183,6 +190,7 @@ class OutputProcessor:
                     parent.arrival_time,
                     priority,
                     client_index,
+                    lora,
                 )
             )
         self.parents[request_id] = parent

@@ -160,6 +160,22 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A LoRA adapter a request runs with, as vLLM's `LoRARequest(lora_name, lora_int_id,
+    lora_path)`. `lora_int_id` (>= 1) names it inside the engine: the prefix cache and the
+    workers' slots key on it, so one id must name one adapter while requests use it."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lora_name, str) and self.lora_name != "", "lora_name is empty")
+        _check(0 < self.lora_int_id < _I32, "lora_int_id must be in [1, 2**31)")
+        _check(self.lora_path != "", f"LoRA adapter {self.lora_name!r}: lora_path is empty")
+
+
 class TokenLogprobs(msgspec.Struct, **_HOT):
     """Logprobs at one position: index 0 is the sampled token, then the top-N by logprob."""
 
@@ -184,6 +200,7 @@ class AddRequest(msgspec.Struct, tag=True, **_HOT):
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention)
     client_index: int = 0
+    lora: LoRARequest | None = None  # None: the base model
 
 
 class AbortRequests(msgspec.Struct, tag=True, **_HOT):
@@ -210,6 +227,10 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
     num_unfinished: int = 0  # requests the scheduler tracks (running + waiting; 0 when idle)
+    running_lora_adapters: dict[str, int] = {}  # adapter name -> running requests
+    waiting_lora_adapters: dict[str, int] = {}  # adapter name -> waiting requests
+    lora_loads: int = 0  # cumulative: adapters the workers read into their host pool
+    lora_evictions: int = 0  # cumulative: adapters evicted from the workers' device slots
 
 
 class RequestDelta(msgspec.Struct, **_HOT):
@@ -257,6 +278,7 @@ class NewRequest(msgspec.Struct, **_HOT):
     # KV cache groups 1.. (models that mix windowed and global layers): their block tables, as
     # `block_ids` is group 0's.
     group_block_ids: list[list[int]] = []
+    lora: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
 
 
 class CachedDelta(msgspec.Struct, **_HOT):
@@ -324,6 +346,9 @@ class StepResult(msgspec.Struct, tag=True, **_HOT):
     step_id: int
     sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprobs | None] | None = None
+    # LoRA (cumulative, this rank): adapters read into the host pool, evicted from device slots
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
 
 class WorkerError(msgspec.Struct, tag=True, **_HOT):

@@ -35,6 +35,7 @@ from pagedserve.worker.cuda_graphs import (
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
+from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import (
@@ -90,6 +91,18 @@ class ModelRunner:
         kv_fp8 = config.cache.kv_fp8
         self.model = build_model(
             config.model, self.dtype, device, layers, kv_fp8=kv_fp8, show_progress=info.rank == 0
+        )
+        self.lora = (  # adapter slots in the linear layers, before the memory profile counts them
+            LoRAManager(
+                config.lora,
+                self.model,
+                config.model.hf,
+                device,
+                self.dtype,
+                config.scheduler.max_num_seqs,
+            )  # fmt: skip
+            if config.lora is not None
+            else None
         )
         self.kv_dtype = torch.float8_e4m3fn if kv_fp8 else self.dtype  # fp8: half the bytes
         self.block_size = config.cache.block_size
@@ -213,6 +226,8 @@ class ModelRunner:
                 self.stage_in = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
             def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
+                if self.lora is not None:  # decode graphs read the slot table (stage_graph)
+                    self.lora.capture_rows(len(ids), decode=meta.max_query_len == 1)
                 n = len(ids)
                 received = None if self.stage_in is None else tuple(self.stage_in[:, :n])
                 return self.model(ids, pos, self.kv_caches, meta, received)
@@ -273,11 +288,15 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         self.batch.apply(plan)
+        if self.lora is not None:
+            self.lora.track(plan)
         if self.info.is_last_stage and (self.constrained or plan.new_requests):
             self.constrained.track(plan.finished_ids, plan.new_requests)
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        if self.lora is not None:  # which slot each row uses; decode graphs hold LoRA too
+            self.lora.prepare(plan.scheduled_ids, inputs.query_start_loc)
         if self.features.cascade:
             q_lens = np.diff(inputs.query_start_loc)
             inputs.cascade_len = cascade_len(
@@ -289,6 +308,8 @@ class ModelRunner:
         graph_size = bucket[0] if bucket is not None else mixed
         intermediate = None if self.info.is_first_stage else self._receive(inputs, graph_size)
         if bucket is not None:
+            if self.lora is not None:
+                self.lora.stage_graph(len(inputs.seq_lens), bucket[0])
             outputs = self.graphs.run(inputs, bucket, fill)  # [T, H], then residual or head
         elif mixed is not None:
             outputs = self.mixed_graphs.run(inputs, mixed, fill)
@@ -388,16 +409,21 @@ class ModelRunner:
             sampled[i] = [token_ids[j]]
             if logprobs is not None:
                 logprobs[i] = step.logprobs[j]
-        return StepResult(plan.step_id, sampled, logprobs)
+        result = StepResult(plan.step_id, sampled, logprobs)
+        if self.lora is not None:
+            result.lora_loads, result.lora_evictions = self.lora.num_loads, self.lora.num_evictions
+        return result
 
     def _graph_bucket(self, inputs: StepInputs) -> tuple[int, bool] | None:
         num_seqs = len(inputs.seq_lens)
+        if self.lora is not None and self.lora.batch.active and not self.lora.in_graphs:
+            return None
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
             return None
         return self.graphs.bucket(num_seqs, inputs.cascade_len > 0)
 
     def _mixed_bucket(self, inputs: StepInputs) -> int | None:
-        if self.mixed_graphs is None:
+        if self.mixed_graphs is None or (self.lora is not None and self.lora.batch.active):
             return None
         return self.mixed_graphs.bucket(len(inputs.input_ids), len(inputs.seq_lens))
 

@@ -62,5 +62,5 @@ def step_features(
             and info.tp_size == 1
             and info.is_last_stage
         ),
-        cpu_compile=eligible(config, device, model),
+        cpu_compile=eligible(config, device, model) and config.lora is None,  # no LoRA inside
     )

@@ -31,6 +31,7 @@ from starlette.responses import Response
 import pagedserve
 from pagedserve.frontend.async_engine import AsyncEngine
 from pagedserve.frontend.openai.agent_routes import add_agent_routes
+from pagedserve.frontend.openai.lora_routes import add_lora_routes
 from pagedserve.frontend.openai.messages_protocol import PATH as MESSAGES_PATH
 from pagedserve.frontend.openai.messages_protocol import error_body as anthropic_error_body
 from pagedserve.frontend.openai.metrics import Metrics
@@ -202,6 +203,7 @@ def add_openai_routes(
     app: FastAPI, engine: AsyncEngine, base: Serving, chat: ChatServing, cache_salt_by: str
 ) -> None:
     completions = CompletionServing(engine, base.metrics, base.prompt_tokens_details)
+    add_lora_routes(app, engine, base.model_names)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -217,6 +219,8 @@ def add_openai_routes(
             }
             for name in base.model_names
         ]
+        for card in engine.loras.cards() if engine.loras is not None else []:
+            cards.append({**cards[0], **card})  # an adapter: its path as root, the base as parent
         return _json({"object": "list", "data": cards})
 
     @app.post("/v1/completions")

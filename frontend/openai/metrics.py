@@ -47,6 +47,8 @@ _TOTALS = {
     "prefix_cache_queries": "Prefix cache lookups, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Requests preempted by the scheduler.",
+    "lora_loads": "LoRA adapters the workers read into their host pool.",
+    "lora_evictions": "LoRA adapters evicted from the workers' device slots.",
 }
 
 # pagedserve name -> its vLLM names (the first is vLLM V1's, the others older names that vLLM's
@@ -57,7 +59,7 @@ _VLLM_TWINS: dict[str, tuple[str, ...]] = {
         "num_requests_running", "num_requests_waiting", "prefix_cache_queries",
         "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
         "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
-        "request_queue_time_seconds", "cache_config_info",
+        "request_queue_time_seconds", "cache_config_info", "lora_requests_info",
     )
 } | {
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
@@ -117,6 +119,13 @@ class Metrics:
             [*labels, "handler", "method", "status"], registry=reg,
         )  # fmt: skip
         self.model_name = model_name
+        self.max_loras: int | None = None  # set_lora: LoRA is on
+        self._lora_info = Gauge(
+            P + "lora_requests_info", "Running and waiting LoRA adapters, as vLLM's (value: the "
+            "time they were last seen).", ["max_lora", "waiting_lora_adapters",
+            "running_lora_adapters"], registry=reg, multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        self._lora_labels: tuple[str, str, str] | None = None
         lat = _LATENCY_BUCKETS
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", lat)
         self.itl = hist("inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS)
@@ -130,6 +139,10 @@ class Metrics:
         labels = (self.model_name, str(num_blocks), str(block_size), cache_dtype)
         self._cache_info.labels(*labels).set(1)
 
+    def set_lora(self, max_loras: int) -> None:
+        """LoRA is on: export lora_requests_info (from the first stats on)."""
+        self.max_loras = max_loras
+
     def on_stats(self, stats: SchedulerStats) -> None:
         """An AsyncEngine stats listener (runs on the event loop for every EngineOutputs)."""
         self.running.set(stats.num_running)
@@ -139,6 +152,17 @@ class Metrics:
         self.totals["prefix_cache_queries"].set(stats.prefix_cache_queries)
         self.totals["prefix_cache_hits"].set(stats.prefix_cache_hits)
         self.totals["num_preemptions"].set(stats.num_preemptions)
+        self.totals["lora_loads"].set(stats.lora_loads)
+        self.totals["lora_evictions"].set(stats.lora_evictions)
+        if self.max_loras is not None:
+            labels = (
+                str(self.max_loras),
+                ",".join(sorted(stats.waiting_lora_adapters)),
+                ",".join(sorted(stats.running_lora_adapters)),
+            )
+            if labels != self._lora_labels:  # vLLM's: a sample per change, its time as value
+                self._lora_labels = labels
+                self._lora_info.labels(*labels).set(time.time())
 
     async def track(
         self, stream: AsyncIterator[RequestOutput], num_prompt_tokens: int

@@ -32,7 +32,13 @@ from pagedserve.frontend.openai.streams import (
 from pagedserve.frontend.openai.structured import GrammarValidator, spec_from_request
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompts
-from pagedserve.ipc.messages import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
+from pagedserve.ipc.messages import (
+    MAX_LOGPROBS,
+    MAX_N,
+    LoRARequest,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 MAX_CHOICES = 2048  # prompts x n of one request: each is an engine request
 # The core answers every request at once; this only ends a wait for an answer that got lost.
@@ -64,11 +70,16 @@ class Serving:
         self.max_prompt_chars = None if per_token is None else self.max_model_len * per_token
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter `name` selects (None: the base model); an unknown name is a 404."""
+        if name is None or name in self.model_names:
+            return None
+        lora = self.engine.loras.get(name) if self.engine.loras is not None else None
+        if lora is None:
             raise APIError(
                 404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
             )
+        return lora
 
     def check_alive(self) -> None:
         message = self.engine.dead_message
@@ -139,9 +150,9 @@ class Serving:
         encode = functools.partial(encode_prompts, self.tokenizer, texts, add_special_tokens)
         return await asyncio.get_running_loop().run_in_executor(None, encode)
 
-    def check_request(self, req: Any) -> None:
-        """Checks that do not depend on the prompt."""
-        self.check_model(req.model)
+    def check_request(self, req: Any) -> LoRARequest | None:
+        """Checks that do not depend on the prompt; the LoRA adapter `model` names, if any."""
+        lora = self.check_model(req.model)
         if not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}.", param="n")
         if not -(2**31) <= req.priority < 2**31:
@@ -158,6 +169,7 @@ class Serving:
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
         self.check_alive()
+        return lora
 
     async def structured_outputs(self, req: Any) -> StructuredOutputs | None:
         """The request's grammar (response_format or structured_outputs), checked: a 400 names
@@ -246,10 +258,17 @@ class Serving:
 
     # ------------------------------------------------------------------ generation
     def generate(
-        self, ids: list[int], params: SamplingParams, prompt: str | None, priority: int
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        priority: int,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request_id = self.engine.new_request_id()
-        stream = self.engine.generate(ids, params, request_id, prompt=prompt, priority=priority)
+        stream = self.engine.generate(
+            ids, params, request_id, prompt=prompt, priority=priority, lora_request=lora
+        )
         if self.metrics is not None:
             stream = self.metrics.track(stream, len(ids))
         return stream

@@ -129,7 +129,7 @@ class ChatServing(Serving):
         """Check, render, tokenize and admit a chat request: what every chat-shaped API (chat
         completions, Responses, Anthropic Messages) shares. Raises APIError before anything runs,
         ClientDisconnected if the client left while it was admitted."""
-        self.check_request(req)
+        lora = self.check_request(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             message = "max_completion_tokens must be at least 1."
@@ -154,7 +154,7 @@ class ChatServing(Serving):
             after = self.reasoning.grammar_starts_after(ids)
             spec = msgspec.structs.replace(spec, after_token_id=after)
         params = self.sampling_params(req, max_tokens, top_n, spec)
-        (stream,) = await self.admit([self.generate(ids, params, text, req.priority)], raw)
+        (stream,) = await self.admit([self.generate(ids, params, text, req.priority, lora)], raw)
         return Started(ids, shape, stream)
 
     def _shape(self, req: ChatCompletionRequest) -> tuple[ChatShape, StructuredOutputs | None]:

@@ -34,7 +34,7 @@ _encode = msgspec.json.encode
 
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_request(req)
+        lora = self.check_request(req)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs (unsupported).", "echo")
         prompts = await self._prompts(req)
@@ -47,7 +47,7 @@ class CompletionServing(Serving):
             for _, ids in prompts
         ]
         generating = [
-            self.generate(ids, p, text, req.priority)
+            self.generate(ids, p, text, req.priority, lora)
             for (text, ids), p in zip(prompts, params, strict=True)
         ]
         try:

@@ -146,6 +146,8 @@ class Attention(nn.Module):
         weight = qkv_proj.weight
         if weight is None or qkv_proj.weight_scale is not None:  # packed for oneDNN, or FP8
             return None
+        if qkv_proj.lora is not None and qkv_proj.lora.active:
+            return None  # rows of adapters: the unfused projection adds their deltas
         if not (
             fuse_rope_and_cache(rotary.rotary_dim, kv_cache)
             and use_gemv(hidden, weight)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.cpu_linear import pack_weight, packed_linear
 from pagedserve.kernels.linear import linear
 from pagedserve.kernels.swiglu_gemm import swiglu_gemm_applies, swiglu_linear
@@ -25,6 +26,7 @@ from pagedserve.quant_config import Fp8Scheme
 from pagedserve.worker.layers.quant_linear import (
     FusedShards,
     LinearBase,
+    OutPart,
     expect_shape,
     make_param,
     shape_of,
@@ -123,6 +125,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] or [T, out]
         y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -149,12 +153,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         None elsewhere, and the caller applies the activation its own way."""
         if self.bias is not None or self.weight_scale is not None or self.weight is None:
             return None
+        if self.lora is not None and self.lora.active:
+            return None  # the adapters' deltas go on the unfused output
         if not swiglu_gemm_applies(x, self.weight):
             return None
         return swiglu_linear(x, self.weight)
 
     def part_rows(self, param: nn.Parameter, shard_id: Any) -> int:
         return self.output_sizes[shard_id]
+
+    def lora_parts(self) -> list[OutPart]:
+        offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
+        return [
+            OutPart(offset, size, full, tp_rank() * size)
+            for offset, size, full in zip(offsets, self.part_sizes, self.output_sizes, strict=True)
+        ]
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if isinstance(shard_id, FusedShards):
@@ -199,6 +212,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def part_rows(self, param: nn.Parameter, shard_id: Any) -> int:
         return self.full_sizes[("q", "k", "v").index(shard_id)]
+
+    def lora_parts(self) -> list[OutPart]:
+        q, kv, full_q, full_kv = self.q_size, self.kv_size, self.full_sizes[0], self.full_sizes[1]
+        kv_start = self.kv_head_start * self.head_dim
+        return [
+            OutPart(0, q, full_q, tp_rank() * q),
+            OutPart(q, kv, full_kv, kv_start),
+            OutPart(q + kv, kv, full_kv, kv_start),
+        ]
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if isinstance(shard_id, FusedShards):
@@ -250,6 +272,13 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         _copy(param.data, narrow(loaded, 1, tp_rank() * size, size))
 
+    def lora_parts(self) -> list[OutPart]:
+        rows = self.weight_shape[0]
+        return [OutPart(0, rows, rows, 0)]
+
+    def lora_in_shard(self) -> tuple[int, int]:
+        return tp_rank() * self.input_size_per_rank, self.input_size_per_rank
+
     def full_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
         """Rows whole, columns (block-scale columns too: they align) split across ranks."""
         return (param.shape[0], param.shape[1] * tp_size())
@@ -263,8 +292,13 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, narrow(scale, 1, tp_rank() * param.shape[1], param.shape[1]))
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """[T, in / tp] -> [T, out]; `gated`: x is [T, 2 in / tp], gate | up, activated here."""
-        y = self.matmul(x, None, gated)
+        """[T, in / tp] -> [T, out]; `gated`: x is [T, 2 in / tp], gate | up, activated here
+        (before the matmul when adapters need the activated rows too)."""
+        if self.lora is not None and self.lora.active:
+            x = silu_and_mul(x) if gated else x
+            y = self.lora.add(x, self.matmul(x, None))  # a partial sum, like x W^T
+        else:
+            y = self.matmul(x, None, gated)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

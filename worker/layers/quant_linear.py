@@ -37,8 +37,9 @@ from pagedserve.kernels.fp8 import (
     takes_fp8_rows,
 )
 from pagedserve.kernels.linear import gated_linear, linear
-from pagedserve.parallel.state import tp_size
+from pagedserve.parallel.state import tp_rank, tp_size
 from pagedserve.quant_config import Fp8Scheme
+from pagedserve.worker.lora.layer import LoRASlots, OutPart
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,10 @@ class LinearBase(nn.Module):
 
     def _init_weight(self, rows: int, cols: int, quant: Fp8Scheme | None) -> None:
         self.quant = quant
+        # LoRA slots (worker/lora/layer.py), attached after building when --enable-lora
+        self.lora: LoRASlots | None = None
         fp8 = quant is not None and quant.serialized
+        self.weight_shape = (rows, cols)  # this rank's, kept: the weight may go to oneDNN's layout
         self.weight = make_param(rows, cols, loader=self.weight_loader, dtype=FP8 if fp8 else None)
         self.weight_scale = None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU), once loaded
@@ -132,6 +136,15 @@ class LinearBase(nn.Module):
         if gated:
             return fp8_silu_mul_linear(x, self.weight, self.weight_scale, bias, group)
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
+
+    def lora_parts(self) -> list[OutPart]:
+        """This rank's output as LoRA parts (one here; merged layers list each)."""
+        rows = self.weight_shape[0]
+        return [OutPart(0, rows, rows * tp_size(), tp_rank() * rows)]
+
+    def lora_in_shard(self) -> tuple[int, int]:
+        """(start, size) of the columns of a LoRA A this rank keeps: all, column-parallel."""
+        return 0, self.weight_shape[1]
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether the RMSNorm making x may hand it over quantized per token (`Fp8Rows`): what

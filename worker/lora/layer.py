@@ -1,0 +1,100 @@
+"""LoRA slots of one parallel linear layer, and the step's rows that use them.
+
+Every wrapped layer holds `max_loras` device slots of A `[S, P * R, in / tp]` and B
+`[S, out / tp, P * R]`: P parts (q, k, v of `qkv_proj`; gate, up of `gate_up_proj`; one for the
+row-parallel layers), each of rank up to R (`--max-lora-rank`, zero padded), every adapter's
+scaling folded into its B. Part p reads A rows `[p R, p R + r)` and writes B's rows of its output
+slice, so one shrink and one expand serve a merged layer. Shards follow the layer's: a
+column-parallel layer keeps A whole and this rank's rows of B; a row-parallel one keeps this
+rank's columns of A and B whole, and its delta, a partial sum like `x W^T`, rides the layer's
+all-reduce.
+
+`LoRABatch` is one object shared by every wrapped layer: the model runner sets it before each
+forward (which slot each segment of the batch uses), so no layer signature changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.lora import SlotRows, lora_apply
+
+
+@dataclass(frozen=True)
+class OutPart:
+    """One part of a layer's output on this rank: rows `[offset, offset + size)` of the output,
+    taken from rows `[shard_start, shard_start + size)` of the whole checkpoint part of
+    `full_size` rows."""
+
+    offset: int
+    size: int
+    full_size: int
+    shard_start: int
+
+
+class LoRABatch:
+    """Which rows of the current step use which slot; `rows` None: no adapter in this step (the
+    layers then skip LoRA entirely and the fused paths stay open)."""
+
+    def __init__(self) -> None:
+        self.rows: SlotRows | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.rows is not None
+
+
+class LoRASlots:
+    """A layer's `max_loras` slots; `add(x, y)` adds the step's deltas to y in place."""
+
+    def __init__(
+        self,
+        parts: list[OutPart],
+        in_size: int,  # per rank
+        in_shard: tuple[int, int],  # (start, size) of this rank's columns of A's full input
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        batch: LoRABatch,
+    ) -> None:
+        self.parts, self.in_shard, self.max_rank, self.batch = parts, in_shard, max_rank, batch
+        out = sum(p.size for p in parts)
+        width = len(parts) * max_rank
+        self.lora_a = torch.zeros(max_loras, width, in_size, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
+
+    @property
+    def active(self) -> bool:
+        return self.batch.active
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y += B_s A_s x` on rows of adapters: x [T, in / tp], y [T, out]."""
+        rows = self.batch.rows
+        if rows is None:
+            return y
+        return lora_apply(y, x.to(self.lora_a.dtype), self.lora_a, self.lora_b, rows)
+
+    def clear(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def set_part(
+        self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, parts: list[int]
+    ) -> None:
+        """Checkpoint A `[r, in]` and (scaled) B `[sum of parts' full rows, r]` into `slot` at
+        rank columns of `part`; B's rows fill the output parts `parts` (one, or all of a fused
+        module), each cut to this rank's shard."""
+        r = a.shape[0]
+        col = part * self.max_rank
+        start, size = self.in_shard
+        self.lora_a[slot, col : col + r].copy_(a[:, start : start + size])
+        row = 0
+        for i in parts:
+            p = self.parts[i]
+            shard = b[row + p.shard_start : row + p.shard_start + p.size]
+            self.lora_b[slot, p.offset : p.offset + p.size, col : col + r].copy_(shard)
+            row += p.full_size
+        assert row == b.shape[0], "B's rows are the parts' whole rows"
