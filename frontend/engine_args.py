@@ -35,6 +35,7 @@ ENGINE_ARGS: dict[str, Any] = {
     # parallelism
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "device": "auto", "nnodes": 1,
     "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None, "pp_layer_partition": None,
+    "data_parallel_size": 1,
 }  # fmt: skip
 
 
@@ -98,5 +99,6 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             master_addr=a["master_addr"],
             master_port=a["master_port"],
             pp_layer_partition=a["pp_layer_partition"],
+            data_parallel_size=a["data_parallel_size"],
         ),
     )

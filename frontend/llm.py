@@ -4,8 +4,10 @@
     with LLM(model="path/to/hf-model") as llm:
         outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
-The LLM starts its own EngineCore process (which starts the workers), tokenizes and detokenizes
-here, and blocks until every request of a `generate` call has finished.
+The LLM starts its own EngineCore process (which starts the workers), or one per data parallel
+rank (`data_parallel_size=N`: each request goes to the core its prefix or the load picks,
+frontend/engine_cores.py), tokenizes and detokenizes here, and blocks until every request of a
+`generate` call has finished.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.frontend.engine_args import build_engine_config
-from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.engine_cores import EngineCores
 from pagedserve.frontend.generation_config import default_params, describe_defaults, stop_eos_ids
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
@@ -33,14 +35,14 @@ class LLM:
         """`model`: a directory or a hub id; `kwargs`: vLLM's engine arguments that pagedserve
         has (`frontend/engine_args.py`; any other raises TypeError). `skip_tokenizer_init`: no
         tokenizer (prompts must be token ids; outputs carry ids, no text), as in vLLM."""
-        self._client: EngineClient | None = None
+        self._client: EngineCores | None = None
         self.config = build_engine_config(model, **kwargs)
         mc = self.config.model
         self._default_params = default_params(mc)  # a bad generation_config fails here, first
         message = describe_defaults(mc)
         if message is not None:
             logger.warning(message)
-        self._client = EngineClient(self.config)
+        self._client = EngineCores(self.config)
         try:
             self.tokenizer = (
                 None
@@ -145,38 +147,66 @@ class LLM:
                 build_grammar(p.structured_outputs)  # ValueError naming what does not compile
         processor = OutputProcessor(self.tokenizer, self._eos_ids)
         order = []
-        for (text, ids), p, prio in zip(encoded, params, priority, strict=True):
-            request_id = str(next(self._ids))
-            order.append(request_id)
-            for msg in processor.add(request_id, text, ids, p, prio, client.client_index):
-                client.send(msg)
-        results: dict[str, RequestOutput] = {}
-        progress = _progress(len(order)) if use_tqdm else None
         try:
-            while processor.parents:
-                msg = client.outputs.get(timeout=0.5)
-                if msg is None:
-                    client.check_alive()
-                elif isinstance(msg, EngineDead):
-                    client.dead_message = msg.message
-                    client.check_alive()
-                elif isinstance(msg, EngineOutputs):
-                    touched, to_abort = processor.process(msg.outputs)
-                    if to_abort:
-                        client.send(AbortRequests(to_abort))
-                    for parent in touched:
-                        _raise_if_refused(parent)
-                        if parent.finished:
-                            results[parent.request_id] = parent.make_output()
-                            if progress is not None:
-                                progress.update(1)
+            for (text, ids), p, prio in zip(encoded, params, priority, strict=True):
+                request_id = str(next(self._ids))
+                order.append(request_id)
+                messages = processor.add(request_id, text, ids, p, prio, client.client_index)
+                core = client.route(request_id, ids)
+                for msg in messages:
+                    client.send(core, msg)
+            results = self._collect(processor, len(order), use_tqdm)
         except BaseException:  # e.g. Ctrl-C: leave nothing running in the engine
-            if processor.children and client.dead_message is None:
-                client.send(AbortRequests(list(processor.children)))
+            self._abort(processor)
             raise
+        finally:
+            for request_id in order:
+                client.release(request_id)
+        return [results[r] for r in order]
+
+    def _collect(
+        self, processor: OutputProcessor, total: int, use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
+        """Every request's final output, as the cores finish them."""
+        client = self._client
+        assert client is not None
+        results: dict[str, RequestOutput] = {}
+        progress = _progress(total) if use_tqdm else None
+        while processor.parents:
+            item = client.next_message(timeout=0.5)
+            if item is None:
+                client.check_alive()
+                continue
+            core, msg = item
+            if isinstance(msg, EngineDead):
+                client.set_dead(core, msg.message)
+                client.check_alive()
+            elif isinstance(msg, EngineOutputs):
+                touched, to_abort = processor.process(msg.outputs)
+                if to_abort:
+                    client.send(core, AbortRequests(to_abort))
+                for parent in touched:
+                    _raise_if_refused(parent)
+                    if parent.finished:
+                        results[parent.request_id] = parent.make_output()
+                        if progress is not None:
+                            progress.update(1)
         if progress is not None:
             progress.close()
-        return [results[r] for r in order]
+        return results
+
+    def _abort(self, processor: OutputProcessor) -> None:
+        """Abort whatever of `processor`'s requests still runs, each in its core."""
+        client = self._client
+        if client is None or client.dead_message is not None:
+            return
+        by_core: dict[int, list[str]] = {}
+        for child_id, (parent, _) in processor.children.items():
+            core = client.core_of(parent.request_id)
+            if core is not None:
+                by_core.setdefault(core, []).append(child_id)
+        for core, ids in by_core.items():
+            client.send(core, AbortRequests(ids))
 
 
 def _raise_if_refused(parent: Any) -> None:
