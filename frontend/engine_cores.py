@@ -136,9 +136,13 @@ class EngineCores:
             client.check_alive()
 
     def _named(self, core: int, message: str) -> str:
-        if self.num_cores == 1 or message.startswith("EngineCore"):
+        """`message` naming the core it is about ("EngineCore 1 failed: ...")."""
+        if self.num_cores == 1:
             return message
-        return f"{core_name(core, self.num_cores)}: {message}"
+        name = core_name(core, self.num_cores)
+        if message.startswith("EngineCore "):
+            return name + message.removeprefix("EngineCore")
+        return f"{name}: {message}"
 
     # ------------------------------------------------------------------ requests
     def route(self, request_id: str, prompt_token_ids: list[int]) -> int:
