@@ -1,7 +1,8 @@
 """Data parallel on one host (`-dp N`, `LLM(data_parallel_size=N)`): the router's rule, the config's
-errors, and on CPU through a real `launch -dp 2` and the openai client: greedy outputs equal one
-core's, requests sharing a long prefix land on one core (per-core /metrics), and a dead core's
-worker stops `launch` (exit 1, within seconds) with the open stream ended by an error."""
+errors, and on CPU through a real `launch -dp 2 --api-servers 2` and the openai client: greedy and
+seeded outputs equal one core's, requests sharing a long prefix land on one core whichever API
+server takes them (per-core /metrics), and a dead core's worker stops `launch` (exit 1, within
+seconds) with the open stream ended by an error."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def launched(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     log = str(tmp_path_factory.mktemp("dp-launch") / "launch.log")
-    proc = Launched(launch_args(model_dir, "-dp", "2", "--disable-log-stats"), log)
+    args = launch_args(model_dir, "-dp", "2", "--api-servers", "2", "--disable-log-stats")
+    proc = Launched(args, log)
     yield proc
     proc.stop()
 
@@ -153,13 +155,12 @@ def launched_model(client: openai.OpenAI) -> str:
 def test_shared_prefix_lands_on_one_core(url: str) -> None:
     """Requests that start alike (a conversation's turns, a shared system prompt) go to the core
     whose prefix cache holds that start: only its query and hit counts grow."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    model = launched_model(client)
     before_q = engine_series(url, "prefix_cache_queries_total")
     before_h = engine_series(url, "prefix_cache_hits_total")
-    for prompt in AFFINITY:
-        client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
-    time.sleep(1.2)  # the idle core's stats come every second
+    for prompt in AFFINITY:  # a connection each: the two API servers share them out
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    time.sleep(1.2)  # each core sends its stats to every API server twice a second
     after_q = engine_series(url, "prefix_cache_queries_total")
     after_h = engine_series(url, "prefix_cache_hits_total")
     grew = {e: after_q[e] - before_q.get(e, 0) for e in after_q}
