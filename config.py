@@ -414,9 +414,22 @@ class EngineConfig:
         return self.model.max_model_len
 
     def core_configs(self) -> list[EngineConfig]:
-        """One config per data parallel core (only `parallel.data_parallel_rank` differs)."""
+        """One config per data parallel core: its `parallel.data_parallel_rank`, and with several
+        cores, per-core files for the step trace and memory report (`FILE.dp1.worker0`)."""
         size = self.parallel.data_parallel_size
-        return [dataclasses.replace(self, parallel=self.parallel.core(i)) for i in range(size)]
+        if size == 1:
+            return [self]
+        out = []
+        for i in range(size):
+            s = self.settings
+            files = {
+                name: f"{path}.dp{i}"
+                for name in ("step_trace", "memory_report")
+                if (path := getattr(s, name)) is not None
+            }
+            settings = dataclasses.replace(s, **files)
+            out.append(dataclasses.replace(self, parallel=self.parallel.core(i), settings=settings))
+        return out
 
     def to_json(self) -> str:
         def init_fields(obj: Any) -> dict[str, Any]:

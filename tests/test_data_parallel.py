@@ -82,8 +82,11 @@ def test_data_parallel_config_errors(monkeypatch, tmp_path_factory):
     with pytest.raises(ValueError, match=r"x --tp 2 x --pp 1 needs 4 GPUs on this host; 3 vis"):
         check_devices(parallel)
     path = tiny_model_dir("llama", tmp_path_factory.getbasetemp())
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", "/tmp/trace")
     config = build_engine_config(path, data_parallel_size=3, tensor_parallel_size=2)
-    assert [c.parallel.data_parallel_rank for c in config.core_configs()] == [0, 1, 2]
+    cores = config.core_configs()
+    assert [c.parallel.data_parallel_rank for c in cores] == [0, 1, 2]
+    assert [c.settings.step_trace for c in cores] == [f"/tmp/trace.dp{i}" for i in range(3)]
 
 
 # ---------------------------------------------------------------------- LLM and launch, on CPU
