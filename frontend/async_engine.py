@@ -167,14 +167,8 @@ class AsyncEngine:
 
     def abort_all(self, error: Exception) -> None:
         """Abort every request in the cores too (a drain that timed out)."""
-        by_core: dict[int, list[str]] = {}
-        for child_id, (parent, _) in self.processor.children.items():
-            core = self.cores.core_of(parent.request_id)
-            if core is not None:
-                by_core.setdefault(core, []).append(child_id)
-        if self.cores.dead_message is None:
-            for core, ids in by_core.items():
-                self.cores.send(core, AbortRequests(ids))
+        children = self.processor.children.items()
+        self.cores.abort((p.request_id, cid) for cid, (p, _) in children)
         self._fail_all(error)
 
     @property
@@ -227,10 +221,7 @@ class AsyncEngine:
             self.cores.release(request_id)
 
     def abort(self, request_id: str) -> None:
-        child_ids = self.processor.abort(request_id)
-        core = self.cores.core_of(request_id)
-        if child_ids and core is not None and self.cores.dead_message is None:
-            self.cores.send(core, AbortRequests(child_ids))
+        self.cores.abort((request_id, cid) for cid in self.processor.abort(request_id))
 
     def reset_prefix_cache(self) -> None:
         self.cores.broadcast(ResetPrefixCache())

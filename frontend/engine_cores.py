@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pagedserve.config import EngineConfig, ParallelConfig
+from pagedserve.errors import EngineDeadError
 from pagedserve.frontend.engine_client import EngineClient, start_engine_core
 from pagedserve.frontend.prefix_router import PrefixRouter
-from pagedserve.ipc.messages import ClientMessage, CoreToClient, EngineReady
+from pagedserve.ipc.messages import AbortRequests, ClientMessage, CoreToClient, EngineReady
 from pagedserve.ipc.process import Child
 
 __all__ = ["EngineCores", "check_devices", "core_dirs", "start_engine_cores"]
@@ -131,9 +132,12 @@ class EngineCores:
         self.clients[core].dead_message = message
 
     def check_alive(self) -> None:
-        """Raise EngineDeadError if any core is gone."""
-        for client in self.clients:
-            client.check_alive()
+        """Raise EngineDeadError (naming the core) if any core is gone."""
+        for i, client in enumerate(self.clients):
+            try:
+                client.check_alive()
+            except EngineDeadError as e:
+                raise EngineDeadError(self._named(i, str(e))) from None
 
     def _named(self, core: int, message: str) -> str:
         """`message` naming the core it is about ("EngineCore 1 failed: ...")."""
@@ -150,9 +154,6 @@ class EngineCores:
         core = self._core_of[request_id] = self.router.route(prompt_token_ids)
         return core
 
-    def core_of(self, request_id: str) -> int | None:
-        return self._core_of.get(request_id)
-
     def release(self, request_id: str) -> None:
         core = self._core_of.pop(request_id, None)
         if core is not None:
@@ -160,6 +161,18 @@ class EngineCores:
 
     def send(self, core: int, msg: ClientMessage) -> None:
         self.clients[core].send(msg)
+
+    def abort(self, ids: Iterable[tuple[str, str]]) -> None:
+        """Abort engine requests, given as (request id, child id) pairs, each in its request's
+        core (nothing to do once a core is dead: the engine is going down)."""
+        by_core: dict[int, list[str]] = {}
+        for request_id, child_id in ids:
+            core = self._core_of.get(request_id)
+            if core is not None:
+                by_core.setdefault(core, []).append(child_id)
+        if self.dead_message is None:
+            for core, child_ids in by_core.items():
+                self.clients[core].send(AbortRequests(child_ids))
 
     def broadcast(self, msg: ClientMessage) -> None:
         for client in self.clients:

@@ -35,21 +35,21 @@ class LLM:
         """`model`: a directory or a hub id; `kwargs`: vLLM's engine arguments that pagedserve
         has (`frontend/engine_args.py`; any other raises TypeError). `skip_tokenizer_init`: no
         tokenizer (prompts must be token ids; outputs carry ids, no text), as in vLLM."""
-        self._client: EngineCores | None = None
+        self._cores: EngineCores | None = None
         self.config = build_engine_config(model, **kwargs)
         mc = self.config.model
         self._default_params = default_params(mc)  # a bad generation_config fails here, first
         message = describe_defaults(mc)
         if message is not None:
             logger.warning(message)
-        self._client = EngineCores(self.config)
+        self._cores = EngineCores(self.config)
         try:
             self.tokenizer = (
                 None
                 if skip_tokenizer_init
                 else load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
             )
-            self._client.wait_ready()
+            self._cores.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -90,9 +90,9 @@ class LLM:
         return self._run(encoded, params, [0] * len(encoded), use_tqdm)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._cores is not None:
+            self._cores.close()
+            self._cores = None
 
     def __enter__(self) -> LLM:
         return self
@@ -137,8 +137,8 @@ class LLM:
         priority: list[int],
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        client = self._client
-        if client is None:
+        cores = self._cores
+        if cores is None:
             raise RuntimeError("this LLM is closed")
         for _, ids in encoded:
             self._check_prompt(ids)
@@ -151,40 +151,40 @@ class LLM:
             for (text, ids), p, prio in zip(encoded, params, priority, strict=True):
                 request_id = str(next(self._ids))
                 order.append(request_id)
-                messages = processor.add(request_id, text, ids, p, prio, client.client_index)
-                core = client.route(request_id, ids)
+                messages = processor.add(request_id, text, ids, p, prio, cores.client_index)
+                core = cores.route(request_id, ids)
                 for msg in messages:
-                    client.send(core, msg)
+                    cores.send(core, msg)
             results = self._collect(processor, len(order), use_tqdm)
         except BaseException:  # e.g. Ctrl-C: leave nothing running in the engine
-            self._abort(processor)
+            cores.abort((p.request_id, cid) for cid, (p, _) in processor.children.items())
             raise
         finally:
             for request_id in order:
-                client.release(request_id)
+                cores.release(request_id)
         return [results[r] for r in order]
 
     def _collect(
         self, processor: OutputProcessor, total: int, use_tqdm: bool
     ) -> dict[str, RequestOutput]:
         """Every request's final output, as the cores finish them."""
-        client = self._client
-        assert client is not None
+        cores = self._cores
+        assert cores is not None
         results: dict[str, RequestOutput] = {}
         progress = _progress(total) if use_tqdm else None
         while processor.parents:
-            item = client.next_message(timeout=0.5)
+            item = cores.next_message(timeout=0.5)
             if item is None:
-                client.check_alive()
+                cores.check_alive()
                 continue
             core, msg = item
             if isinstance(msg, EngineDead):
-                client.set_dead(core, msg.message)
-                client.check_alive()
+                cores.set_dead(core, msg.message)
+                cores.check_alive()
             elif isinstance(msg, EngineOutputs):
                 touched, to_abort = processor.process(msg.outputs)
                 if to_abort:
-                    client.send(core, AbortRequests(to_abort))
+                    cores.send(core, AbortRequests(to_abort))
                 for parent in touched:
                     _raise_if_refused(parent)
                     if parent.finished:
@@ -194,19 +194,6 @@ class LLM:
         if progress is not None:
             progress.close()
         return results
-
-    def _abort(self, processor: OutputProcessor) -> None:
-        """Abort whatever of `processor`'s requests still runs, each in its core."""
-        client = self._client
-        if client is None or client.dead_message is not None:
-            return
-        by_core: dict[int, list[str]] = {}
-        for child_id, (parent, _) in processor.children.items():
-            core = client.core_of(parent.request_id)
-            if core is not None:
-                by_core.setdefault(core, []).append(child_id)
-        for core, ids in by_core.items():
-            client.send(core, AbortRequests(ids))
 
 
 def _raise_if_refused(parent: Any) -> None:

@@ -119,7 +119,7 @@ def url(launched: Launched) -> str:
 def test_llm_data_parallel_equals_one_core(model_dir: str, reference: list[str]) -> None:
     with LLM(model_dir, device="cpu", dtype="float32", data_parallel_size=2) as llm:
         outs = llm.generate(BATCH, PARAMS)
-        assert sorted(set(llm._client.router._owner.values())) == [0, 1]  # both cores served
+        assert sorted(set(llm._cores.router._owner.values())) == [0, 1]  # both cores served
     assert [o.outputs[0].text for o in outs] == reference
 
 

@@ -275,7 +275,7 @@ def test_engine_generates_with_fp8_weights_and_cache(checkpoints):
     with LLM(path, device="cpu", dtype="float32", kv_cache_dtype="fp8",
              kv_cache_memory=memory) as llm:  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        num_blocks = llm._client.clients[0].ready.num_blocks
+        num_blocks = llm._cores.clients[0].ready.num_blocks
     model = build(path, kv_fp8=True)
     block_bytes = 2 * 16 * model.num_kv_heads_per_rank * model.head_dim * model.num_layers
     assert num_blocks == memory // block_bytes  # 1 byte per element (float32 would be 4)
