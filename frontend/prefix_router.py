@@ -1,17 +1,21 @@
 """Which data parallel core a request goes to: prefix affinity under a load bound.
 
 Every turn of a conversation resends its history, and a core's prefix cache holds what that core
-computed, so a request should go to the core that served the longest start of its prompt. The
-router remembers, per full KV block of each prompt it routed, the core it sent it to (block hashes
-chained as the core's prefix cache chains them, in a bounded LRU table), and picks:
-1. the core that holds the longest recorded prefix, unless that core is clearly busier than the
-   others: its in-flight count > (1 + LOAD_EPS) x mean + LOAD_SLACK (bounded load, as the
-   "consistent hashing with bounded loads" of deploy/nginx's replicas);
-2. for a prompt no core holds, the core its first block hashes to (the same on every API server,
-   so a conversation started through one server finds its core through another), unless that
-   core has more than the mean + NEW_SLACK in flight: there is no cache to lose, so balance wins;
-3. otherwise the least loaded core.
-In-flight counts are this client's own (requests routed and not yet released). Pure Python.
+computed, so a turn should go where the previous one went. The router remembers, in one bounded
+LRU table, the core of each full KV block of every prompt it routed (block hashes chained as the
+core's prefix cache chains them) and of each prompt's end (its last full block's hash with the
+tokens after it), and picks:
+1. when the prompt extends an earlier one (it starts with all of that prompt's tokens: a
+   conversation's next turn, a repeated prompt), that prompt's core, unless it is clearly busier
+   than the others: its in-flight count > (1 + LOAD_EPS) x mean + LOAD_SLACK (bounded load, as
+   deploy/nginx's replicas);
+2. otherwise (a new conversation; prompts that share a system prompt or document, which every
+   core soon holds too) balance comes first: the core holding the longest start of the prompt,
+   or else the core its first block hashes to (the same on every API server), unless that core
+   has more than mean + NEW_SLACK in flight;
+3. and when the core so chosen is too busy, the least loaded core.
+In-flight counts are this client's own (requests routed and not yet released), so affinity is
+exact within one API server and best effort across several. Pure Python.
 """
 
 from __future__ import annotations
@@ -40,26 +44,32 @@ class PrefixRouter:
         self.block_size = block_size
         self.max_entries = max_entries
         self.load = [0] * num_cores  # requests in flight per core
-        self._owner: OrderedDict[int, int] = OrderedDict()  # block hash -> core, LRU first
+        # block hash or prompt end -> core, least recently used first
+        self._owner: OrderedDict[int, int] = OrderedDict()
 
     def route(self, prompt_token_ids: list[int]) -> int:
         """The core for a new request (counted in flight until `release`)."""
         if self.num_cores == 1:
             self.load[0] += 1
             return 0
-        hashes = block_hashes(prompt_token_ids, self.block_size)
-        owner = next((c for h in reversed(hashes) if (c := self._owner.get(h)) is not None), None)
+        ids, size = prompt_token_ids, self.block_size
+        hashes = block_hashes(ids, size)
+        depth = next((d for d in range(len(hashes), 0, -1) if hashes[d - 1] in self._owner), 0)
+        parent = hashes[depth - 1] if depth else 0
+        start = depth * size  # an earlier prompt this one extends ends in its next block
+        ends = (_end_key(parent, ids[start : start + r]) for r in range(size - 1, -1, -1))
+        extended = next((self._owner[k] for k in ends if k in self._owner), None)
         mean = (sum(self.load) + 1) / self.num_cores
-        if owner is not None and self.load[owner] + 1 <= (1 + LOAD_EPS) * mean + LOAD_SLACK:
-            core = owner
+        if extended is not None:  # its core holds all of an earlier prompt this one extends
+            home, bound = extended, (1 + LOAD_EPS) * mean + LOAD_SLACK
         else:
-            first = hashes[0] if hashes else hash(tuple(prompt_token_ids))
-            home = first % self.num_cores
-            if owner is None and self.load[home] + 1 <= mean + NEW_SLACK:
-                core = home
-            else:
-                core = min(range(self.num_cores), key=lambda c: (self.load[c], c != home))
-        self._record(hashes, core)
+            first = hashes[0] if hashes else hash(tuple(ids))
+            home = self._owner[parent] if depth else first % self.num_cores
+            bound = mean + NEW_SLACK
+        core = home
+        if self.load[home] + 1 > bound:
+            core = min(range(self.num_cores), key=lambda c: (self.load[c], c != home))
+        self._record(ids, hashes, core)
         self.load[core] += 1
         return core
 
@@ -68,10 +78,17 @@ class PrefixRouter:
         assert self.load[core] > 0, f"core {core} has no request in flight"
         self.load[core] -= 1
 
-    def _record(self, hashes: list[int], core: int) -> None:
+    def _record(self, ids: list[int], hashes: list[int], core: int) -> None:
         owner = self._owner
-        for h in hashes:
-            owner[h] = core
-            owner.move_to_end(h)
+        end = _end_key(hashes[-1] if hashes else 0, ids[len(hashes) * self.block_size :])
+        for key in (*hashes, end):
+            owner[key] = core
+            owner.move_to_end(key)
         while len(owner) > self.max_entries:
             owner.popitem(last=False)
+
+
+def _end_key(parent: int, tail: list[int]) -> int:
+    """Where a prompt ends: its last full block's hash and the tokens after it (the -1 keeps
+    these keys apart from block hashes; token ids are never negative)."""
+    return hash((parent, -1, *tail))

@@ -53,7 +53,7 @@ def test_router_keeps_a_prefix_on_its_core_and_bounds_the_load():
     fresh = PrefixRouter(4, block_size=4)
     cores = [fresh.route(random_ids(12, 300 + i)) for i in range(40)]
     assert all(9 <= cores.count(c) <= 11 for c in range(4)), cores
-    # A held prefix stays on its core until that core is clearly busier than the mean.
+    # A held prompt's continuations stay on its core until it is clearly busier than the mean.
     busy = PrefixRouter(2, block_size=4)
     home = busy.route(SHARED)
     placed = [busy.route(SHARED + [i]) for i in range(20)]
@@ -61,10 +61,24 @@ def test_router_keeps_a_prefix_on_its_core_and_bounds_the_load():
     assert stayed > LOAD_SLACK and (1 - home) in placed
     for core in placed:
         busy.release(core)
-    assert busy.route(SHARED + [99]) == placed[-1]  # the latest owner of the longest prefix
+    assert busy.route(SHARED + [99]) == home
     assert block_hashes([1, 2, 3, 4, 5], 2) == block_hashes([1, 2, 3, 4, 6], 2)
     with pytest.raises(AssertionError):
         PrefixRouter(2, 4).release(1)
+
+
+def test_router_spreads_a_shared_system_prompt_and_keeps_conversations():
+    """New conversations that share only a system prompt spread evenly (every core soon caches
+    the system prompt); each one's next turn, sent while all are in flight, finds its core."""
+    router = PrefixRouter(2, block_size=4)
+    system = random_ids(10, 400)
+    firsts = [system + random_ids(9, 500 + i) for i in range(20)]
+    cores = [router.route(p) for p in firsts]
+    assert sorted(cores.count(c) for c in (0, 1)) == [10, 10], cores
+    answer = [5, 6, 7]
+    assert [
+        router.route(p + answer + random_ids(4, 600 + i)) for i, p in enumerate(firsts)
+    ] == cores
 
 
 def test_data_parallel_config_errors(monkeypatch, tmp_path_factory):

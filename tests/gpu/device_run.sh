@@ -241,7 +241,8 @@ PY
             --enable-prompt-tokens-details > "$OUT/dp$dp-server.log" 2>&1 &
           srv=$!
           for _ in $(seq 1500); do curl -sf localhost:8014/health >/dev/null && break; sleep 0.2; done
-          $T $PS bench serve --base-url http://127.0.0.1:8014 --dataset-name multi-turn \
+          $T $PS bench serve --base-url http://127.0.0.1:8014 --endpoint /v1/chat/completions \
+            --dataset-name multi-turn \
             --num-users ${DP_USERS:-256} --num-turns ${DP_TURNS:-4} --think-time 0.5 \
             --output-json "$OUT/dp$dp-multi-turn.json" 2>&1 | tail -6
           curl -s localhost:8014/metrics | grep -E '^pagedserve:prefix_cache_(queries|hits)_total' \
