@@ -77,7 +77,8 @@ def check_devices(parallel: ParallelConfig) -> None:
 class EngineCores:
     """One EngineClient per data parallel core, and which core holds which request.
 
-    `directory` None (`LLM`): each client starts its own core in a directory of its own.
+    `directory` None (`LLM`): each client starts its own core in a directory of its own (all
+    start at once; `wait_ready` waits for every one).
     Otherwise (an API server of `launch`): connect to the cores `start_engine_cores` started
     under `directory`, whose pids are `core_pids`."""
 
@@ -93,18 +94,14 @@ class EngineCores:
         self.client_index = client_index
         if core_pids is not None and len(core_pids) != len(configs):
             raise ValueError(f"{len(core_pids)} core pids for {len(configs)} engine cores")
+        pids = core_pids or [None] * len(configs)
+        paths = [None] * len(configs) if directory is None else core_dirs(directory, len(configs))
         try:
             if directory is None:
                 check_devices(config.parallel)
-                self.clients = [EngineClient(c, client_index) for c in configs]
-            else:
-                pids = core_pids or [None] * len(configs)
-                paths = core_dirs(directory, len(configs))
-                self.clients = [
-                    EngineClient(c, client_index, path, pid)
-                    for c, path, pid in zip(configs, paths, pids, strict=True)
-                ]
-        except BaseException:
+            for c, path, pid in zip(configs, paths, pids, strict=True):
+                self.clients.append(EngineClient(c, client_index, path, pid))
+        except BaseException:  # close what started (an LLM's cores are its children)
             self.close()
             raise
         self.router = PrefixRouter(len(configs), config.cache.block_size)
