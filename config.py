@@ -330,10 +330,23 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     pp_layer_partition: tuple[int, ...] | None = None
+    # Data parallel: `data_parallel_size` engine cores on this host, each with its own tp x pp
+    # workers on its own GPUs (core `data_parallel_rank` uses GPUs [rank * tp * pp, ...)).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("--tp and --pp must be at least 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError("data_parallel_rank must be in [0, --data-parallel-size)")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "--data-parallel-size > 1 with --nnodes > 1 is not supported: data parallel "
+                "runs its cores on one host (scale out with replicas behind deploy/nginx)"
+            )
         if self.pp_layer_partition is not None:
             object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -352,6 +365,21 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def first_local_device(self) -> int:
+        """The device index of this core's rank 0 on this node (data parallel cores take
+        consecutive device ranges)."""
+        return self.data_parallel_rank * self.ranks_per_node
+
+    @property
+    def local_ranks_of_host(self) -> int:
+        """Worker processes on this node, over every data parallel core (they share its CPUs)."""
+        return self.data_parallel_size * self.ranks_per_node
+
+    def core(self, rank: int) -> ParallelConfig:
+        """This config for data parallel core `rank`."""
+        return dataclasses.replace(self, data_parallel_rank=rank)
 
 
 @dataclass(frozen=True)
@@ -428,6 +456,24 @@ class EngineConfig:
     def max_model_len(self) -> int:
         assert self.model.max_model_len is not None
         return self.model.max_model_len
+
+    def core_configs(self) -> list[EngineConfig]:
+        """One config per data parallel core: its `parallel.data_parallel_rank`, and with several
+        cores, per-core files for the step trace and memory report (`FILE.dp1.worker0`)."""
+        size = self.parallel.data_parallel_size
+        if size == 1:
+            return [self]
+        out = []
+        for i in range(size):
+            s = self.settings
+            files = {
+                name: f"{path}.dp{i}"
+                for name in ("step_trace", "memory_report")
+                if (path := getattr(s, name)) is not None
+            }
+            settings = dataclasses.replace(s, **files)
+            out.append(dataclasses.replace(self, parallel=self.parallel.core(i), settings=settings))
+        return out
 
     def to_json(self) -> str:
         def init_fields(obj: Any) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from pagedserve.config import ModelConfig
 ENGINE_FLAGS = {
     "--tp": ("tensor_parallel_size", int, 1),
     "--pp": ("pipeline_parallel_size", int, 1),
+    "--data-parallel-size,-dp": ("data_parallel_size", int, 1),
     "--dtype": ("dtype", str, "auto"),
     "--max-model-len": ("max_model_len", int, None),
     "--max-num-seqs": ("max_num_seqs", int, None),
@@ -35,7 +36,7 @@ ENGINE_FLAGS = {
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True)
     for flag, (dest, typ, default) in ENGINE_FLAGS.items():
-        p.add_argument(flag, dest=dest, type=typ, default=default)
+        p.add_argument(*flag.split(","), dest=dest, type=typ, default=default)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true")

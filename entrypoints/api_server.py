@@ -23,7 +23,7 @@ import uvicorn
 
 from pagedserve import settings
 from pagedserve.config import EngineConfig
-from pagedserve.entrypoints.args import add_guard_args
+from pagedserve.entrypoints.args import add_guard_args, int_list
 from pagedserve.frontend.async_engine import AsyncEngine
 from pagedserve.frontend.openai.api_server import TenancyOptions, build_app
 from pagedserve.frontend.openai.connections import ConnectionGuard, connection_limit
@@ -63,7 +63,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagedserve-api-server")
     ap.add_argument("--config", required=True, help="EngineConfig.to_json()")
     ap.add_argument("--ipc-dir", required=True)
-    ap.add_argument("--core-pid", type=int)
+    ap.add_argument("--core-pid", type=int_list, help="each engine core's pid (data parallel)")
     ap.add_argument("--client-index", type=int, default=0)
     ap.add_argument("--parent-pid", type=int)
     ap.add_argument("--fd", type=int, help="an inherited listening socket")
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     _notifier(args.ready_fd, f"engine {index}")()
     drain = Drain()
     metrics = Metrics(config.model.name)
-    ready = engine.ready
     cache_dtype = "fp8_e4m3" if config.cache.kv_fp8 else config.model.resolved_dtype
-    metrics.set_cache(ready.num_blocks, ready.block_size, cache_dtype)
+    for core, ready in enumerate(engine.cores.readies):
+        metrics.set_cache(ready.num_blocks, ready.block_size, cache_dtype, core)
     if config.lora is not None:
         metrics.set_lora(config.lora.max_loras)
     app = build_app(

@@ -46,7 +46,7 @@ _non_negative_float = _bounded(float, lambda v: v >= 0, ">= 0")
 _positive_float = _bounded(float, lambda v: v > 0, "> 0")
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
@@ -91,7 +91,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     a("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
-    a("--pp-layer-partition", type=_int_list, help="layers per pipeline stage, e.g. 20,12")
+    a("-dp", "--data-parallel-size", dest="dp", type=_positive_int, default=1,
+      help="engine cores on this host, each with its own tp x pp GPUs (core i: GPUs "
+      "[i*tp*pp, (i+1)*tp*pp)); requests go to the core holding their prefix")  # fmt: skip
+    a("--pp-layer-partition", type=int_list, help="layers per pipeline stage, e.g. 20,12")
     a("--nnodes", type=_positive_int, default=1, help="machines in one TP x PP group")
     a("--node-rank", type=_non_negative_int, default=0, help="0 runs the engine and API servers")
     a("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
@@ -278,6 +281,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         pp_layer_partition=args.pp_layer_partition,
+        data_parallel_size=args.dp,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,

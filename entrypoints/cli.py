@@ -85,6 +85,9 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     try:
         config = engine_config(args)
         opts = launch_options(args)
+        from pagedserve.frontend.engine_cores import check_devices
+
+        check_devices(config.parallel)  # this node's dp x tp x pp GPUs
         if config.parallel.nnodes > 1:  # every node needs the key: say so before starting any
             from pagedserve.ipc.curve import load_key
 

@@ -276,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-stats-interval", type=float, help="seconds (default: no stats lines)")
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
     config = EngineConfig.from_json(args.config)
+    parallel = config.parallel  # data parallel cores say which one logs (stats lines)
+    core = f"[{parallel.data_parallel_rank}]" if parallel.data_parallel_size > 1 else ""
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(name)s{core}: %(message)s")
     settings.activate(config.settings)
     try:
         transport = ZmqTransport(config, args.input_address, args.ipc_dir)

@@ -1,4 +1,5 @@
-"""`pagedserve launch`: one EngineCore process and N API server processes sharing one port.
+"""`pagedserve launch`: EngineCore processes (one per data parallel rank, `-dp N`; each starts its
+own tp x pp workers) and N API server processes sharing one port, each a client of every core.
 
 The launcher binds the listening socket itself and hands the fd to every API server (pass_fds),
 so the kernel spreads connections over the servers without a proxy. It then only watches:
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.engine_process import ERROR_FILE, start_workers
-from pagedserve.frontend.engine_client import start_engine_core
+from pagedserve.frontend.engine_cores import core_dirs, core_name, start_engine_cores
 from pagedserve.frontend.generation_config import describe_defaults
 from pagedserve.ipc.process import Child, stop_all
 from pagedserve.ipc.sockets import CoreAddresses, ipc_dir
@@ -99,7 +100,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def start_api_server(
-    index: int, config_json: str, directory: str, core_pid: int, sock: socket.socket,
+    index: int, config_json: str, directory: str, core_pids: list[int], sock: socket.socket,
     ready_fd: int, opts: LaunchOptions, metrics_dir: str,
 ) -> Child:  # fmt: skip
     cmd = [
@@ -107,7 +108,7 @@ def start_api_server(
         "--parent-pid", str(os.getpid()),
         "--config", config_json,
         "--ipc-dir", directory,
-        "--core-pid", str(core_pid),
+        "--core-pid", ",".join(map(str, core_pids)),
         "--client-index", str(index),
         "--fd", str(sock.fileno()),
         "--ready-fd", str(ready_fd),
@@ -170,25 +171,26 @@ class Launcher:
                 signal.signal(s, handler)
 
     def _start(self, sock: socket.socket, directory: str, metrics_dir: str, ready_w: int) -> None:
-        mc = self.config.model
+        mc, parallel = self.config.model, self.config.parallel
+        dp = parallel.data_parallel_size
         say(
             f"serving {mc.model} as {mc.name!r} (max_model_len {self.config.max_model_len}, "
-            f"tp {self.config.parallel.tensor_parallel_size}, "
-            f"pp {self.config.parallel.pipeline_parallel_size}, "
-            f"{self.opts.api_servers} API server(s))"
+            f"tp {parallel.tensor_parallel_size}, pp {parallel.pipeline_parallel_size}, "
+            f"{f'dp {dp}, ' if dp > 1 else ''}{self.opts.api_servers} API server(s))"
         )
         defaults = describe_defaults(mc)
         if defaults is not None:
             say(defaults)
         opts = self.opts
-        core = start_engine_core(
+        cores = start_engine_cores(
             self.config, directory, opts.log_level.upper(), opts.log_stats_interval
         )
-        self.children.append(core)
+        self.children += cores
+        pids = [core.pid for core in cores]
         config_json = self.config.to_json()
         for i in range(self.opts.api_servers):
             child = start_api_server(
-                i, config_json, directory, core.pid, sock, ready_w, self.opts, metrics_dir
+                i, config_json, directory, pids, sock, ready_w, self.opts, metrics_dir
             )
             self.children.append(child)
 
@@ -236,17 +238,20 @@ class Launcher:
         )
 
     def _reason(self, child: Child) -> str:
-        """Why the EngineCore exited, in its own words (it names the worker or the step)."""
-        if child.name != "EngineCore":
+        """Why an EngineCore exited, in its own words (it names the worker or the step)."""
+        dp = self.config.parallel.data_parallel_size
+        names = [core_name(i, dp) for i in range(dp)]
+        if child.name not in names:
             return ""
+        path = core_dirs(self.directory, dp)[names.index(child.name)]
         try:
-            with open(os.path.join(self.directory, ERROR_FILE)) as f:
+            with open(os.path.join(path, ERROR_FILE)) as f:
                 return f" ({f.read().strip()})"
         except OSError:
             return ""
 
     def _shutdown(self, drain: bool) -> None:
-        """API servers first (drained, or told to abort), then the EngineCore."""
+        """API servers first (drained, or told to abort), then the EngineCores."""
         servers = [c for c in self.children if c.name.startswith("API server")]
         if drain:
             say(f"draining: running requests may finish for up to {self.opts.drain_timeout:g} s")

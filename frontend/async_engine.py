@@ -22,7 +22,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.errors import EngineDeadError, EngineOverloadedError, RequestRefusedError
-from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.engine_cores import EngineCores
 from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_ids
 from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.output_processor import OutputProcessor, ParentRequest
@@ -81,23 +81,26 @@ class Collector:
 
 
 class AsyncEngine:
+    """`core_pids`: the engine cores `launch` started under `directory`, one per data parallel
+    rank (frontend/engine_cores.py); requests go to the core the router picks."""
+
     def __init__(
         self,
         config: EngineConfig,
         client_index: int = 0,
         directory: str | None = None,
-        core_pid: int | None = None,
+        core_pids: list[int] | None = None,
         tokenizer: Any = None,
     ) -> None:
         self.config = config
-        self.client = EngineClient(config, client_index, directory, core_pid)
+        self.cores = EngineCores(config, client_index, directory, core_pids)
         try:
             self.tokenizer = tokenizer or load_tokenizer(
                 config.model.tokenizer_path, config.model.trust_remote_code
             )
-            self.ready = self.client.wait_ready()
+            self.ready = self.cores.wait_ready()
         except BaseException:
-            self.client.close()
+            self.cores.close()
             raise
         self.eos_token_ids = stop_eos_ids(config.model, self.tokenizer)
         # the most characters one token stands for (None: no safe bound): a prompt longer than
@@ -111,8 +114,8 @@ class AsyncEngine:
             else None
         )
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.stats = SchedulerStats()
-        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+        self.stats = [SchedulerStats() for _ in range(self.cores.num_cores)]  # per core
+        self.stats_listeners: list[Callable[[int, SchedulerStats], None]] = []  # (core, stats)
         self._collectors: dict[str, Collector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._liveness: asyncio.Task[None] | None = None
@@ -120,35 +123,45 @@ class AsyncEngine:
 
     @property
     def dead_message(self) -> str | None:
-        return self.client.dead_message
+        return self.cores.dead_message
+
+    @property
+    def client_index(self) -> int:
+        return self.cores.client_index
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if any engine core is gone."""
+        self.cores.check_alive()
 
     async def start(self) -> None:
         """Attach to the running event loop (call once, from the server's startup)."""
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self.client.set_listener(lambda msg: loop.call_soon_threadsafe(self._on_message, msg))
+        self.cores.set_listener(
+            lambda core, msg: loop.call_soon_threadsafe(self._on_message, core, msg)
+        )
         self._liveness = loop.create_task(self._watch_core())
 
     async def _watch_core(self) -> None:
-        while self.client.dead_message is None:
+        while self.cores.dead_message is None:
             await asyncio.sleep(LIVENESS_INTERVAL_S)
             try:
-                self.client.check_alive()
-            except EngineDeadError as e:
-                self._fail_all(e)
+                self.cores.check_alive()
+            except EngineDeadError:
+                self._fail_all(EngineDeadError(self.cores.dead_message or "engine core died"))
 
-    def _on_message(self, msg: CoreToClient) -> None:
+    def _on_message(self, core: int, msg: CoreToClient) -> None:
         if isinstance(msg, EngineDead):
-            self.client.dead_message = msg.message
-            self._fail_all(EngineDeadError(msg.message))
+            self.cores.set_dead(core, msg.message)
+            self._fail_all(EngineDeadError(self.cores.dead_message or msg.message))
         elif isinstance(msg, EngineOutputs):
             if msg.stats is not None:
-                self.stats = msg.stats
+                self.stats[core] = msg.stats
                 for listener in self.stats_listeners:
-                    listener(msg.stats)
+                    listener(core, msg.stats)
             touched, to_abort = self.processor.process(msg.outputs)
-            if to_abort:
-                self.client.send(AbortRequests(to_abort))
+            if to_abort and self.cores.dead_message is None:
+                self.cores.send(core, AbortRequests(to_abort))
             for parent in touched:
                 collector = self._collectors.get(parent.request_id)
                 if collector is not None:
@@ -161,10 +174,9 @@ class AsyncEngine:
         self.processor.fail_all(str(error))
 
     def abort_all(self, error: Exception) -> None:
-        """Abort every request in the core too (a drain that timed out)."""
-        ids = list(self.processor.children)
-        if ids and self.client.dead_message is None:
-            self.client.send(AbortRequests(ids))
+        """Abort every request in the cores too (a drain that timed out)."""
+        children = self.processor.children.items()
+        self.cores.abort((p.request_id, cid) for cid, (p, _) in children)
         self._fail_all(error)
 
     @property
@@ -173,7 +185,7 @@ class AsyncEngine:
         return len(self._collectors) + len(self.processor.parents)
 
     def new_request_id(self) -> str:
-        return f"{self.client.client_index}-{next(self._ids)}"
+        return f"{self.cores.client_index}-{next(self._ids)}"
 
     async def generate(
         self,
@@ -186,18 +198,19 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output whenever engine steps touched it since the last
         one (one output for many steps when the caller is slower than the engine)."""
-        self.client.check_alive()
+        self.cores.check_alive()
         request_id = request_id or self.new_request_id()
         messages = self.processor.add(
             request_id, prompt, prompt_token_ids, sampling_params, priority,
-            self.client.client_index, lora_request,
+            self.cores.client_index, lora_request,
         )  # fmt: skip
         collector = self._collectors[request_id] = Collector(self.processor.parents[request_id])
+        core = self.cores.route(request_id, prompt_token_ids)
         finished = False
         try:
             try:
                 for msg in messages:
-                    self.client.send(msg)
+                    self.cores.send(core, msg)
             except (TypeError, ValueError) as e:  # encoded here, so nothing is dropped unanswered
                 raise RequestRefusedError(f"the request cannot be sent to the engine: {e}") from e
             while not finished:
@@ -214,16 +227,15 @@ class AsyncEngine:
             self._collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+            self.cores.release(request_id)
 
     def abort(self, request_id: str) -> None:
-        child_ids = self.processor.abort(request_id)
-        if child_ids and self.client.dead_message is None:
-            self.client.send(AbortRequests(child_ids))
+        self.cores.abort((request_id, cid) for cid in self.processor.abort(request_id))
 
     def reset_prefix_cache(self) -> None:
-        self.client.send(ResetPrefixCache())
+        self.cores.broadcast(ResetPrefixCache())
 
     def shutdown(self) -> None:
         if self._liveness is not None:
             self._liveness.cancel()
-        self.client.close()
+        self.cores.close()

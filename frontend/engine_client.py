@@ -34,6 +34,7 @@ def start_engine_core(
     directory: str,
     log_level: str = "WARNING",
     log_stats_interval: float | None = None,
+    name: str = "EngineCore",
 ) -> Child:
     """Spawn the EngineCore process (entrypoints/engine_process.py: by module name, so this
     client never imports what it starts); it logs a stats line every `log_stats_interval` s."""
@@ -45,7 +46,7 @@ def start_engine_core(
     ]  # fmt: skip
     if log_stats_interval is not None:
         args += ["--log-stats-interval", str(log_stats_interval)]
-    return spawn("pagedserve.entrypoints.engine_process", args, "EngineCore")
+    return spawn("pagedserve.entrypoints.engine_process", args, name)
 
 
 class EngineClient:

@@ -4,8 +4,10 @@
     with LLM(model="path/to/hf-model") as llm:
         outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
-The LLM starts its own EngineCore process (which starts the workers), tokenizes and detokenizes
-here, and blocks until every request of a `generate` call has finished.
+The LLM starts its own EngineCore process (which starts the workers), or one per data parallel
+rank (`data_parallel_size=N`: each request goes to the core its prefix or the load picks,
+frontend/engine_cores.py), tokenizes and detokenizes here, and blocks until every request of a
+`generate` call has finished.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.frontend.engine_args import build_engine_config
-from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.engine_cores import EngineCores
 from pagedserve.frontend.generation_config import default_params, describe_defaults, stop_eos_ids
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
@@ -40,21 +42,21 @@ class LLM:
         """`model`: a directory or a hub id; `kwargs`: vLLM's engine arguments that pagedserve
         has (`frontend/engine_args.py`; any other raises TypeError). `skip_tokenizer_init`: no
         tokenizer (prompts must be token ids; outputs carry ids, no text), as in vLLM."""
-        self._client: EngineClient | None = None
+        self._cores: EngineCores | None = None
         self.config = build_engine_config(model, **kwargs)
         mc = self.config.model
         self._default_params = default_params(mc)  # a bad generation_config fails here, first
         message = describe_defaults(mc)
         if message is not None:
             logger.warning(message)
-        self._client = EngineClient(self.config)
+        self._cores = EngineCores(self.config)
         try:
             self.tokenizer = (
                 None
                 if skip_tokenizer_init
                 else load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
             )
-            self._client.wait_ready()
+            self._cores.wait_ready()
         except BaseException:
             self.close()
             raise
@@ -100,9 +102,9 @@ class LLM:
         return self._run(encoded, params, [0] * len(encoded), use_tqdm)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._cores is not None:
+            self._cores.close()
+            self._cores = None
 
     def __enter__(self) -> LLM:
         return self
@@ -168,8 +170,8 @@ class LLM:
         use_tqdm: bool = False,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        client = self._client
-        if client is None:
+        cores = self._cores
+        if cores is None:
             raise RuntimeError("this LLM is closed")
         for _, ids in encoded:
             self._check_prompt(ids)
@@ -178,39 +180,54 @@ class LLM:
                 build_grammar(p.structured_outputs)  # ValueError naming what does not compile
         processor = OutputProcessor(self.tokenizer, self._eos_ids)
         order = []
-        loras = loras or [None] * len(encoded)
-        for (text, ids), p, prio, lora in zip(encoded, params, priority, loras, strict=True):
-            request_id = str(next(self._ids))
-            order.append(request_id)
-            for msg in processor.add(request_id, text, ids, p, prio, client.client_index, lora):
-                client.send(msg)
-        results: dict[str, RequestOutput] = {}
-        progress = _progress(len(order)) if use_tqdm else None
         try:
-            while processor.parents:
-                msg = client.outputs.get(timeout=0.5)
-                if msg is None:
-                    client.check_alive()
-                elif isinstance(msg, EngineDead):
-                    client.dead_message = msg.message
-                    client.check_alive()
-                elif isinstance(msg, EngineOutputs):
-                    touched, to_abort = processor.process(msg.outputs)
-                    if to_abort:
-                        client.send(AbortRequests(to_abort))
-                    for parent in touched:
-                        _raise_if_refused(parent)
-                        if parent.finished:
-                            results[parent.request_id] = parent.make_output()
-                            if progress is not None:
-                                progress.update(1)
+            loras = loras or [None] * len(encoded)
+            for (text, ids), p, prio, lora in zip(encoded, params, priority, loras, strict=True):
+                request_id = str(next(self._ids))
+                order.append(request_id)
+                messages = processor.add(request_id, text, ids, p, prio, cores.client_index, lora)
+                core = cores.route(request_id, ids)
+                for msg in messages:
+                    cores.send(core, msg)
+            results = self._collect(processor, len(order), use_tqdm)
         except BaseException:  # e.g. Ctrl-C: leave nothing running in the engine
-            if processor.children and client.dead_message is None:
-                client.send(AbortRequests(list(processor.children)))
+            cores.abort((p.request_id, cid) for cid, (p, _) in processor.children.items())
             raise
+        finally:
+            for request_id in order:
+                cores.release(request_id)
+        return [results[r] for r in order]
+
+    def _collect(
+        self, processor: OutputProcessor, total: int, use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
+        """Every request's final output, as the cores finish them."""
+        cores = self._cores
+        assert cores is not None
+        results: dict[str, RequestOutput] = {}
+        progress = _progress(total) if use_tqdm else None
+        while processor.parents:
+            item = cores.next_message(timeout=0.5)
+            if item is None:
+                cores.check_alive()
+                continue
+            core, msg = item
+            if isinstance(msg, EngineDead):
+                cores.set_dead(core, msg.message)
+                cores.check_alive()
+            elif isinstance(msg, EngineOutputs):
+                touched, to_abort = processor.process(msg.outputs)
+                if to_abort:
+                    cores.send(core, AbortRequests(to_abort))
+                for parent in touched:
+                    _raise_if_refused(parent)
+                    if parent.finished:
+                        results[parent.request_id] = parent.make_output()
+                        if progress is not None:
+                            progress.update(1)
         if progress is not None:
             progress.close()
-        return [results[r] for r in order]
+        return results
 
 
 def _raise_if_refused(parent: Any) -> None:

@@ -275,7 +275,7 @@ def test_engine_generates_with_fp8_weights_and_cache(checkpoints):
     with LLM(path, device="cpu", dtype="float32", kv_cache_dtype="fp8",
              kv_cache_memory=memory) as llm:  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        num_blocks = llm._client.ready.num_blocks
+        num_blocks = llm._cores.clients[0].ready.num_blocks
     model = build(path, kv_fp8=True)
     block_bytes = 2 * 16 * model.num_kv_heads_per_rank * model.head_dim * model.num_layers
     assert num_blocks == memory // block_bytes  # 1 byte per element (float32 would be 4)
@@ -314,8 +314,8 @@ def test_metrics_count_cache_blocks_and_tokens(monkeypatch):
     metrics = Metrics("m")
     metrics.set_cache(1000, 16, "fp8_e4m3")
     text = metrics.render()[0].decode()
-    assert 'pagedserve:kv_cache_num_blocks{model_name="m"} 1000.0' in text
-    assert 'pagedserve:kv_cache_capacity_tokens{model_name="m"} 16000.0' in text
+    assert 'pagedserve:kv_cache_num_blocks{engine="0",model_name="m"} 1000.0' in text
+    assert 'pagedserve:kv_cache_capacity_tokens{engine="0",model_name="m"} 16000.0' in text
     assert 'cache_dtype="fp8_e4m3"' in text
 
 

@@ -189,7 +189,7 @@ def test_start_close_twice_leaves_no_process(tmp_path_factory):
     before = set(descendants(os.getpid()))  # other tests' module-scoped engines
     for _ in range(2):
         llm = LLM(path, **CPU)
-        core_pid = llm._client.core.pid
+        core_pid = llm._cores.clients[0].core.pid
         family_pids = [core_pid, *descendants(core_pid)]
         assert len(family_pids) >= 2  # the core and its worker
         llm.close()
@@ -200,7 +200,7 @@ def test_start_close_twice_leaves_no_process(tmp_path_factory):
 def test_killed_worker_raises_quickly(tmp_path_factory):
     path = make_tiny_model("llama", str(tmp_path_factory.mktemp("kill")))
     llm = LLM(path, **CPU)
-    core_pid = llm._client.core.pid
+    core_pid = llm._cores.clients[0].core.pid
     (worker_pid,) = descendants(core_pid)
     os.kill(worker_pid, signal.SIGKILL)
     start = time.monotonic()
@@ -215,16 +215,16 @@ def test_killed_worker_raises_quickly(tmp_path_factory):
 def refusal(llm: LLM, msg: AddRequest) -> str | None:
     """Send `msg` straight to the core (as any process on its input socket could); the core's
     answer: its reason for refusing it, or None when it admitted it."""
-    llm._client.send(msg)
+    llm._cores.clients[0].send(msg)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        out = llm._client.outputs.get(timeout=0.5)
+        out = llm._cores.clients[0].outputs.get(timeout=0.5)
         for delta in getattr(out, "outputs", []):
             if delta.req_id == msg.req_id:
                 if delta.finish_reason is None:
-                    llm._client.send(AbortRequests([msg.req_id]))
+                    llm._cores.clients[0].send(AbortRequests([msg.req_id]))
                 return delta.error
-        llm._client.check_alive()
+        llm._cores.clients[0].check_alive()
     raise AssertionError(f"no answer to {msg.req_id}")
 
 
@@ -246,12 +246,12 @@ def test_too_many_logprobs_is_refused_not_fatal(llama_llm):
 
 def test_bad_client_hello_is_dropped(llama_llm):
     """Crash 2: a ClientHello whose output address is no ZeroMQ endpoint raised in the loop."""
-    inside = f"ipc://{llama_llm._client.directory}/"
+    inside = f"ipc://{llama_llm._cores.clients[0].directory}/"
     for index, address in [(7, "not an endpoint"), (8, inside + "x" * 300), (-1, inside + "y"),
                            (9, "tcp://127.0.0.1:1"), (10, inside + "../escape")]:  # fmt: skip
-        llama_llm._client.send(ClientHello(index, address))
+        llama_llm._cores.clients[0].send(ClientHello(index, address))
     # a request naming a client that never said hello is dropped too (nobody to answer)
-    llama_llm._client.send(AddRequest("orphan", [5, 6], greedy(), client_index=7))
+    llama_llm._cores.clients[0].send(AddRequest("orphan", [5, 6], greedy(), client_index=7))
     assert_serves(llama_llm)
 
 
@@ -264,14 +264,16 @@ def test_bad_client_hello_is_dropped(llama_llm):
 def test_bad_token_ids_are_refused_by_the_core(llama_llm, ids, field):
     """Crash 3: ids the core never range-checked (2**63+5 raised OverflowError in hash_block;
     negative or >= vocab ones reached the embedding). The sender gets the reason."""
-    msg = AddRequest(f"bad-{ids[-1]}", ids, greedy(), client_index=llama_llm._client.client_index)
+    msg = AddRequest(
+        f"bad-{ids[-1]}", ids, greedy(), client_index=llama_llm._cores.clients[0].client_index
+    )
     assert field in (refusal(llama_llm, msg) or "")
     assert_serves(llama_llm)
 
 
 def test_other_values_the_model_cannot_take(llama_llm):
     vocab = llama_llm.config.model.vocab_size
-    index = llama_llm._client.client_index
+    index = llama_llm._cores.clients[0].client_index
     cases = {
         "stop_token_ids": greedy(stop_token_ids=[vocab]),
         "logit_bias": greedy(logit_bias={vocab + 3: 1.0}),

@@ -110,8 +110,8 @@ def test_indivisible_sizes_are_refused(tmp_path_factory):
 def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
     """`launch --tp 2 --pp 2` on CPU: greedy completions over the openai client equal tp=1 pp=1
     (text of token-id prompts);
-    then kill -9 one of the four workers mid-stream: launch exits 1 within 30 s naming it, and
-    no process is left."""
+    then kill -9 one of the four workers mid-stream: the stream ends with an error, launch exits 1
+    within 30 s naming it, and no process is left."""
     import re
     import signal
     import time
@@ -140,13 +140,16 @@ def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
         assert got == want
         pids = descendants(launched.proc.pid)
         victim = child_pids(launched)["worker 3"]
-        _, thread = stream_in_background(url, 400)
+        events, thread = stream_in_background(url, 400)
         time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         launched.proc.wait(timeout=30)
         assert time.monotonic() - killed_at < 30
         thread.join(10)
+        # the open stream is answered by an error event (or cut), never left hanging
+        assert not thread.is_alive()
+        assert any(isinstance(e, Exception) or '"error"' in e for e in events), events[-3:]
     finally:
         rc = launched.stop()
     assert rc == 1

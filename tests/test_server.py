@@ -145,13 +145,15 @@ def http(url: str):
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:
-    """`name{labels}` -> value, from /metrics (labels other than model_name kept)."""
+    """`name{labels}` -> value, from /metrics (labels other than model_name and the one engine
+    core's engine="0" kept)."""
     out = {}
     for line in http.get("/metrics").text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         key, value = line.rsplit(" ", 1)
-        key = key.replace(f'model_name="{MODEL}"', "").replace("{,", "{").replace(",}", "}")
+        key = key.replace(f'model_name="{MODEL}"', "").replace('engine="0"', "")
+        key = re.sub(r",+", ",", key).replace("{,", "{").replace(",}", "}")
         out[key.replace("{}", "")] = float(value)
     return out
 

@@ -73,12 +73,13 @@ def run_loop(
     clock.mark("torch import")
     parallel = config.parallel
     info = rank_info(parallel, rank)
-    device = resolve_device(parallel.device, rank % parallel.ranks_per_node)
+    local_rank = parallel.first_local_device + rank % parallel.ranks_per_node
+    device = resolve_device(parallel.device, local_rank)
     init_distributed(info, parallel.master_addr, dist_port, device)
     clock.mark("device and process groups")
     runner = ModelRunner(config, device, info)
     if device.type == "cpu":
-        set_cpu_threads(parallel.ranks_per_node, weight_bytes(runner.model))
+        set_cpu_threads(parallel.local_ranks_of_host, weight_bytes(runner.model))
     clock.mark("weights")
     num_blocks = runner.profile_num_blocks()
     clock.mark("memory profile")

@@ -156,7 +156,7 @@ def build_app(
         drain.attach()
         if metrics is not None:
             engine.stats_listeners.append(metrics.on_stats)
-            engine.stats_listeners.append(lambda _: metrics.api_tracked.set(engine.num_tracked))
+            engine.stats_listeners.append(lambda *_: metrics.api_tracked.set(engine.num_tracked))
         tasks = [
             asyncio.ensure_future(_notify_when_started(app, on_ready)),
             asyncio.ensure_future(drain.run(lambda: _abort_all(engine), lambda: _exit(app))),

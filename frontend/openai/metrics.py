@@ -6,7 +6,9 @@ With `--api-servers N` every server is its own process, so values live in promet
 multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before the servers start) and
 `/metrics` merges them, whichever server answers:
 - per-request counters and histograms are summed over the servers (each counts its own requests);
-- engine gauges (running, waiting, KV usage) take the most recent value any server received;
+- engine series carry an `engine` label, the data parallel core they describe ("0" with one
+  core, as vLLM labels them): gauges (running, waiting, KV usage) take the most recent value any
+  server received from that core;
 - engine-wide counters (prefix cache queries/hits, preemptions) arrive as cumulative totals in
   SchedulerStats. Adding increments per server would count them once per server, so each server
   stores the total it last saw in a gauge merged by `max` (totals only grow), and `/metrics`
@@ -72,33 +74,37 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         labels = ["model_name"]
+        engine_labels = ["model_name", "engine"]  # per data parallel core
         reg = self.registry
 
         def gauge(name: str, doc: str, mode: str = "mostrecent") -> Gauge:
             g = Gauge(P + name, doc, labels, registry=reg, multiprocess_mode=mode)
             return g.labels(model_name)
 
+        def engine_gauge(name: str, doc: str, mode: str = "mostrecent") -> Gauge:
+            return Gauge(P + name, doc, engine_labels, registry=reg, multiprocess_mode=mode)
+
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             h = Histogram(P + name, doc, labels, buckets=buckets, registry=reg)
             return h.labels(model_name)
 
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
-        self.unfinished = gauge(
+        self.running = engine_gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = engine_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = engine_gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.unfinished = engine_gauge(
             "num_requests_unfinished", "Requests the scheduler tracks (running or waiting)."
         )
         # Per server, summed: requests an API server holds state for (0 when idle).
         self.api_tracked = gauge(
             "api_server_requests_tracked", "Requests the API servers hold state for.", mode="sum"
         )
-        self.totals = {key: gauge(key, doc, mode="max") for key, doc in _TOTALS.items()}
+        self.totals = {key: engine_gauge(key, doc, mode="max") for key, doc in _TOTALS.items()}
         # KV capacity in blocks and tokens: an FP8 cache holds twice the tokens of a bf16 one.
-        self.kv_blocks = gauge("kv_cache_num_blocks", "KV cache blocks the engine holds.")
-        self.kv_tokens = gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.")
+        self.kv_blocks = engine_gauge("kv_cache_num_blocks", "KV cache blocks the engine holds.")
+        self.kv_tokens = engine_gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.")
         self._cache_info = Gauge(
             P + "cache_config_info", "KV cache layout (value 1).",
-            [*labels, "num_gpu_blocks", "block_size", "cache_dtype"], registry=reg,
+            [*engine_labels, "num_gpu_blocks", "block_size", "cache_dtype"], registry=reg,
             multiprocess_mode="mostrecent",
         )  # fmt: skip
         self.prompt_tokens = Counter(
@@ -132,28 +138,30 @@ class Metrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", lat)
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", lat)
 
-    def set_cache(self, num_blocks: int, block_size: int, cache_dtype: str) -> None:
-        """The KV cache's size and element type, once the engine is ready."""
-        self.kv_blocks.set(num_blocks)
-        self.kv_tokens.set(num_blocks * block_size)
-        labels = (self.model_name, str(num_blocks), str(block_size), cache_dtype)
+    def set_cache(self, num_blocks: int, block_size: int, cache_dtype: str, core: int = 0) -> None:
+        """A core's KV cache size and element type, once the engine is ready."""
+        engine = (self.model_name, str(core))
+        self.kv_blocks.labels(*engine).set(num_blocks)
+        self.kv_tokens.labels(*engine).set(num_blocks * block_size)
+        labels = (*engine, str(num_blocks), str(block_size), cache_dtype)
         self._cache_info.labels(*labels).set(1)
 
     def set_lora(self, max_loras: int) -> None:
         """LoRA is on: export lora_requests_info (from the first stats on)."""
         self.max_loras = max_loras
 
-    def on_stats(self, stats: SchedulerStats) -> None:
+    def on_stats(self, core: int, stats: SchedulerStats) -> None:
         """An AsyncEngine stats listener (runs on the event loop for every EngineOutputs)."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.unfinished.set(stats.num_unfinished)
-        self.totals["prefix_cache_queries"].set(stats.prefix_cache_queries)
-        self.totals["prefix_cache_hits"].set(stats.prefix_cache_hits)
-        self.totals["num_preemptions"].set(stats.num_preemptions)
-        self.totals["lora_loads"].set(stats.lora_loads)
-        self.totals["lora_evictions"].set(stats.lora_evictions)
+        engine = (self.model_name, str(core))
+        self.running.labels(*engine).set(stats.num_running)
+        self.waiting.labels(*engine).set(stats.num_waiting)
+        self.kv_usage.labels(*engine).set(stats.kv_cache_usage)
+        self.unfinished.labels(*engine).set(stats.num_unfinished)
+        self.totals["prefix_cache_queries"].labels(*engine).set(stats.prefix_cache_queries)
+        self.totals["prefix_cache_hits"].labels(*engine).set(stats.prefix_cache_hits)
+        self.totals["num_preemptions"].labels(*engine).set(stats.num_preemptions)
+        self.totals["lora_loads"].labels(*engine).set(stats.lora_loads)
+        self.totals["lora_evictions"].labels(*engine).set(stats.lora_evictions)
         if self.max_loras is not None:
             labels = (
                 str(self.max_loras),

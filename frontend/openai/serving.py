@@ -85,7 +85,7 @@ class Serving:
         message = self.engine.dead_message
         if message is None:
             try:
-                self.engine.client.check_alive()
+                self.engine.check_alive()
             except Exception as e:
                 message = str(e)
         if message is not None:

@@ -37,6 +37,9 @@
 # JSON-schema requests (issue 14's cost target), then the grammar host work per step on this
 # machine's CPU (tests/bench_grammar_step.py).
 # (`tp`: tp=2 vs tp=1 greedy equality and decode latency; needs two GPUs, e.g. nvidia-h200-x2)
+# (`dp`: issue 35's data parallel targets on four GPUs, e.g. nvidia-h100-x4: W1 at -dp 1 and -dp 4
+# on the 8B shape, and a multi-turn `bench serve` against `launch -dp 1|4`; $OUT/dp.txt sums up:
+#   STEPS="dp" bash tests/gpu/device_run.sh)
 # Before the device call, on this machine: `bash ../shared/gpu/fetch-wheels.sh starlette==0.49.3
 # annotated-doc==0.0.7` (wheels in .whl/; its own starlette pin does not resolve, FastAPI needs these)
 # and `mkdir -p .gpucarry && cp ../shared/bench/make_model_dir.py .gpucarry/` (both git-ignored
@@ -225,6 +228,41 @@ PY
           --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/$name.json" 2>&1 | tail -12 ;;
     w1) $T $PS bench throughput $COMMON $X --input-len 1024 --output-len 128 \
           --num-prompts ${W1_PROMPTS:-1000} ${W1_FLAGS:-} --output-json "$OUT/$name.json" 2>&1 | tail -12 ;;
+    dp) # issue 35, four GPUs (nvidia-h100-x4 / nvidia-h200-x4): W1 at -dp 1 and -dp 4 on the 8B
+        # shape, then `launch -dp 1|4` under a multi-turn `bench serve` (cached share of prompt
+        # tokens per core count); the summary prints W1's ratio (target >= 3.7) and both shares.
+        for dp in 1 4; do
+          timeout ${DP_TIMEOUT:-480} $PS bench throughput $COMMON $X -dp $dp --input-len 1024 \
+            --output-len 128 --num-prompts ${W1_PROMPTS:-1000} --output-json "$OUT/dp$dp-w1.json" \
+            2>&1 | tail -4
+        done
+        for dp in 1 4; do
+          $PS launch $COMMON $X -dp $dp --port 8014 --host 127.0.0.1 --disable-log-requests \
+            --enable-prompt-tokens-details > "$OUT/dp$dp-server.log" 2>&1 &
+          srv=$!
+          for _ in $(seq 1500); do curl -sf localhost:8014/health >/dev/null && break; sleep 0.2; done
+          $T $PS bench serve --base-url http://127.0.0.1:8014 --endpoint /v1/chat/completions \
+            --dataset-name multi-turn \
+            --num-users ${DP_USERS:-256} --num-turns ${DP_TURNS:-4} --think-time 0.5 \
+            --output-json "$OUT/dp$dp-multi-turn.json" 2>&1 | tail -6
+          curl -s localhost:8014/metrics | grep -E '^pagedserve:prefix_cache_(queries|hits)_total' \
+            > "$OUT/dp$dp-metrics.txt"
+          kill -TERM $srv; wait $srv
+        done
+        python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/dp.txt"
+import json, os, sys
+def get(name):
+    path = os.path.join(sys.argv[1], name + ".json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+w1 = [get(f"dp{dp}-w1").get("requests_per_s") for dp in (1, 4)]
+if all(w1):
+    print(f"W1 -dp 1 {w1[0]:.2f} req/s, -dp 4 {w1[1]:.2f} req/s: {w1[1] / w1[0]:.2f}x (target >= 3.7)")
+for dp in (1, 4):
+    mt = get(f"dp{dp}-multi-turn")
+    print(f"multi-turn -dp {dp}: cached share {mt.get('cached_share')}, conversation cached share "
+          f"{mt.get('conversation_cached_share')}, {mt.get('completed')} requests")
+PY
+        ;;
     tp) $T python3 -m pytest -q -m gpu -s tests/test_gpu_equivalence.py -k tp2 2>&1 | tail -8
         for tp in 1 2; do for bs in 1 64; do
           $T $PS bench latency $COMMON --tp $tp --batch-size $bs --input-len 128 --output-len 256 \
