@@ -18,7 +18,9 @@ from pagedserve.kernels.attention.registry import check_requested
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")  # FP8 expert weights are not implemented
+# FP8 expert weights are not implemented
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -95,11 +97,20 @@ class KVCacheGroup:
     layer_ids: tuple[int, ...]
 
 
+def has_recurrent_state(hf: dict[str, Any]) -> bool:
+    """Whether some layer keeps per-request recurrent state (linear attention: Qwen3-Next,
+    Qwen3.5) in a state slot (core/state_pool.py) instead of KV blocks."""
+    return LINEAR_ATTENTION in (hf.get("layer_types") or [])
+
+
 def kv_cache_groups(hf: dict[str, Any]) -> list[KVCacheGroup]:
-    """The model's KV cache groups, in a fixed order (global kinds first, then by window)."""
+    """The model's KV cache groups, in a fixed order (global kinds first, then by window).
+    Linear-attention layers have no KV cache and are in no group."""
     num_layers = int(hf["num_hidden_layers"])
     kinds: dict[int | None, list[int]] = {}
     for i in range(num_layers):
+        if has_recurrent_state(hf) and attention_layer_type(hf, i) == LINEAR_ATTENTION:
+            continue
         kinds.setdefault(layer_sliding_window(hf, i), []).append(i)
     if len(kinds) == 1:
         ((window, layer_ids),) = kinds.items()
@@ -384,6 +395,12 @@ class EngineConfig:
     def max_model_len(self) -> int:
         assert self.model.max_model_len is not None
         return self.model.max_model_len
+
+    @property
+    def num_state_slots(self) -> int | None:
+        """Recurrent-state slots of a model with linear attention (None: it keeps none): one per
+        request `max_num_seqs` lets run; the workers' memory profile reserves them before KV."""
+        return self.scheduler.max_num_seqs if has_recurrent_state(self.model.hf) else None
 
     def to_json(self) -> str:
         def init_fields(obj: Any) -> dict[str, Any]:

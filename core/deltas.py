@@ -25,6 +25,7 @@ def new_request(req: Request) -> NewRequest:
         num_computed_tokens=req.num_computed_tokens,
         output_token_ids=list(req.output_token_ids),
         eos_token_ids=req.eos_token_ids,
+        state_slot=req.state_slot,
     )
 
 

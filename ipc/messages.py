@@ -257,6 +257,8 @@ class NewRequest(msgspec.Struct, **_HOT):
     # KV cache groups 1.. (models that mix windowed and global layers): their block tables, as
     # `block_ids` is group 0's.
     group_block_ids: list[list[int]] = []
+    # Models with recurrent state (linear attention): the request's state slot while it runs.
+    state_slot: int | None = None
 
 
 class CachedDelta(msgspec.Struct, **_HOT):
