@@ -24,7 +24,9 @@ not list them: the engine-wide suites run per kind.
 attention, 4 layers `[linear, full, linear, full]`, 2 key and 4 value heads in the linear layers
 (value heads share key heads): Qwen3-Next (its fused `in_proj_qkvz`, experts with a shared expert
 and a dense layer 1 by `mlp_only_layers`, half-rotary heads), Qwen3.5 dense (separate
-projections, quarter-rotary), Qwen3.5-MoE (every layer routed, plus a shared expert).
+projections, quarter-rotary), Qwen3.5-MoE (every layer routed, plus a shared expert), and a
+Qwen3.5 multimodal checkpoint (`Qwen3_5ForConditionalGeneration`: a one-block vision tower,
+the language model under `model.language_model.`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5Config,
     Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
@@ -65,7 +69,7 @@ from transformers import (
 
 TINY_KINDS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
 FAMILY_KINDS = ["mixtral", "qwen3-moe", "gemma2", "gemma3", "phi3"]
-HYBRID_KINDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe"]
+HYBRID_KINDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-vl"]
 VOCAB_SIZE = 512
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 SEED = 1234
@@ -141,6 +145,10 @@ def _hybrid_configs(common: dict) -> dict[str, tuple[type, object]]:
     )  # fmt: skip
     next_rope = dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)
     dense = {k: v for k, v in hybrid.items() if k != "intermediate_size"}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+    )  # fmt: skip
     return {
         "qwen3-next": (
             Qwen3NextForCausalLM,
@@ -148,6 +156,10 @@ def _hybrid_configs(common: dict) -> dict[str, tuple[type, object]]:
         ),
         "qwen3.5": (Qwen3_5ForCausalLM, Qwen3_5TextConfig(**hybrid)),
         "qwen3.5-moe": (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**dense, **moe)),
+        "qwen3.5-vl": (
+            Qwen3_5ForConditionalGeneration,
+            Qwen3_5Config(text_config=hybrid, vision_config=vision),
+        ),
     }
 
 
