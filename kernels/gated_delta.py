@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.backend import use_triton
+
 CHUNK_SIZE = 64
 
 
@@ -61,21 +63,32 @@ def gated_delta_rule(
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     """q and k are L2-normalized here and q scaled by `Dk ** -0.5`; value heads share key heads
     in groups of `Hv / Hk`. Rows continuing with one token take the recurrent step, all at once;
-    the others the chunked form, one row at a time."""
-    reps = v.shape[1] // q.shape[1]
-    if reps > 1:
-        q, k = q.repeat_interleave(reps, dim=1), k.repeat_interleave(reps, dim=1)
+    the others the chunked form, one row at a time. On CUDA the step is one Triton kernel
+    (kernels/triton_gated_delta.py)."""
     out = torch.empty_like(v)
     lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(state_slots))]
     steps = [i for i, n in enumerate(lens) if n == 1 and not fresh[i]]
+    step_rows = set(steps)
     if steps:
         idx = torch.tensor([query_start_loc[i] for i in steps], device=q.device)
         slots = torch.tensor([state_slots[i] for i in steps], device=q.device)
-        o, state = recurrent_step(q[idx], k[idx], v[idx], g[idx], beta[idx], ssm_state[slots])
-        ssm_state[slots] = state.to(ssm_state.dtype)
+        if use_triton(q):
+            from pagedserve.kernels.triton_gated_delta import triton_recurrent_step
+
+            o = triton_recurrent_step(q[idx], k[idx], v[idx], g[idx], beta[idx], ssm_state, slots)
+        else:
+            reps = v.shape[1] // q.shape[1]
+            qs, ks = (t[idx].repeat_interleave(reps, dim=1) for t in (q, k))
+            o, state = recurrent_step(qs, ks, v[idx], g[idx], beta[idx], ssm_state[slots])
+            ssm_state[slots] = state.to(ssm_state.dtype)
         out[idx] = o.to(out.dtype)
+    if len(steps) == len(state_slots):
+        return out
+    reps = v.shape[1] // q.shape[1]
+    if reps > 1:
+        q, k = q.repeat_interleave(reps, dim=1), k.repeat_interleave(reps, dim=1)
     for i, slot in enumerate(state_slots):
-        if i in steps:
+        if i in step_rows:
             continue
         lo, hi = query_start_loc[i], query_start_loc[i + 1]
         init = None if fresh[i] else ssm_state[slot]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_llm import hf_greedy
 from test_models import PagedRunner, hf_logits, random_seqs
+from triton_env import needs_triton, tiny
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import ModelConfig, kv_cache_groups
@@ -80,3 +81,33 @@ def test_engine_chunked_preempted_equals_transformers(kind, tp, tmp_path_factory
     ) as llm:  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@needs_triton
+@tiny
+def test_triton_recurrent_step_matches_reference():
+    """Decode rows in scattered slots of a larger pool, two value heads per key head, a value
+    width that is no power of two: outputs and the slots' new states equal the reference; the
+    other slots are untouched."""
+    from pagedserve.kernels.gated_delta import recurrent_step
+    from pagedserve.kernels.triton_gated_delta import triton_recurrent_step
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    rows, hk, hv, dk, dv = 3, 2, 4, 16, 12
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q, k, v = rand(rows, hk, dk), rand(rows, hk, dk), rand(rows, hv, dv)
+    g, beta = -rand(rows, hv).abs(), rand(rows, hv).sigmoid()
+    pool = rand(6, hv, dk, dv)
+    slots = torch.tensor([4, 0, 2], device=device)
+    before = pool.clone()
+    got = triton_recurrent_step(q, k, v, g, beta, pool, slots)
+    qs, ks = q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1)
+    want, state = recurrent_step(qs, ks, v, g, beta, before[slots])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[slots], state, atol=1e-5, rtol=1e-5)
+    others = [1, 3, 5]
+    assert torch.equal(pool[others], before[others])
