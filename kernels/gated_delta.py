@@ -17,6 +17,8 @@ a triangular solve per chunk, one state update per chunk) and `torch_recurrent_g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -29,20 +31,61 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+@dataclass
+class StateLayout:
+    """A step's rows as the linear-attention ops see them, derived once per step from the
+    attention metadata (every linear layer of the step reuses it): rows continuing with one token
+    take the recurrent step together (`step_*`), every other row the chunked form alone."""
+
+    state_slots: list[int]  # [B]
+    query_start_loc: list[int]  # [B + 1]
+    fresh: list[bool]  # [B]: the row's context starts in this step (its state starts at zero)
+    chunk_rows: list[int]
+    step_tokens: torch.Tensor  # [R] int64 on the device: the step rows' token indices
+    step_slots: torch.Tensor  # [R] int64 on the device: their state slots
+
+    @classmethod
+    def build(
+        cls,
+        state_slots: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        device: torch.device,
+    ) -> StateLayout:
+        lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(state_slots))]
+        fresh = [n == s for n, s in zip(lens, seq_lens, strict=True)]
+        steps = [i for i, n in enumerate(lens) if n == 1 and not fresh[i]]
+        step_set = set(steps)
+        tokens = torch.tensor([query_start_loc[i] for i in steps], dtype=torch.int64)
+        slots = torch.tensor([state_slots[i] for i in steps], dtype=torch.int64)
+        return cls(
+            state_slots, query_start_loc, fresh,
+            [i for i in range(len(state_slots)) if i not in step_set],
+            tokens.to(device), slots.to(device),
+        )  # fmt: skip
+
+
 def causal_conv1d(
     x: torch.Tensor,  # [T, C]
     weight: torch.Tensor,  # [C, K]
     conv_state: torch.Tensor,  # [S, C, K - 1], updated in place
-    state_slots: list[int],  # [B]
-    query_start_loc: list[int],  # [B + 1]
-    fresh: list[bool],  # [B]: the row's context starts here (zeros before it)
+    layout: StateLayout,
 ) -> torch.Tensor:  # [T, C], SiLU-activated
     """Depthwise causal conv over each row's previous `K - 1` inputs and its new ones."""
     out = torch.empty_like(x)
+    if len(layout.step_tokens):  # one token each: [R, C, K] windows, all rows at once
+        idx, slots = layout.step_tokens, layout.step_slots
+        seq = torch.cat([conv_state[slots], x[idx].unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+        conv_state[slots] = seq[..., 1:]
+        out[idx] = F.silu((seq.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
     width = weight.shape[1] - 1
-    for i, slot in enumerate(state_slots):
-        lo, hi = query_start_loc[i], query_start_loc[i + 1]
-        prev = conv_state[slot].zero_() if fresh[i] else conv_state[slot]  # [C, K - 1]
+    for i in layout.chunk_rows:
+        slot, lo, hi = (
+            layout.state_slots[i],
+            layout.query_start_loc[i],
+            layout.query_start_loc[i + 1],
+        )
+        prev = conv_state[slot].zero_() if layout.fresh[i] else conv_state[slot]  # [C, K - 1]
         seq = torch.cat([prev, x[lo:hi].t().to(prev.dtype)], dim=-1)  # [C, K - 1 + n]
         conv_state[slot].copy_(seq[:, -width:])
         y = F.conv1d(seq[None].to(weight.dtype), weight[:, None, :], groups=seq.shape[0])
@@ -57,41 +100,35 @@ def gated_delta_rule(
     g: torch.Tensor,  # [T, Hv] log decay (<= 0)
     beta: torch.Tensor,  # [T, Hv]
     ssm_state: torch.Tensor,  # [S, Hv, Dk, Dv], updated in place
-    state_slots: list[int],  # [B]
-    query_start_loc: list[int],  # [B + 1]
-    fresh: list[bool],  # [B]
+    layout: StateLayout,
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     """q and k are L2-normalized here and q scaled by `Dk ** -0.5`; value heads share key heads
-    in groups of `Hv / Hk`. Rows continuing with one token take the recurrent step, all at once;
-    the others the chunked form, one row at a time. On CUDA the step is one Triton kernel
-    (kernels/triton_gated_delta.py)."""
+    in groups of `Hv / Hk`. The step rows take the recurrent step, all at once (on CUDA one
+    Triton kernel, kernels/triton_gated_delta.py); the others the chunked form, one at a time."""
     out = torch.empty_like(v)
-    lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(state_slots))]
-    steps = [i for i, n in enumerate(lens) if n == 1 and not fresh[i]]
-    step_rows = set(steps)
-    if steps:
-        idx = torch.tensor([query_start_loc[i] for i in steps], device=q.device)
-        slots = torch.tensor([state_slots[i] for i in steps], device=q.device)
+    reps = v.shape[1] // q.shape[1]
+    if len(layout.step_tokens):
+        idx, slots = layout.step_tokens, layout.step_slots
         if use_triton(q):
             from pagedserve.kernels.triton_gated_delta import triton_recurrent_step
 
             o = triton_recurrent_step(q[idx], k[idx], v[idx], g[idx], beta[idx], ssm_state, slots)
         else:
-            reps = v.shape[1] // q.shape[1]
             qs, ks = (t[idx].repeat_interleave(reps, dim=1) for t in (q, k))
             o, state = recurrent_step(qs, ks, v[idx], g[idx], beta[idx], ssm_state[slots])
             ssm_state[slots] = state.to(ssm_state.dtype)
         out[idx] = o.to(out.dtype)
-    if len(steps) == len(state_slots):
+    if not layout.chunk_rows:
         return out
-    reps = v.shape[1] // q.shape[1]
     if reps > 1:
         q, k = q.repeat_interleave(reps, dim=1), k.repeat_interleave(reps, dim=1)
-    for i, slot in enumerate(state_slots):
-        if i in step_rows:
-            continue
-        lo, hi = query_start_loc[i], query_start_loc[i + 1]
-        init = None if fresh[i] else ssm_state[slot]
+    for i in layout.chunk_rows:
+        slot, lo, hi = (
+            layout.state_slots[i],
+            layout.query_start_loc[i],
+            layout.query_start_loc[i + 1],
+        )
+        init = None if layout.fresh[i] else ssm_state[slot]
         o, state = chunk_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], init)
         ssm_state[slot] = state.to(ssm_state.dtype)
         out[lo:hi] = o.to(out.dtype)

@@ -38,7 +38,7 @@ for step in $STEPS; do
 # The gated delta rule of one 24-linear-layer model's layer at the 8B shape (torch reference on
 # the GPU: chunked prefill of one 1024-token prompt; one decode step of 64 rows in Triton).
 import time, torch
-from pagedserve.kernels.gated_delta import gated_delta_rule
+from pagedserve.kernels.gated_delta import StateLayout, gated_delta_rule
 dev, hk, hv, d = "cuda", 16, 32, 128
 def run(rows, n, fresh):
     T = rows * n
@@ -48,7 +48,9 @@ def run(rows, n, fresh):
     beta = torch.rand(T, hv, device=dev, dtype=torch.bfloat16)
     state = torch.zeros(rows, hv, d, d, device=dev, dtype=torch.bfloat16)
     qsl = [i * n for i in range(rows + 1)]
-    args = (q, k, v, g, beta, state, list(range(rows)), qsl, [fresh] * rows)
+    lens = [n if fresh else n + 100] * rows
+    layout = StateLayout.build(list(range(rows)), qsl, lens, torch.device(dev))
+    args = (q, k, v, g, beta, state, layout)
     gated_delta_rule(*args); torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(5): gated_delta_rule(*args)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.attention.metadata import AttentionMetadata
-from pagedserve.kernels.gated_delta import causal_conv1d, gated_delta_rule
+from pagedserve.kernels.gated_delta import StateLayout, causal_conv1d, gated_delta_rule
 from pagedserve.parallel.state import tp_rank, tp_size
 from pagedserve.worker.layers.linear import (
     ColumnParallelLinear,
@@ -123,13 +123,15 @@ class GatedDeltaNet(nn.Module):
         assert self.conv_state is not None and self.ssm_state is not None, "allocate_states first"
         assert meta.state_slots_cpu is not None, "a model with linear attention needs state slots"
         num_tokens = x.shape[0]
-        slots = meta.state_slots_cpu.tolist()
-        starts = meta.query_start_loc_cpu.tolist()
-        fresh = meta.seq_lens_cpu == meta.query_start_loc_cpu[1:] - meta.query_start_loc_cpu[:-1]
-        fresh = fresh.tolist()
+        layout = meta.scratch.get("state_layout")  # built by the step's first linear layer
+        if layout is None:
+            layout = meta.scratch["state_layout"] = StateLayout.build(
+                meta.state_slots_cpu.tolist(), meta.query_start_loc_cpu.tolist(),
+                meta.seq_lens_cpu.tolist(), x.device,
+            )  # fmt: skip
         qkv, z, b, a = self.project(x)
         weight = self.conv_weight[:, 0]  # [C, K]
-        qkv = causal_conv1d(qkv, weight, self.conv_state, slots, starts, fresh)
+        qkv = causal_conv1d(qkv, weight, self.conv_state, layout)
         q, k, v = qkv.split(self.conv_parts, dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
@@ -137,7 +139,7 @@ class GatedDeltaNet(nn.Module):
             q.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
             k.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
             v.reshape(num_tokens, self.num_v_heads, self.head_v_dim),
-            g, beta, self.ssm_state, slots, starts, fresh,
+            g, beta, self.ssm_state, layout,
         )  # fmt: skip
         out = self.gated_norm(out, z)  # [T, Hv, Dv]
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
