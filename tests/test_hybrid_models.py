@@ -6,7 +6,10 @@ in state slots, gated full attention, against transformers on tiny random models
   delta rule's own 64-token chunks, decodes mixed in.
 - The engine, greedy token for token against transformers' `generate`: a 16-token step budget
   (every prompt in chunks), 4-token blocks and a KV cache too small for all requests at once, so
-  requests are preempted and resume by recomputing their state; Qwen3-Next at tp=2.
+  requests are preempted and resume by recomputing their state; Qwen3-Next at tp=2 and over two
+  pipeline stages, seeded sampling equal between the two.
+- The Triton recurrent step against its reference; the multimodal checkpoint's vision tower and
+  an MTP head are skipped by name.
 """
 
 from __future__ import annotations
@@ -65,22 +68,30 @@ def test_only_full_attention_layers_have_kv_cache(hybrid):
     )  # two linear layers: conv state [96, 3] and delta state [4, 16, 8] per slot
 
 
-@pytest.mark.parametrize(("kind", "tp"), [("qwen3.5", 1), ("qwen3-next", 2)])
-def test_engine_chunked_preempted_equals_transformers(kind, tp, tmp_path_factory):
-    """Three prompts of 70-90 tokens need 18-23 blocks of 4 each, 64 with their outputs; the
-    cache holds 40, so the scheduler must preempt (and the request recompute its state) before
-    the first one finishes."""
-    path = make_tiny_model(kind, str(tmp_path_factory.getbasetemp() / kind))
+SEEDED: dict[tuple[int, int], list[list[int]]] = {}  # (tp, pp) -> seeded samples
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_engine_chunked_preempted_equals_transformers(tp, pp, tmp_path_factory):
+    """Qwen3-Next (MoE layers, a dense one). Three prompts of 70-90 tokens need 18-23 blocks of
+    4 each, 64 with their outputs; the cache holds 40, so the scheduler must preempt (and the
+    request recompute its state) before the first one finishes. Seeded sampling gives the same
+    tokens at tp=2 and at tp=1 (over two pipeline stages)."""
+    path = make_tiny_model("qwen3-next", str(tmp_path_factory.getbasetemp() / "qwen3-next"))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (90, 70, 83)]
     want, _ = hf_greedy(path, prompts, NUM_NEW)
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(
-        path, device="cpu", dtype="float32", tensor_parallel_size=tp, block_size=4,
-        max_num_batched_tokens=16, num_gpu_blocks_override=40, max_model_len=128,
+        path, device="cpu", dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=40, max_model_len=128,
     ) as llm:  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        sampled = llm.generate([{"prompt_token_ids": p} for p in prompts], seeded)
     assert [o.outputs[0].token_ids for o in outs] == want
+    SEEDED[tp, pp] = [o.outputs[0].token_ids for o in sampled]
+    assert len(set(map(str, SEEDED.values()))) == 1, SEEDED
 
 
 @needs_triton
