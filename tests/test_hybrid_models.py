@@ -122,3 +122,34 @@ def test_triton_recurrent_step_matches_reference():
     torch.testing.assert_close(pool[slots], state, atol=1e-5, rtol=1e-5)
     others = [1, 3, 5]
     assert torch.equal(pool[others], before[others])
+
+
+def test_vision_tower_and_mtp_head_are_skipped_by_name(tmp_path, tmp_path_factory, caplog):
+    """The multimodal checkpoint's `model.visual.*` and an MTP head (`mtp.*`, as Qwen3.5 and
+    Qwen3-Next publish it) load into nothing, with one log line for the MTP head; any other
+    stray tensor is still refused by name."""
+    import json
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model("qwen3.5-vl", str(tmp_path_factory.getbasetemp() / "qwen3.5-vl"))
+    dst = tmp_path / "mtp"
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    assert any(name.startswith("model.visual.") for name in weights)
+    weights["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    with open(dst / "config.json") as f:
+        config = json.load(f)
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    with open(dst / "config.json", "w") as f:
+        json.dump(config, f)
+    with caplog.at_level(logging.INFO):
+        build_model(ModelConfig(model=str(dst)), torch.float32, torch.device("cpu"))
+    assert "MTP head (mtp.*) is not loaded" in caplog.text
+    weights["model.language_model.extra.weight"] = torch.zeros(2)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.language_model.extra.weight' has no place"):
+        build_model(ModelConfig(model=str(dst)), torch.float32, torch.device("cpu"))
