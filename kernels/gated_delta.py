@@ -43,6 +43,9 @@ class StateLayout:
     chunk_rows: list[int]
     step_tokens: torch.Tensor  # [R] int64 on the device: the step rows' token indices
     step_slots: torch.Tensor  # [R] int64 on the device: their state slots
+    # The chunk rows' slots, first and one-past-last tokens, fresh flags ([C] each, on the
+    # device) for the Triton kernel; None off CUDA.
+    chunk_tensors: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def build(
@@ -58,10 +61,20 @@ class StateLayout:
         step_set = set(steps)
         tokens = torch.tensor([query_start_loc[i] for i in steps], dtype=torch.int64)
         slots = torch.tensor([state_slots[i] for i in steps], dtype=torch.int64)
+        chunk_rows = [i for i in range(len(state_slots)) if i not in step_set]
+        chunk_tensors = None
+        if device.type == "cuda" and chunk_rows:
+            columns = [
+                [state_slots[i] for i in chunk_rows],
+                [query_start_loc[i] for i in chunk_rows],
+                [query_start_loc[i + 1] for i in chunk_rows],
+                [int(fresh[i]) for i in chunk_rows],
+            ]
+            both = torch.tensor(columns, dtype=torch.int64).to(device)  # one copy
+            chunk_tensors = (both[0], both[1], both[2], both[3].to(torch.int32))
         return cls(
-            state_slots, query_start_loc, fresh,
-            [i for i in range(len(state_slots)) if i not in step_set],
-            tokens.to(device), slots.to(device),
+            state_slots, query_start_loc, fresh, chunk_rows, tokens.to(device),
+            slots.to(device), chunk_tensors,
         )  # fmt: skip
 
 
@@ -103,8 +116,9 @@ def gated_delta_rule(
     layout: StateLayout,
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     """q and k are L2-normalized here and q scaled by `Dk ** -0.5`; value heads share key heads
-    in groups of `Hv / Hk`. The step rows take the recurrent step, all at once (on CUDA one
-    Triton kernel, kernels/triton_gated_delta.py); the others the chunked form, one at a time."""
+    in groups of `Hv / Hk`. The step rows take the recurrent step, all at once; the others the
+    chunked form, one at a time. On CUDA each is one Triton kernel (kernels/triton_gated_delta.py,
+    kernels/triton_chunk_gated_delta.py)."""
     out = torch.empty_like(v)
     reps = v.shape[1] // q.shape[1]
     if len(layout.step_tokens):
@@ -120,6 +134,10 @@ def gated_delta_rule(
         out[idx] = o.to(out.dtype)
     if not layout.chunk_rows:
         return out
+    if layout.chunk_tensors is not None and use_triton(q):
+        from pagedserve.kernels.triton_chunk_gated_delta import triton_chunk_rule
+
+        return triton_chunk_rule(q, k, v, g, beta, ssm_state, *layout.chunk_tensors, out=out)
     if reps > 1:
         q, k = q.repeat_interleave(reps, dim=1), k.repeat_interleave(reps, dim=1)
     for i in layout.chunk_rows:
