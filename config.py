@@ -174,6 +174,12 @@ class ModelConfig:
                 f"{source}: FP8 weights are not supported for MoE models "
                 f"({self.hf['model_type']}) yet; serve the bf16 checkpoint"
             )
+        if self.quant is not None and has_recurrent_state(self.hf):
+            source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
+            raise ValueError(
+                f"{source}: FP8 weights are not supported for hybrid linear-attention models "
+                f"({self.hf.get('model_type')}) yet; serve the bf16 checkpoint"
+            )
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
         if self.load_format == "gguf" and gguf_file is None:
@@ -381,6 +387,9 @@ class EngineConfig:
             "intermediate size": int(mc.hf.get("intermediate_size", tp)),
             "vocabulary size": mc.vocab_size,
         }
+        if has_recurrent_state(mc.hf):
+            sizes["linear-attention key heads"] = int(mc.hf["linear_num_key_heads"])
+            sizes["linear-attention value heads"] = int(mc.hf["linear_num_value_heads"])
         for what, size in sizes.items():
             if size % tp:
                 raise ValueError(f"--tp {tp} does not divide the model's {what} ({size})")

@@ -212,3 +212,24 @@ def test_gpu_engine_equals_transformers(kind, tmp_path_factory):
     ) as llm:  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_refusals_name_the_flag(tmp_path_factory):
+    """State slots that would take more than half the memory, a --tp that does not divide the
+    linear-attention heads, and FP8 weights are refused at start-up by name."""
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    path = make_tiny_model("qwen3.5", str(tmp_path_factory.getbasetemp() / "qwen3.5"))
+    per_slot = 2 * 4 * ((2 * 32 + 32) * 3 + 4 * 16 * 8)  # bytes, see the test above
+    config = build_engine_config(
+        path, device="cpu", dtype="float32", max_num_seqs=64, kv_cache_memory=64 * per_slot
+    )
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    with pytest.raises(ValueError, match="recurrent state for --max-num-seqs 64"):
+        runner.profile_num_blocks()
+    with pytest.raises(ValueError, match=r"--tp 4 does not divide .* linear-attention key heads"):
+        build_engine_config(path, device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="FP8 weights are not supported for hybrid"):
+        build_engine_config(path, device="cpu", quantization="fp8")

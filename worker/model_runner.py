@@ -153,6 +153,8 @@ class ModelRunner:
             budget = self._profile_cuda_budget(cache.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_BYTES
+        if self.device.type != "cuda" or cache.kv_cache_memory is not None:
+            self._check_state_memory(budget)
         if not self._block_bytes():  # a pipeline stage of linear-attention layers only
             return NO_KV_LIMIT
         return max(int(budget // self._block_bytes()), 0)
@@ -160,7 +162,8 @@ class ModelRunner:
     def _profile_cuda_budget(self, utilization: float) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self._check_state_memory(utilization)
+        free, total = torch.cuda.mem_get_info()
+        self._check_state_memory(total * utilization - (total - free))
         self._dummy_forward()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -406,18 +409,17 @@ class ModelRunner:
             eos_token_ids=req.eos_token_ids,
         )
 
-    def _check_state_memory(self, utilization: float) -> None:
+    def _check_state_memory(self, budget: float) -> None:
         """Refuse, with the flag to change, recurrent state for `max_num_seqs` requests that
-        would take more than half of what the KV cache and the states share."""
+        would take more than half of `budget`, the bytes the KV cache and the states share (on
+        a CPU: the KV cache's)."""
         num_slots = self.config.num_state_slots
         if num_slots is None or self.states_ready:
             return
-        free, total = torch.cuda.mem_get_info()
-        budget = total * utilization - (total - free)
         need = num_slots * self.model.state_bytes_per_slot(self.dtype)
         if need > budget / 2:
             raise ValueError(
                 f"recurrent state for --max-num-seqs {num_slots} takes {need / 2**30:.1f} GiB, "
                 f"more than half of the {budget / 2**30:.1f} GiB left for the KV cache and the "
-                "states: lower --max-num-seqs (or raise --gpu-memory-utilization)"
+                "states: lower --max-num-seqs (or give the KV cache more memory)"
             )
