@@ -51,8 +51,30 @@ GENERATION_SAMPLING_KEYS = (
 )  # fmt: skip
 
 
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
-    return hf.get("text_config") or hf
+    text = hf.get("text_config") or hf
+    if text.get("model_type") in HYBRID_MODEL_TYPES:
+        text = _hybrid_defaults(text)
+    return text
+
+
+def _hybrid_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """What transformers derives for Qwen3-Next / Qwen3.5 configs that leave it out: the layer
+    kinds from `full_attention_interval` (every 4th layer full attention), a quarter of each
+    head rotated."""
+    hf = dict(hf)
+    if not hf.get("layer_types"):
+        interval = int(hf.get("full_attention_interval", 4))
+        hf["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(int(hf["num_hidden_layers"]))
+        ]
+    if "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
+        hf.setdefault("partial_rotary_factor", 0.25)
+    return hf
 
 
 def attention_layer_type(hf: dict[str, Any], layer_idx: int) -> str:

@@ -233,3 +233,24 @@ def test_refusals_name_the_flag(tmp_path_factory):
         build_engine_config(path, device="cpu", tensor_parallel_size=4)
     with pytest.raises(ValueError, match="FP8 weights are not supported for hybrid"):
         build_engine_config(path, device="cpu", quantization="fp8")
+
+
+def test_configs_without_layer_types_get_transformers_defaults(tmp_path, tmp_path_factory):
+    """Hub configs that give `full_attention_interval` instead of `layer_types`, and no
+    `partial_rotary_factor`, read as transformers reads them."""
+    import json
+    import shutil
+
+    src = make_tiny_model("qwen3.5", str(tmp_path_factory.getbasetemp() / "qwen3.5"))
+    shutil.copytree(src, tmp_path / "m")
+    with open(tmp_path / "m" / "config.json") as f:
+        config = json.load(f)
+    del config["layer_types"]
+    config["full_attention_interval"] = 2
+    config["rope_parameters"].pop("partial_rotary_factor")
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump(config, f)
+    hf = ModelConfig(model=str(tmp_path / "m")).hf
+    assert hf["layer_types"][:2] == ["linear_attention", "full_attention"]
+    assert [g.layer_ids for g in kv_cache_groups(hf)] == [(1, 3)]
+    assert hf["partial_rotary_factor"] == 0.25
