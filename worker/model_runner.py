@@ -215,7 +215,7 @@ class ModelRunner:
             timings["CPU kernels"] = time.perf_counter() - t1
         if self.features.cpu_compile:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
-        if self.device.type == "cuda" and self.kv_caches:
+        if self.device.type == "cuda" and any(c is not None for c in self.kv_caches):
             t1 = time.perf_counter()
             layers = attention_layers(self.model)
             kv_cache = next(c for c in self.kv_caches if c is not None)
