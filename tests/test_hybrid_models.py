@@ -76,7 +76,8 @@ def test_engine_chunked_preempted_equals_transformers(tp, pp, tmp_path_factory):
     """Qwen3-Next (MoE layers, a dense one). Three prompts of 70-90 tokens need 18-23 blocks of
     4 each, 64 with their outputs; the cache holds 40, so the scheduler must preempt (and the
     request recompute its state) before the first one finishes. Seeded sampling gives the same
-    tokens at tp=2 and at tp=1 (over two pipeline stages)."""
+    tokens at tp=2 and at tp=1 (over two pipeline stages). The same prompts again hit no prefix
+    cache: it is off for models with recurrent state."""
     path = make_tiny_model("qwen3-next", str(tmp_path_factory.getbasetemp() / "qwen3-next"))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (90, 70, 83)]
@@ -90,6 +91,7 @@ def test_engine_chunked_preempted_equals_transformers(tp, pp, tmp_path_factory):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
         sampled = llm.generate([{"prompt_token_ids": p} for p in prompts], seeded)
     assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.num_cached_tokens == 0 for o in sampled), "prefix caching is off for them"
     SEEDED[tp, pp] = [o.outputs[0].token_ids for o in sampled]
     assert len(set(map(str, SEEDED.values()))) == 1, SEEDED
 
