@@ -18,7 +18,9 @@ from pagedserve.kernels.attention.registry import check_requested
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")  # FP8 expert weights are not implemented
+# FP8 expert weights are not implemented
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 
@@ -49,8 +51,30 @@ GENERATION_SAMPLING_KEYS = (
 )  # fmt: skip
 
 
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
-    return hf.get("text_config") or hf
+    text = hf.get("text_config") or hf
+    if text.get("model_type") in HYBRID_MODEL_TYPES:
+        text = _hybrid_defaults(text)
+    return text
+
+
+def _hybrid_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """What transformers derives for Qwen3-Next / Qwen3.5 configs that leave it out: the layer
+    kinds from `full_attention_interval` (every 4th layer full attention), a quarter of each
+    head rotated."""
+    hf = dict(hf)
+    if not hf.get("layer_types"):
+        interval = int(hf.get("full_attention_interval", 4))
+        hf["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(int(hf["num_hidden_layers"]))
+        ]
+    if "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
+        hf.setdefault("partial_rotary_factor", 0.25)
+    return hf
 
 
 def attention_layer_type(hf: dict[str, Any], layer_idx: int) -> str:
@@ -95,11 +119,20 @@ class KVCacheGroup:
     layer_ids: tuple[int, ...]
 
 
+def has_recurrent_state(hf: dict[str, Any]) -> bool:
+    """Whether some layer keeps per-request recurrent state (linear attention: Qwen3-Next,
+    Qwen3.5) in a state slot (core/state_pool.py) instead of KV blocks."""
+    return LINEAR_ATTENTION in (hf.get("layer_types") or [])
+
+
 def kv_cache_groups(hf: dict[str, Any]) -> list[KVCacheGroup]:
-    """The model's KV cache groups, in a fixed order (global kinds first, then by window)."""
+    """The model's KV cache groups, in a fixed order (global kinds first, then by window).
+    Linear-attention layers have no KV cache and are in no group."""
     num_layers = int(hf["num_hidden_layers"])
     kinds: dict[int | None, list[int]] = {}
     for i in range(num_layers):
+        if has_recurrent_state(hf) and attention_layer_type(hf, i) == LINEAR_ATTENTION:
+            continue
         kinds.setdefault(layer_sliding_window(hf, i), []).append(i)
     if len(kinds) == 1:
         ((window, layer_ids),) = kinds.items()
@@ -162,6 +195,12 @@ class ModelConfig:
             raise ValueError(
                 f"{source}: FP8 weights are not supported for MoE models "
                 f"({self.hf['model_type']}) yet; serve the bf16 checkpoint"
+            )
+        if self.quant is not None and has_recurrent_state(self.hf):
+            source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
+            raise ValueError(
+                f"{source}: FP8 weights are not supported for hybrid linear-attention models "
+                f"({self.hf.get('model_type')}) yet; serve the bf16 checkpoint"
             )
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
@@ -442,6 +481,9 @@ class EngineConfig:
             "intermediate size": int(mc.hf.get("intermediate_size", tp)),
             "vocabulary size": mc.vocab_size,
         }
+        if has_recurrent_state(mc.hf):
+            sizes["linear-attention key heads"] = int(mc.hf["linear_num_key_heads"])
+            sizes["linear-attention value heads"] = int(mc.hf["linear_num_value_heads"])
         for what, size in sizes.items():
             if size % tp:
                 raise ValueError(f"--tp {tp} does not divide the model's {what} ({size})")
@@ -474,6 +516,12 @@ class EngineConfig:
             settings = dataclasses.replace(s, **files)
             out.append(dataclasses.replace(self, parallel=self.parallel.core(i), settings=settings))
         return out
+
+    @property
+    def num_state_slots(self) -> int | None:
+        """Recurrent-state slots of a model with linear attention (None: it keeps none): one per
+        request `max_num_seqs` lets run; the workers' memory profile reserves them before KV."""
+        return self.scheduler.max_num_seqs if has_recurrent_state(self.model.hf) else None
 
     def to_json(self) -> str:
         def init_fields(obj: Any) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ def new_request(req: Request) -> NewRequest:
         output_token_ids=list(req.output_token_ids),
         eos_token_ids=req.eos_token_ids,
         lora=req.lora,
+        state_slot=req.state_slot,
     )
 
 

@@ -92,6 +92,7 @@ class EngineCore:
             group_windows=config.model.kv_group_windows,
             num_microbatches=pp,
             max_loras=config.lora.max_loras if config.lora is not None else None,
+            num_state_slots=config.num_state_slots,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size

@@ -24,7 +24,8 @@ def check_invariants(sched: Scheduler) -> None:
     - skipped blocks are exactly a group's first `num_skipped_blocks[g]`, all wholly behind the
       group's sliding window of the request's next token;
     - the hash map and the blocks' hashes agree, both ways;
-    - `running` and the waiting queue partition the unfinished requests.
+    - `running` and the waiting queue partition the unfinished requests;
+    - with state slots, each running request holds one slot of its own, waiting ones none.
     """
     pool, kv = sched.kv.pool, sched.kv
     owners: Counter[int] = Counter()
@@ -68,3 +69,10 @@ def check_invariants(sched: Scheduler) -> None:
     unfinished = {id(r) for r in sched.running} | {id(r) for r in waiting}
     assert len(unfinished) == len(sched.running) + len(waiting) == len(sched.requests)
     assert unfinished == {id(r) for r in sched.requests.values()}
+    if sched.states is not None:
+        sched.states.check()
+        slots = [r.state_slot for r in sched.running]
+        assert None not in slots and len(set(slots)) == len(slots) == sched.states.num_held
+        assert all(r.state_slot is None for r in waiting)
+    else:
+        assert all(r.state_slot is None for r in sched.running)

@@ -76,6 +76,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | None = None
         self.first_scheduled_time: float | None = None
+        self.state_slot: int | None = None  # recurrent-state slot while running (state_pool.py)
         self.in_batch = False  # the workers' persistent batch holds it
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0

@@ -22,6 +22,7 @@ listed once in `finished_ids`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ from pagedserve.core.invariants import check_invariants
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.policy import make_policy
 from pagedserve.core.request import Request, RequestStatus, check_stop
+from pagedserve.core.state_pool import StatePool
 from pagedserve.ipc.messages import (
     AddRequest,
     RequestDelta,
@@ -43,6 +45,7 @@ from pagedserve.ipc.messages import (
 )
 
 MAX_LORA_SKIPS = 256  # waiting requests of slot-less adapters one step may pass over
+logger = logging.getLogger(__name__)
 
 
 class _StepBuilder:
@@ -84,16 +87,27 @@ class Scheduler:
         group_windows: list[int | None] | None = None,
         num_microbatches: int = 1,
         max_loras: int | None = None,
+        num_state_slots: int | None = None,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
         absent, one global group. `num_microbatches`: plans in flight over disjoint requests
         (pipeline stages; see the module docstring). `max_loras`: distinct LoRA adapters per
         step (None: LoRA is off, and a request with an adapter never runs: the core refuses it
-        first)."""
+        first). `num_state_slots`: models with recurrent state (linear attention) get that many
+        state slots (core/state_pool.py), one per running request."""
+        caching = cache_config.enable_prefix_caching
+        if caching and num_state_slots is not None:
+            # A hit would have to restore every linear layer's state at the hit's boundary, and
+            # the state slots keep only each request's latest state.
+            logger.info(
+                "prefix caching is off: this model's linear-attention layers keep recurrent "
+                "state, which a prefix-cache hit cannot restore"
+            )
+            caching = False
         self.kv = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            group_windows or [None],
-        )  # fmt: skip
+            num_blocks, cache_config.block_size, caching, group_windows or [None]
+        )
+        self.states = StatePool(num_state_slots) if num_state_slots is not None else None
         budget = scheduler_config.max_num_batched_tokens
         need = self.kv.max_blocks_per_request(max_model_len, budget)
         if need > num_blocks:
@@ -184,6 +198,9 @@ class Scheduler:
             if not self.lora_users[req.lora.lora_name]:
                 del self.lora_users[req.lora.lora_name]
         self.kv.free(req)
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
         if req.in_batch:
             self._finished_ids.append(req.req_id)
             req.in_batch = False
@@ -200,11 +217,11 @@ class Scheduler:
            (lowest priority / latest) by recompute, until it fits or it was the tail.
            A request whose LoRA adapter would exceed `max_loras` distinct adapters in the step
            waits for a later step.
-        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs
-           and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run. Stop
-           at the first that does not fit (no skipping ahead), except that a request whose
-           adapter finds no slot left in the step is passed over (up to MAX_LORA_SKIPS per
-           step, as vLLM does) and keeps its place.
+        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs,
+           state slots (models with recurrent state) and blocks allow: reuse the longest cached
+           prefix, take a chunk, allocate, run. Stop at the first that does not fit (no skipping
+           ahead), except that a request whose adapter finds no slot left in the step is passed
+           over (up to MAX_LORA_SKIPS per step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
         step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
@@ -265,6 +282,8 @@ class Scheduler:
         now = time.time()
         skipped: list[Request] = []  # of adapters with no slot left in this step
         while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.states is not None and not self.states.num_free:
+                break
             req = self.policy.peek()
             if not step.fits_lora(req):
                 if len(skipped) == MAX_LORA_SKIPS:
@@ -276,6 +295,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.policy.pop()
+            if self.states is not None:
+                req.state_slot = self.states.allocate()
             self.kv.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.first_scheduled_time is None:

@@ -279,6 +279,8 @@ class NewRequest(msgspec.Struct, **_HOT):
     # `block_ids` is group 0's.
     group_block_ids: list[list[int]] = []
     lora: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
+    # Models with recurrent state (linear attention): the request's state slot while it runs.
+    state_slot: int | None = None
 
 
 class CachedDelta(msgspec.Struct, **_HOT):

@@ -9,6 +9,7 @@ import random
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,6 +38,9 @@ class PagedRunner:
         self.computed = [0] * len(seqs)
         shape = (NUM_BLOCKS, 2, BLOCK_SIZE, model.num_kv_heads_per_rank, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+        self.has_state = hasattr(model, "allocate_states")  # linear attention: seq i in slot i
+        if self.has_state:
+            model.allocate_states(len(seqs), dtype, torch.device("cpu"))
 
     def step(self, plan: dict[int, int]) -> dict[int, torch.Tensor]:
         ids = list(plan)
@@ -49,6 +53,8 @@ class PagedRunner:
             [self.tables[i] for i in ids],
             BLOCK_SIZE,
         )
+        if self.has_state:
+            meta.state_slots_cpu = np.asarray(ids, dtype=np.int64)
         tokens = [
             t for i in ids for t in self.seqs[i][self.computed[i] : self.computed[i] + plan[i]]
         ]

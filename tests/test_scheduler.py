@@ -539,6 +539,7 @@ class Mirror:
     block_ids: list[list[int]]  # per KV cache group
     num_computed: int
     num_told: int  # tokens the core's messages carried so far
+    state_slot: int | None = None
 
 
 @dataclass
@@ -561,7 +562,13 @@ class FakeWorker:
             tokens = nr.prompt_token_ids + nr.output_token_ids
             block_ids = [list(nr.block_ids), *map(list, nr.group_block_ids)]
             assert len(block_ids) == len(self.windows)
-            self.batch[nr.req_id] = Mirror(tokens, block_ids, nr.num_computed_tokens, len(tokens))
+            self.batch[nr.req_id] = Mirror(
+                tokens, block_ids, nr.num_computed_tokens, len(tokens), nr.state_slot
+            )
+            # a state slot's state starts over: nothing computed before (no prefix-cache hits)
+            assert nr.state_slot is None or nr.num_computed_tokens == 0
+        slots = [m.state_slot for m in self.batch.values() if m.state_slot is not None]
+        assert len(set(slots)) == len(slots), "two requests in the batch share a state slot"
         for cd in plan.cached:
             m = self.batch[cd.req_id]
             assert m.num_computed == cd.num_computed_tokens
@@ -613,6 +620,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         async_scheduling=st.booleans(),
         keep_samples=st.booleans(),
         windows=st.lists(st.none() | st.integers(1, 12), min_size=1, max_size=3),
+        num_state_slots=st.none() | st.integers(1, 6),
         seed=st.integers(0, 2**32),
     )
     def setup(
@@ -627,6 +635,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         async_scheduling,
         keep_samples,
         windows,
+        num_state_slots,
         seed,
     ):
         # KV cache groups (windowed and global layers mixed) share one pool: one request of
@@ -643,6 +652,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             workers_keep_samples=keep_samples,
             group_windows=windows,
             num_microbatches=max_inflight if not keep_samples else 1,  # pipeline stages
+            num_state_slots=num_state_slots,
         )
         self.rng = random.Random(seed)
         self.worker = FakeWorker(self.rng, block_size, windows)
@@ -748,6 +758,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(self.finished) == set(self.outputs)
         pool = self.s.kv.pool
         assert pool.num_free == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+        states = self.s.states
+        assert states is None or states.num_free == states.num_slots, "a state slot leaked"
         for rid, reason in self.finished.items():
             out, (prompt_len, max_tokens, min_tokens) = self.outputs[rid], self.params[rid]
             at_limit = len(out) == max_tokens or prompt_len + len(out) >= self.max_model_len
@@ -809,3 +821,28 @@ def test_async_blocks_of_a_leaving_request_are_cached():
     plan = s.schedule()
     assert s.requests["b"].num_cached_tokens == 8, "both full blocks of 'a' are hits"
     assert sched(plan) == {"b": 2}
+
+
+# ---------------------------------------------------------------- recurrent-state slots
+def test_state_slots_bound_admission_and_come_back_on_preemption():
+    """A model with linear attention: each running request holds one state slot; admission
+    stops when none is free, preemption and finishing give the slot back, and prefix caching is
+    off (a hit could not restore the recurrent state)."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        CacheConfig(block_size=4, enable_prefix_caching=True),
+        max_model_len=32, num_blocks=12, debug=True, num_state_slots=2,
+    )  # fmt: skip
+    assert not s.kv.enable_caching
+    for rid in "abc":
+        add(s, rid, range(10, 18), max_tokens=20)
+    plan, _ = step(s)
+    assert plan.scheduled_ids == ["a", "b"], "two slots: the third waits"
+    assert sorted(nr.state_slot for nr in plan.new_requests) == [0, 1]
+    while not s.num_preemptions:  # a and b grow until the 12 blocks run out
+        step(s)
+    assert s.requests["b"].state_slot is None and s.states.num_free == 1
+    plan, _ = step(s)
+    assert s.requests["a"].state_slot is not None
+    s.abort_requests(["a"])
+    assert s.states.num_free == 2

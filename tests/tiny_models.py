@@ -19,6 +19,14 @@ top 2, renormalized, an 8-token window on every layer); Qwen3-MoE (a dense layer
 8-token window on layer 0, strong soft-caps, Gemma 3 with linear-scaled global rope); Phi-3
 (fused q/k/v and gate/up, longrope past position 32 on half of each head). `TINY_KINDS` does
 not list them: the engine-wide suites run per kind.
+
+`HYBRID_KINDS` interleave Gated DeltaNet (linear attention, recurrent state) with gated full
+attention, 4 layers `[linear, full, linear, full]`, 2 key and 4 value heads in the linear layers
+(value heads share key heads): Qwen3-Next (its fused `in_proj_qkvz`, experts with a shared expert
+and a dense layer 1 by `mlp_only_layers`, half-rotary heads), Qwen3.5 dense (separate
+projections, quarter-rotary), Qwen3.5-MoE (every layer routed, plus a shared expert), and a
+Qwen3.5 multimodal checkpoint (`Qwen3_5ForConditionalGeneration`: a one-block vision tower,
+the language model under `model.language_model.`).
 """
 
 from __future__ import annotations
@@ -45,14 +53,23 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 TINY_KINDS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
 FAMILY_KINDS = ["mixtral", "qwen3-moe", "gemma2", "gemma3", "phi3"]
+HYBRID_KINDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-vl"]
 VOCAB_SIZE = 512
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 SEED = 1234
@@ -111,6 +128,38 @@ def _configs() -> dict[str, tuple[type, object]]:
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32)),
         **_family_configs(common),
+        **_hybrid_configs(common),
+    }
+
+
+def _hybrid_configs(common: dict) -> dict[str, tuple[type, object]]:
+    hybrid = dict(
+        common, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )  # fmt: skip
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )  # fmt: skip
+    next_rope = dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)
+    dense = {k: v for k, v in hybrid.items() if k != "intermediate_size"}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+    )  # fmt: skip
+    return {
+        "qwen3-next": (
+            Qwen3NextForCausalLM,
+            Qwen3NextConfig(**hybrid, **moe, mlp_only_layers=[1], rope_parameters=next_rope),
+        ),
+        "qwen3.5": (Qwen3_5ForCausalLM, Qwen3_5TextConfig(**hybrid)),
+        "qwen3.5-moe": (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**dense, **moe)),
+        "qwen3.5-vl": (
+            Qwen3_5ForConditionalGeneration,
+            Qwen3_5Config(text_config=hybrid, vision_config=vision),
+        ),
     }
 
 
@@ -191,10 +240,9 @@ def _randomize_norms_and_biases(model: torch.nn.Module) -> None:
 
 def make_tiny_model(kind: str, path: str, dtype: torch.dtype = torch.float32) -> str:
     """Write a tiny `kind` model with its tokenizer to `path` (built once per kind, path, dtype)."""
-    if kind not in TINY_KINDS + FAMILY_KINDS:
-        raise ValueError(
-            f"unknown tiny model kind {kind!r}; choose from {TINY_KINDS + FAMILY_KINDS}"
-        )
+    kinds = TINY_KINDS + FAMILY_KINDS + HYBRID_KINDS
+    if kind not in kinds:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {kinds}")
     stamp = {"kind": kind, "dtype": str(dtype)}
     marker = os.path.join(path, _MARKER)
     if os.path.isfile(marker):

@@ -46,7 +46,7 @@ from torch import nn
 
 import pagedserve
 from pagedserve import settings
-from pagedserve.config import MOE_MODEL_TYPES, EngineConfig
+from pagedserve.config import MOE_MODEL_TYPES, EngineConfig, has_recurrent_state
 from pagedserve.ipc.process import Child, die_with_parent, spawn
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.worker.layers.attention import Attention
@@ -124,6 +124,7 @@ def eligible(config: EngineConfig, device: torch.device, model: nn.Module) -> bo
         and parallel.tensor_parallel_size == 1
         and parallel.pipeline_parallel_size == 1
         and config.model.hf.get("model_type") not in MOE_MODEL_TYPES  # routing: data-dependent
+        and not has_recurrent_state(config.model.hf)  # per-row state loops: data-dependent
         and config.model.resolved_dtype == "float32"  # a bfloat16 package mixed dtypes in addmm
         and all(getattr(m, "packed", None) is None for m in model.model.modules())
     )

@@ -28,6 +28,7 @@ class RequestRow:
     eos_token_ids: list[int]
     prompt_len: int
     output_token_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # models with recurrent state (core/state_pool.py)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class StepInputs:
     # and [B, max_blocks] block tables; the fields above are group 0's.
     group_slot_mappings: list[np.ndarray] = field(default_factory=list)
     group_block_tables: list[np.ndarray] = field(default_factory=list)
+    # Models with recurrent state: each row's state slot, [B] int64 (None: no such state).
+    state_slots: np.ndarray | None = None
     # Tokens of the common prefix the step attends once for all rows
     # (kernels/attention/cascade.py; the runner sets it after `prepare`); 0: none.
     cascade_len: int = 0
@@ -99,6 +102,7 @@ class InputBatch:
             new.eos_token_ids,
             len(new.prompt_token_ids),
             list(new.output_token_ids),
+            new.state_slot,
         )
 
     def _update(self, delta: CachedDelta) -> None:
@@ -161,6 +165,11 @@ class InputBatch:
         sample_rows = np.nonzero(samples)[0]
         self.num_computed[rows] = seq_lens
         tables = [table[rows, :max_blocks] for table in self.block_tables]  # [G][B, max_blocks]
+        state_slots = None
+        if req_ids and self.requests[req_ids[0]].state_slot is not None:
+            state_slots = np.fromiter(
+                (self.requests[r].state_slot for r in req_ids), np.int64, len(req_ids)
+            )
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -174,4 +183,5 @@ class InputBatch:
             unknown_ids=[req_ids[i] for i in token_req[unknown]],
             group_slot_mappings=slot_mappings[1:],
             group_block_tables=tables[1:],
+            state_slots=state_slots,
         )

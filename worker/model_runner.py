@@ -50,6 +50,7 @@ from pagedserve.worker.step_metadata import attention_metadata
 from pagedserve.worker.warm_up import warm_up_attention, warm_up_head
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
+NO_KV_LIMIT = 1 << 30  # blocks a stage without KV cache can "hold": the other stages decide
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -110,7 +111,9 @@ class ModelRunner:
         # (its slot), so a block costs the same bytes whichever group owns it.
         groups = kv_cache_groups(config.model.hf)
         slot_of = {layer: j for group in groups for j, layer in enumerate(group.layer_ids)}
-        self.kv_slots = [slot_of[i] for i in range(*layers)]  # per layer of this stage
+        # per layer of this stage; None: a linear-attention layer (recurrent state, no KV)
+        self.kv_slots = [slot_of.get(i) for i in range(*layers)]
+        self.states_ready = False  # allocate_states (models with recurrent state)
         self.batch = InputBatch(
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size, len(groups)
         )
@@ -141,16 +144,25 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         per_layer = int(np.prod(self._kv_block_shape())) * self.kv_dtype.itemsize
-        return per_layer * len(set(self.kv_slots))
+        return per_layer * len(set(self.kv_slots) - {None})
 
-    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One cache per layer of this stage; layers of one slot share it."""
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor | None]:
+        """One cache per layer of this stage; layers of one slot share it (None: no KV)."""
         shape = (num_blocks, *self._kv_block_shape())
         tensors = {
             slot: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for slot in sorted(set(self.kv_slots))
+            for slot in sorted(set(self.kv_slots) - {None})
         }
-        return [tensors[slot] for slot in self.kv_slots]
+        return [tensors.get(slot) for slot in self.kv_slots]
+
+    def _allocate_states(self) -> None:
+        """Linear-attention layers' recurrent state, one row per state slot of the core
+        (core/state_pool.py), before the profile so its peak counts them."""
+        num_slots = self.config.num_state_slots
+        if num_slots is None or self.states_ready:
+            return
+        self.model.allocate_states(num_slots, self.dtype, self.device)
+        self.states_ready = True
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit: an explicit size, else (GPU) what a peak-sized forward leaves."""
@@ -163,11 +175,17 @@ class ModelRunner:
             budget = self._profile_cuda_budget(cache.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_BYTES
+        if self.device.type != "cuda" or cache.kv_cache_memory is not None:
+            self._check_state_memory(budget)
+        if not self._block_bytes():  # a pipeline stage of linear-attention layers only
+            return NO_KV_LIMIT
         return max(int(budget // self._block_bytes()), 0)
 
     def _profile_cuda_budget(self, utilization: float) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        free, total = torch.cuda.mem_get_info()
+        self._check_state_memory(total * utilization - (total - free))
         self._dummy_forward()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -187,6 +205,9 @@ class ModelRunner:
             self.block_size,
         )  # fmt: skip
         caches = self._new_kv_caches(num_blocks)
+        self._allocate_states()
+        if self.states_ready:  # the worst step's rows, each in a slot of its own
+            inputs.state_slots = np.arange(len(inputs.seq_lens), dtype=np.int64)
         num_tokens = len(inputs.input_ids)
         with torch.inference_mode():
             intermediate = None
@@ -208,6 +229,7 @@ class ModelRunner:
         """Allocate the KV cache and capture the CUDA graphs; seconds spent on each."""
         t0 = time.perf_counter()
         self.kv_caches = self._new_kv_caches(num_blocks)
+        self._allocate_states()
         timings = {"KV cache": time.perf_counter() - t0}
         if self.device.type == "cpu":  # build (once per machine) or load the C++ kernels now
             t1 = time.perf_counter()
@@ -215,10 +237,11 @@ class ModelRunner:
             timings["CPU kernels"] = time.perf_counter() - t1
         if self.features.cpu_compile:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
-        if self.device.type == "cuda" and self.kv_caches:
+        if self.device.type == "cuda" and any(c is not None for c in self.kv_caches):
             t1 = time.perf_counter()
             layers = attention_layers(self.model)
-            warm_up_attention(layers, self.kv_caches[0], self.dtype, self.features.cascade)
+            kv_cache = next(c for c in self.kv_caches if c is not None)
+            warm_up_attention(layers, kv_cache, self.dtype, self.features.cascade)
             timings["attention warm-up"] = time.perf_counter() - t1
         if self.features.cuda_graphs:
             if not self.info.is_first_stage:
@@ -435,3 +458,18 @@ class ModelRunner:
             output_token_ids=req.output_token_ids,
             eos_token_ids=req.eos_token_ids,
         )
+
+    def _check_state_memory(self, budget: float) -> None:
+        """Refuse, with the flag to change, recurrent state for `max_num_seqs` requests that
+        would take more than half of `budget`, the bytes the KV cache and the states share (on
+        a CPU: the KV cache's)."""
+        num_slots = self.config.num_state_slots
+        if num_slots is None or self.states_ready:
+            return
+        need = num_slots * self.model.state_bytes_per_slot(self.dtype)
+        if need > budget / 2:
+            raise ValueError(
+                f"recurrent state for --max-num-seqs {num_slots} takes {need / 2**30:.1f} GiB, "
+                f"more than half of the {budget / 2**30:.1f} GiB left for the KV cache and the "
+                "states: lower --max-num-seqs (or give the KV cache more memory)"
+            )

@@ -29,6 +29,9 @@ def attention_metadata(
     if inputs.cascade_len:
         meta.cascade_len = inputs.cascade_len
         meta.cascade_len_dev = to_dev(np.array([inputs.cascade_len], dtype=np.int32))
+    if inputs.state_slots is not None:
+        meta.state_slots_cpu = inputs.state_slots
+        meta.state_slots = to_dev(inputs.state_slots)
     if inputs.group_block_tables:  # KV cache groups 1..: the same rows over their own tables
         meta.group_metas = [
             dataclasses.replace(

@@ -150,7 +150,8 @@ def _memory_report(runner, rank: int) -> None:
 
     import torch
 
-    shared = {id(c): c for c in runner.kv_caches}  # layers of one KV slot share a tensor
+    # layers of one KV slot share a tensor; linear-attention layers have none
+    shared = {id(c): c for c in runner.kv_caches if c is not None}
     kv = sum(c.numel() * c.element_size() for c in shared.values())
     report = {"profiled_peak": runner.profiled_peak, "kv_cache": kv,
               "predicted_peak": runner.profiled_peak + kv,

@@ -42,6 +42,10 @@ class AttentionMetadata:
     # device.
     cascade_len: int = 0
     cascade_len_dev: torch.Tensor | None = None
+    # Models with recurrent state (linear attention): each row's state slot (core/state_pool.py),
+    # [B] int64 on the device and on the host. None: the model keeps no such state.
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: np.ndarray | None = None
     # What a backend derives from the layout once per step and every layer reuses (the CPU
     # backend's padded groups and masks); a new step builds new metadata, so it never goes stale.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)

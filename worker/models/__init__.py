@@ -20,6 +20,7 @@ from pagedserve.worker.loader import (
 )
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
+from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -31,6 +32,12 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
+    # the multimodal checkpoints' language model, served text-only
+    "Qwen3_5ForConditionalGeneration": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3NextForCausalLM,
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -42,6 +49,9 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 

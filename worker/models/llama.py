@@ -312,9 +312,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"])
             if self.tie_word_embeddings and self.model.is_first:
                 self.lm_head.tie(self.model.embed_tokens)
-        attn = next(iter(self.model.layers.values())).self_attn
-        self.head_dim = attn.head_dim
-        self.num_kv_heads_per_rank = attn.qkv_proj.num_kv_heads
+        # (a hybrid model's stage may hold only linear-attention layers: then no KV cache)
+        attn = next((m for m in self.model.modules() if isinstance(m, Attention)), None)
+        self.head_dim = attn.head_dim if attn is not None else 0
+        self.num_kv_heads_per_rank = attn.num_kv_heads if attn is not None else 0
         self.num_layers = self.end_layer - self.start_layer
         self.vocab_size = hf["vocab_size"]
         self.tp_size = tp_size()
