@@ -35,7 +35,14 @@ import torch
 from pagedserve import settings
 from pagedserve.settings import FUSIONS
 
-__all__ = ["FUSIONS", "fusion_enabled", "triton_available", "use_triton"]
+__all__ = ["FUSIONS", "dot_precision", "fusion_enabled", "triton_available", "use_triton"]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision for operands of `dtype`: a float32 model gets float32 products
+    ("ieee"; Triton's default would round them to TF32, which turns greedy ties on a float32
+    model's MoE layer or LoRA delta); 16-bit operands are exact either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @functools.cache

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.backend import dot_precision
+
 BLOCK_M = 16
 
 
@@ -21,6 +23,7 @@ BLOCK_M = 16
 def _shrink_kernel(
     x_ptr, a_ptr, h_ptr, seg_starts, seg_slots, K, R, stride_xm, stride_as, stride_ar,
     stride_hm, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     slot = tl.load(seg_slots + seg)
@@ -48,7 +51,7 @@ def _shrink_kernel(
             a_base + rr[:, None] * stride_ar + kk[None, :],
             mask=r_ok[:, None] & k_ok[None, :], other=0.0,
         )  # fmt: skip
-        acc = tl.dot(x, tl.trans(a), acc)
+        acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
     tl.store(
         h_ptr + rm[:, None].to(tl.int64) * stride_hm + rr[None, :], acc,
         mask=m_ok[:, None] & r_ok[None, :],
@@ -59,6 +62,7 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr, b_ptr, y_ptr, seg_starts, seg_slots, N, R, stride_hm, stride_bs, stride_bn,
     stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     slot = tl.load(seg_slots + seg)
@@ -82,7 +86,7 @@ def _expand_kernel(
         b_ptr + slot.to(tl.int64) * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rr[None, :],
         mask=n_ok[:, None] & r_ok[None, :], other=0.0,
     )  # fmt: skip
-    delta = tl.dot(h.to(b.dtype), tl.trans(b))  # [BM, BN] float32
+    delta = tl.dot(h.to(b.dtype), tl.trans(b), input_precision=PRECISION)  # [BM, BN] float32
     y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -111,6 +115,7 @@ def triton_lora_shrink(
     _shrink_kernel[grid](
         x, lora_a, h, seg_starts, seg_slots, x.shape[1], rank, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), h.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_K=64,
+        PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     return h
 
@@ -134,5 +139,6 @@ def triton_lora_expand(
     _expand_kernel[grid](
         h, lora_b, y, seg_starts, seg_slots, n, rank, h.stride(0), lora_b.stride(0),
         lora_b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
+        PRECISION=dot_precision(lora_b.dtype),
     )  # fmt: skip
     return y

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.backend import dot_precision
 from pagedserve.kernels.triton_activation import triton_silu_and_mul
 
 
@@ -56,6 +57,7 @@ def _grouped_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_cm,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     block_m = tl.program_id(0)
     block_n = tl.program_id(1)
@@ -75,7 +77,7 @@ def _grouped_gemm_kernel(
         k_ok = ks + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if MUL_WEIGHT:
@@ -105,6 +107,7 @@ def _grouped_gemm(
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, A_PER_TOKEN=per_token,
         MUL_WEIGHT=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(a.dtype),
     )  # fmt: skip
     return out
 
