@@ -165,13 +165,23 @@ def test_unknown_fields_are_ignored(url: str) -> None:
 
 
 def check_response(response) -> None:
-    """No 5xx; every 4xx in OpenAI's error shape."""
+    """No 5xx; every 4xx in OpenAI's error shape (Anthropic's under /v1/messages)."""
     status = response.status_code
     assert status < 500, (status, response.text[:500])
     if status >= 400:
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}, error
+        body = response.json()
+        error = body["error"]
+        if is_anthropic(response.request.url):
+            assert body["type"] == "error" and set(error) == {"message", "type"}, body
+        else:
+            assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"]
+
+
+def is_anthropic(url) -> bool:
+    """/v1/messages answers errors in Anthropic's shape: {"type": "error", "error": {type,
+    message}}."""
+    return str(httpx.URL(str(url)).path).startswith("/v1/messages")
 
 
 def bound_cost(case) -> None:
@@ -393,6 +403,9 @@ def test_every_route_needs_the_key(guarded: str) -> None:
             r = httpx.request(method, guarded + path, headers=headers, json={})
             if path == "/health":
                 assert r.status_code == 200, (method, path)
+            elif is_anthropic(guarded + path):
+                assert r.status_code == 401, (method, path)
+                assert r.json()["error"]["type"] == "authentication_error", (method, path)
             else:
                 assert assert_error(r, 401)["code"] == "invalid_api_key", (method, path)
     assert httpx.get(guarded + "/version", headers=AUTH).status_code == 200
