@@ -198,7 +198,10 @@ class CompiledForward:
         # two tensors and one.
         self.loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
         stage = Stage(model.model)
-        tensors = dict(stage.named_parameters()) | dict(stage.named_buffers())
+        # Every name a tensor goes by: the layers share one rotary table (and a model may tie
+        # its embeddings), and the package may name a shared tensor by any of its owners.
+        tensors = dict(stage.named_parameters(remove_duplicate=False))
+        tensors |= dict(stage.named_buffers(remove_duplicate=False))
         wanted = [n for n in self.loader.get_constant_fqns() if not n.startswith("_FOLDED")]
         missing = [n for n in wanted if n not in tensors]
         if missing:
