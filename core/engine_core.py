@@ -90,6 +90,7 @@ class EngineCore:
             async_scheduling=async_scheduling,
             workers_keep_samples=pp == 1,
             group_windows=config.model.kv_group_windows,
+            speculative=config.speculative,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size

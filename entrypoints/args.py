@@ -110,6 +110,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
       help="plan step N+1 while step N runs (one pipeline stage only)")  # fmt: skip
     a("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled CPU forward")
+    a(
+        "--speculative-config",
+        help="speculative decoding, vLLM's JSON keys, e.g. '{\"method\": "
+        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (methods: ngram, suffix)',
+    )
     a("--attention-backend", default="auto", choices=list(REQUESTABLE_BACKENDS),
       help="flash: FlashAttention 4 (flash-attn-4); auto: triton, or per step kind the backend "
       "measured faster on this GPU (kernels/attention/attention_choice.json)")  # fmt: skip
@@ -259,4 +264,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        speculative_config=args.speculative_config,
     )

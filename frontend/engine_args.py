@@ -18,6 +18,7 @@ from pagedserve.config import (
     SchedulerConfig,
 )
 from pagedserve.frontend.hub import resolve_model
+from pagedserve.speculative_config import SpeculativeConfig
 
 ENGINE_ARGS: dict[str, Any] = {
     # model and tokenizer
@@ -35,6 +36,8 @@ ENGINE_ARGS: dict[str, Any] = {
     # parallelism
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "device": "auto", "nnodes": 1,
     "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None, "pp_layer_partition": None,
+    # speculative decoding: a dict (or JSON text) of vLLM's keys (speculative_config.py)
+    "speculative_config": None,
 }  # fmt: skip
 
 
@@ -99,4 +102,5 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             master_port=a["master_port"],
             pp_layer_partition=a["pp_layer_partition"],
         ),
+        speculative=SpeculativeConfig.from_value(a["speculative_config"]),
     )

@@ -22,7 +22,13 @@ from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
 from pagedserve.grammar_spec import build_grammar  # xgrammar loads on the first call
-from pagedserve.ipc.messages import AbortRequests, EngineDead, EngineOutputs, SamplingParams
+from pagedserve.ipc.messages import (
+    AbortRequests,
+    EngineDead,
+    EngineOutputs,
+    SamplingParams,
+    SchedulerStats,
+)
 
 PromptType = str | dict[str, Any]
 logger = logging.getLogger("pagedserve")
@@ -53,6 +59,9 @@ class LLM:
             raise
         self._eos_ids = stop_eos_ids(mc, self.tokenizer)
         self._ids = itertools.count()
+        # the engine's latest SchedulerStats (KV use, prefix cache and speculative decoding
+        # counters), as of the last generate call
+        self.last_stats: SchedulerStats | None = None
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Any:
@@ -161,6 +170,7 @@ class LLM:
                     client.dead_message = msg.message
                     client.check_alive()
                 elif isinstance(msg, EngineOutputs):
+                    self.last_stats = msg.stats or self.last_stats
                     touched, to_abort = processor.process(msg.outputs)
                     if to_abort:
                         client.send(AbortRequests(to_abort))

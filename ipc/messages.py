@@ -210,6 +210,11 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
     num_unfinished: int = 0  # requests the scheduler tracks (running + waiting; 0 when idle)
+    # speculative decoding, cumulative (vLLM's spec_decode_* counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class RequestDelta(msgspec.Struct, **_HOT):
@@ -282,6 +287,9 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     new_requests: list[NewRequest] = []
     cached: list[CachedDelta] = []
     finished_ids: list[str] = []
+    # Speculative decoding: draft tokens a scheduled request verifies this step; it runs
+    # `1 + len(drafts)` tokens (its last known token, then the drafts)
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class InitCache(msgspec.Struct, tag=True, **_HOT):
@@ -319,11 +327,12 @@ class WorkerReady(msgspec.Struct, tag=True, **_HOT):
 
 class StepResult(msgspec.Struct, tag=True, **_HOT):
     """Sent by the driver rank only. Aligned with the plan's `scheduled_ids`: an empty list where
-    a request only advanced its prefill and sampled nothing."""
+    a request only advanced its prefill and sampled nothing; several ids where it verified
+    drafts (the accepted ones, then one sampled after them). `logprobs`: one per sampled id."""
 
     step_id: int
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class WorkerError(msgspec.Struct, tag=True, **_HOT):
