@@ -251,3 +251,25 @@ def test_engine_same_tokens_on_and_off(model_dir):
             assert x.keys() == y.keys()
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
         assert stats.spec_num_accepted_tokens > 0, spec
+
+
+def test_metrics_under_vllm_names(monkeypatch):
+    """/metrics: vLLM's spec_decode_* counters (and per-position acceptance) once the engine
+    speculates; none before."""
+    from pagedserve.frontend.openai.metrics import Metrics
+    from pagedserve.ipc.messages import SchedulerStats
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = Metrics("m")
+    metrics.on_stats(SchedulerStats())
+    assert b"spec_decode" not in metrics.render()[0]
+    stats = SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=9,
+                           spec_accepted_per_pos=[5, 3, 1, 0])  # fmt: skip
+    metrics.on_stats(stats)
+    text = metrics.render()[0].decode()
+    for prefix in ("pagedserve:", "vllm:"):
+        assert f'{prefix}spec_decode_num_drafts_total{{model_name="m"}} 5.0' in text
+        assert f'{prefix}spec_decode_num_draft_tokens_total{{model_name="m"}} 20.0' in text
+        assert f'{prefix}spec_decode_num_accepted_tokens_total{{model_name="m"}} 9.0' in text
+        per_pos = f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+        assert per_pos + 'position="1"} 3.0' in text

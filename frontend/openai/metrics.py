@@ -48,6 +48,13 @@ _TOTALS = {
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Requests preempted by the scheduler.",
 }
+# Speculative decoding's totals (exported once the engine speculates, as vLLM does).
+_SPEC_TOTALS = {
+    "spec_decode_num_drafts": "Verifications of draft tokens (steps of a request with drafts).",
+    "spec_decode_num_draft_tokens": "Draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+}
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # label `position`
 
 # pagedserve name -> its vLLM names (the first is vLLM V1's, the others older names that vLLM's
 # own dashboards used: gpu_cache_usage_perc until 0.10, time_per_output_token_seconds until 0.12).
@@ -57,7 +64,7 @@ _VLLM_TWINS: dict[str, tuple[str, ...]] = {
         "num_requests_running", "num_requests_waiting", "prefix_cache_queries",
         "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
         "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
-        "request_queue_time_seconds", "cache_config_info",
+        "request_queue_time_seconds", "cache_config_info", *_SPEC_TOTALS, _PER_POS,
     )
 } | {
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
@@ -112,6 +119,8 @@ class Metrics:
             registry=reg,
         )
         self.model_name = model_name
+        self._spec: dict[str, Gauge] | None = None  # created when the engine first speculates
+        self._gauge = gauge
         lat = _LATENCY_BUCKETS
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", lat)
         self.itl = hist("inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS)
@@ -134,6 +143,22 @@ class Metrics:
         self.totals["prefix_cache_queries"].set(stats.prefix_cache_queries)
         self.totals["prefix_cache_hits"].set(stats.prefix_cache_hits)
         self.totals["num_preemptions"].set(stats.num_preemptions)
+        if stats.spec_accepted_per_pos:
+            self._on_spec_stats(stats)
+
+    def _on_spec_stats(self, stats: SchedulerStats) -> None:
+        if self._spec is None:
+            spec = _SPEC_TOTALS.items()
+            self._spec = {key: self._gauge(key, doc, mode="max") for key, doc in spec}
+            self._per_pos = Gauge(
+                P + _PER_POS, "Draft tokens accepted, by position in the draft.",
+                ["model_name", "position"], registry=self.registry, multiprocess_mode="max",
+            )  # fmt: skip
+        self._spec["spec_decode_num_drafts"].set(stats.spec_num_drafts)
+        self._spec["spec_decode_num_draft_tokens"].set(stats.spec_num_draft_tokens)
+        self._spec["spec_decode_num_accepted_tokens"].set(stats.spec_num_accepted_tokens)
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            self._per_pos.labels(self.model_name, str(position)).set(count)
 
     async def track(
         self, stream: AsyncIterator[RequestOutput], num_prompt_tokens: int
@@ -191,7 +216,7 @@ class _Exporter:
             families = MultiProcessCollector(None, self.multiproc_dir).collect()
         else:
             families = self.source.collect()
-        totals = {P + key for key in _TOTALS}
+        totals = {P + key for key in [*_TOTALS, *_SPEC_TOTALS, _PER_POS]}
         for family in families:
             if family.name not in totals:
                 yield family
