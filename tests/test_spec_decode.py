@@ -273,3 +273,19 @@ def test_metrics_under_vllm_names(monkeypatch):
         assert f'{prefix}spec_decode_num_accepted_tokens_total{{model_name="m"}} 9.0' in text
         per_pos = f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
         assert per_pos + 'position="1"} 3.0' in text
+
+
+def test_stats_log_line_like_vllm(caplog):
+    from pagedserve.core.stats_log import StatsLog
+    from pagedserve.ipc.messages import SchedulerStats
+
+    log = StatsLog(1.0, now=0.0)
+    stats = SchedulerStats(num_running=1, spec_num_drafts=4, spec_num_draft_tokens=12,
+                           spec_num_accepted_tokens=6, spec_accepted_per_pos=[4, 2, 0])  # fmt: skip
+    with caplog.at_level("INFO", logger="pagedserve.engine"):
+        log.maybe_log(2.0, stats, 0)
+    assert (
+        "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 3.00 tokens/s, "
+        "Drafted throughput: 6.00 tokens/s, Accepted: 6 tokens, Drafted: 12 tokens, "
+        "Per-position acceptance rate: 1.000, 0.500, 0.000, Avg Draft acceptance rate: 50.0%"
+    ) in caplog.text
