@@ -98,6 +98,9 @@ def bench_spec(args: argparse.Namespace) -> dict[str, Any]:
                     tokens[arm] += len(out.outputs[0].token_ids)
                     outputs[arm] = out.outputs[0].token_ids
                 same = same and outputs["off"] == outputs["on"]
+                print(f"request {len(outputs['on'])} tokens; so far off {tokens['off']} in "
+                      f"{seconds['off']:.1f} s, on {tokens['on']} in {seconds['on']:.1f} s",
+                      flush=True)  # fmt: skip
         stats = on.last_stats
     rate = {arm: tokens[arm] / seconds[arm] for arm in arms}
     drafts = max(stats.spec_num_drafts, 1)
