@@ -9,13 +9,15 @@ Two workloads of real text through the model's chat template, greedy:
 Both engines (speculation off, and `--speculative-config`) are alive at once and the requests
 alternate between them, one at a time: A/B back to back, so the load of a shared machine drifts
 into both arms alike. Greedy outputs must be the same in both arms (reported). Tokens/s is each
-arm's output tokens over its summed request times.
+arm's output tokens over its summed request times; the median of the per-request speedups is
+the figure a burst of load on a shared machine moves least.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from typing import Any
 
@@ -83,6 +85,7 @@ def bench_spec(args: argparse.Namespace) -> dict[str, Any]:
     tokens = dict.fromkeys(arms, 0)
     seconds = dict.fromkeys(arms, 0.0)
     same = True
+    ratios = []  # per request: off seconds per token over on seconds per token
     with LLM(args.model, **kw) as off, LLM(args.model, speculative_config=args.speculative_config,
                                           **kw) as on:  # fmt: skip
         engines = {"off": off, "on": on}
@@ -90,13 +93,15 @@ def bench_spec(args: argparse.Namespace) -> dict[str, Any]:
             llm.chat(conversations[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         for _ in range(args.num_rounds):
             for conv in conversations:
-                outputs = {}
+                outputs, took = {}, {}
                 for arm in arms:
                     start = time.perf_counter()
                     (out,) = engines[arm].chat(conv, params, use_tqdm=False)
-                    seconds[arm] += time.perf_counter() - start
+                    took[arm] = time.perf_counter() - start
+                    seconds[arm] += took[arm]
                     tokens[arm] += len(out.outputs[0].token_ids)
                     outputs[arm] = out.outputs[0].token_ids
+                ratios.append(took["off"] / len(outputs["off"]) / (took["on"] / len(outputs["on"])))
                 same = same and outputs["off"] == outputs["on"]
                 print(f"request {len(outputs['on'])} tokens; so far off {tokens['off']} in "
                       f"{seconds['off']:.1f} s, on {tokens['on']} in {seconds['on']:.1f} s",
@@ -108,6 +113,8 @@ def bench_spec(args: argparse.Namespace) -> dict[str, Any]:
         "workload": args.workload, "requests_per_arm": args.num_rounds * len(conversations),
         "output_tokens_per_arm": tokens["on"], "off_tokens_per_s": rate["off"],
         "on_tokens_per_s": rate["on"], "speedup": rate["on"] / rate["off"],
+        "speedup_median_of_requests": float(statistics.median(ratios)),
+        "speedup_per_request": [round(r, 3) for r in ratios],
         "same_outputs": same, "spec_num_drafts": stats.spec_num_drafts,
         "spec_num_draft_tokens": stats.spec_num_draft_tokens,
         "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
