@@ -17,6 +17,7 @@ from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
 from pagedserve.kernels.attention.registry import check_requested
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
+from pagedserve.speculative_config import SpeculativeConfig
 
 # FP8 expert weights are not implemented
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
@@ -471,6 +472,7 @@ class EngineConfig:
     # every PAGEDSERVE_* switch, read once where the config is built (settings.py says why)
     settings: Settings = field(default_factory=Settings.from_env)
     lora: LoRAConfig | None = None  # None: no LoRA adapters (--enable-lora turns it on)
+    speculative: SpeculativeConfig | None = None  # --speculative-config (speculative_config.py)
 
     def __post_init__(self) -> None:
         mc, tp = self.model, self.parallel.tensor_parallel_size
@@ -530,7 +532,12 @@ class EngineConfig:
             return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
 
         return json.dumps(
-            {f.name: init_fields(getattr(self, f.name)) for f in dataclasses.fields(self)}
+            {
+                f.name: None
+                if getattr(self, f.name) is None
+                else init_fields(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+            }
         )
 
     @classmethod
@@ -543,4 +550,5 @@ class EngineConfig:
             parallel=ParallelConfig(**raw["parallel"]),
             settings=Settings.from_dict(raw["settings"]),
             lora=LoRAConfig(**raw["lora"]) if raw.get("lora") else None,
+            speculative=SpeculativeConfig(**raw["speculative"]) if raw.get("speculative") else None,
         )

@@ -12,6 +12,7 @@ from pagedserve.benchmarks.common import add_engine_flags, report
 from pagedserve.benchmarks.lora import add_lora_flags
 from pagedserve.benchmarks.offline import bench_latency, bench_startup, bench_throughput
 from pagedserve.benchmarks.serve import add_serve_parser, bench_serve
+from pagedserve.benchmarks.spec_decode import add_spec_parser, bench_spec
 from pagedserve.benchmarks.structured import add_structured_parser, bench_structured
 
 
@@ -42,13 +43,14 @@ def add_bench_parser(sub: Any) -> None:
     st.add_argument("launch_args", nargs=argparse.REMAINDER, help="flags passed to launch")
     add_serve_parser(kinds)
     so = add_structured_parser(kinds)
-    for p in (tp, lat, st, so):
+    sd = add_spec_parser(kinds)
+    for p in (tp, lat, st, so, sd):
         p.add_argument("--output-json", default=None)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     fn = {"throughput": bench_throughput, "latency": bench_latency, "startup": bench_startup,
-          "serve": bench_serve, "structured": bench_structured}  # fmt: skip
+          "serve": bench_serve, "structured": bench_structured, "spec": bench_spec}  # fmt: skip
     result = fn[args.bench_kind](args)
     report(args.bench_kind, result, getattr(args, "output_json", None))
     return 0

@@ -84,28 +84,34 @@ def check_result(
     """Why `result` cannot answer the plan that scheduled `record` (each request, and whether
     the result still applies to it); None: it can.
 
-    One list of at most one sampled id per scheduled request, ids in the vocabulary, a sample
-    only where the plan sampled (a current request has a token in flight), logprobs aligned."""
+    One list of at most one sampled id per scheduled request (1 + its drafts where it verified
+    drafts), ids in the vocabulary, a sample only where the plan sampled (a current request has
+    a token in flight), logprobs aligned."""
     sampled = result.sampled_token_ids
     if len(sampled) != len(record):
         return f"{len(sampled)} sample lists for {len(record)} scheduled requests"
     for (req, current), token_ids in zip(record, sampled, strict=True):
         if not token_ids:  # (plain loop, no generators: this runs on every step's result)
             continue
-        if len(token_ids) > 1 or not 0 <= token_ids[0] < vocab_size:
-            return f"request {req.req_id!r}: sampled {token_ids[:4]} (one id in the vocabulary)"
+        most = 1 + len(req.spec.drafts) if current and req.spec is not None else 1
+        if len(token_ids) > most or not all(0 <= t < vocab_size for t in token_ids):
+            return (
+                f"request {req.req_id!r}: sampled {token_ids[:4]} (at most {most} ids in the "
+                "vocabulary)"
+            )
         if current and req.num_placeholders == 0:
             return f"request {req.req_id!r}: a sample where the plan sampled nothing"
     if result.logprobs is not None:
         if len(result.logprobs) != len(record):
             return f"{len(result.logprobs)} logprob entries for {len(record)} requests"
-        if not all(_aligned(lp) for lp in result.logprobs):
-            return "logprob entries of unequal lengths"
+        for lps, token_ids in zip(result.logprobs, sampled, strict=True):
+            if lps is not None and (len(lps) != len(token_ids) or not all(map(_aligned, lps))):
+                return "logprob entries not one per sampled id, or of unequal lengths"
     return None
 
 
-def _aligned(entry: TokenLogprobs | None) -> bool:
-    return entry is None or (0 < len(entry.token_ids) == len(entry.logprobs) == len(entry.ranks))
+def _aligned(entry: TokenLogprobs) -> bool:
+    return 0 < len(entry.token_ids) == len(entry.logprobs) == len(entry.ranks)
 
 
 def _require(ok: bool, message: str) -> None:

@@ -45,11 +45,14 @@ def cached_delta(req: Request, with_tokens: bool = True) -> CachedDelta:
     )
 
 
-def request_delta(req: Request, new_ids: list[int], logprobs: TokenLogprobs | None) -> RequestDelta:
+def request_delta(
+    req: Request, new_ids: list[int], logprobs: list[TokenLogprobs] | None
+) -> RequestDelta:
+    """`logprobs`: one per new token, or None."""
     return RequestDelta(
         req_id=req.req_id,
         new_token_ids=new_ids,
-        new_logprobs=[logprobs] if logprobs is not None else None,
+        new_logprobs=logprobs,
         finish_reason=req.status.finish_reason,
         stop_reason=req.stop_reason,
         num_cached_tokens=req.num_cached_tokens,

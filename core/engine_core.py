@@ -93,6 +93,7 @@ class EngineCore:
             num_microbatches=pp,
             max_loras=config.lora.max_loras if config.lora is not None else None,
             num_state_slots=config.num_state_slots,
+            speculative=config.speculative,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size

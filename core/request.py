@@ -2,7 +2,8 @@
 
 Invariants:
 - `all_token_ids == prompt_token_ids + output_token_ids`;
-- `num_computed_tokens <= num_tokens + num_placeholders`; it advances when a step is *planned*,
+- `num_computed_tokens <= num_tokens + num_placeholders + len(spec.drafts)` (drafts planned
+  for verification, core/spec_decode/); it advances when a step is *planned*,
   not when it returns. `num_placeholders` counts tokens sampled by plans still in flight: with
   async scheduling the next plan already feeds such a token back in (the workers know it, the
   core does not yet), so a decoding request has
@@ -18,9 +19,13 @@ Invariants:
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from pagedserve.core.block_pool import KVBlock
 from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.core.spec_decode.decoder import RowSpec
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +85,7 @@ class Request:
         self.in_batch = False  # the workers' persistent batch holds it
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
+        self.spec: RowSpec | None = None  # speculative decoding state, once it was considered
 
     @classmethod
     def from_add(cls, msg: AddRequest, seq: int = 0) -> Request:

@@ -18,6 +18,10 @@ Each `StepPlan` is a delta against the workers' persistent batch: a request is s
 ranks that embed tokens do not sample (pipeline stages before the last; with one stage every rank
 keeps its own samples); requests that left the running set (finished, aborted, preempted) are
 listed once in `finished_ids`.
+
+With speculative decoding (core/spec_decode/) a decoding row may verify draft tokens: it is
+planned with `1 + k` tokens and its drafts travel in the plan; its result brings the accepted
+drafts plus one token, and `num_computed_tokens` moves back over the rejected ones.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pagedserve.core.invariants import check_invariants
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.policy import make_policy
 from pagedserve.core.request import Request, RequestStatus, check_stop
+from pagedserve.core.spec_decode.decoder import SpecDecoder
 from pagedserve.core.state_pool import StatePool
 from pagedserve.ipc.messages import (
     AddRequest,
@@ -43,6 +48,7 @@ from pagedserve.ipc.messages import (
     StepPlan,
     StepResult,
 )
+from pagedserve.speculative_config import SpeculativeConfig
 
 MAX_LORA_SKIPS = 256  # waiting requests of slot-less adapters one step may pass over
 logger = logging.getLogger(__name__)
@@ -57,6 +63,7 @@ class _StepBuilder:
         self.preempted = False
         self.max_loras = max_loras  # distinct LoRA adapters one step may run (the slots)
         self.lora_ids: set[int] = set()
+        self.drafts: dict[str, list[int]] = {}  # req_id -> drafts it verifies (speculation)
 
     def fits_lora(self, req: Request) -> bool:
         """Whether `req`'s adapter (if any) can run in this step: one of the step's already, or
@@ -66,12 +73,14 @@ class _StepBuilder:
             return True
         return self.max_loras is not None and len(self.lora_ids) < self.max_loras
 
-    def add(self, req: Request, num_tokens: int) -> None:
+    def add(self, req: Request, num_tokens: int, drafts: list[int] | None = None) -> None:
         assert 0 < num_tokens <= self.budget and self.fits_lora(req)
         self.scheduled.append((req, num_tokens))
         self.budget -= num_tokens
         if req.lora_id:
             self.lora_ids.add(req.lora_id)
+        if drafts:
+            self.drafts[req.req_id] = drafts
 
 
 class Scheduler:
@@ -88,13 +97,15 @@ class Scheduler:
         num_microbatches: int = 1,
         max_loras: int | None = None,
         num_state_slots: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
         absent, one global group. `num_microbatches`: plans in flight over disjoint requests
         (pipeline stages; see the module docstring). `max_loras`: distinct LoRA adapters per
         step (None: LoRA is off, and a request with an adapter never runs: the core refuses it
         first). `num_state_slots`: models with recurrent state (linear attention) get that many
-        state slots (core/state_pool.py), one per running request."""
+        state slots (core/state_pool.py), one per running request. `speculative`: speculative
+        decoding's config (None: off)."""
         caching = cache_config.enable_prefix_caching
         if caching and num_state_slots is not None:
             # A hit would have to restore every linear layer's state at the hit's boundary, and
@@ -144,6 +155,7 @@ class Scheduler:
         self._grammar_of: dict[str, str] = {}  # req_id -> grammar key, constrained requests
         self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
         self.lora_pool_counts = (0, 0)  # the workers' adapter loads and evictions (cumulative)
+        self.spec = None if speculative is None else SpecDecoder(speculative, max_model_len)
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -237,15 +249,32 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         max_rows = cdiv(len(self.running), self.num_microbatches)  # this plan's micro-batch
+        busy = self.spec is not None and self.spec.is_busy(len(self.requests))
         i = 0
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < max_rows:
             req = self.running[i]
+            if not step.fits_lora(req) or (
+                self.spec is not None and not self._schedule_speculative(req, step, busy)
+            ):
+                i += 1
+                continue
             num_new = min(self._num_feedable(req) - req.num_computed_tokens, step.budget)
-            if num_new > 0 and step.fits_lora(req):
+            if num_new > 0:
                 if not self._allocate_or_preempt(req, num_new, step):
                     break  # it preempted itself: it was the tail, nothing follows it
                 step.add(req, num_new)
             i += 1
+
+    def _schedule_speculative(self, req: Request, step: _StepBuilder, busy: bool) -> bool:
+        """Plan `req` with drafts if it has some and their slots fit (then, or when it waits
+        for its token in flight to draft from, False); True: plan it as usual."""
+        drafts = self.spec.drafts_for(req, step.budget, busy)
+        if drafts is None:
+            return False
+        if not drafts or not self.kv.allocate_slots(req, 1 + len(drafts)):
+            return True  # no room for the drafts: a plain step (which may preempt)
+        step.add(req, 1 + len(drafts), drafts)
+        return False
 
     def _num_feedable(self, req: Request) -> int:
         """Tokens the workers can feed in: the known ones, and under async scheduling those in
@@ -274,6 +303,8 @@ class Scheduler:
         self._release(req, RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_placeholders = 0  # results of plans in flight are dropped (num_preemptions)
+        if req.spec is not None:
+            req.spec.drafts = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.push_preempted(req)
@@ -315,7 +346,11 @@ class Scheduler:
             return StepPlan(step_id=self._next_step_id, scheduled_ids=[], num_scheduled_tokens=[])
         new_requests, cached = [], []
         for req, num_new in step.scheduled:
-            assert req.num_computed_tokens + num_new <= req.num_tokens + req.num_placeholders
+            drafts = step.drafts.get(req.req_id, ()) if step.drafts else ()
+            if drafts:
+                req.spec.drafts = list(drafts)
+            known = req.num_tokens + req.num_placeholders + len(drafts)
+            assert req.num_computed_tokens + num_new <= known
             assert req.num_blocks >= cdiv(req.num_computed_tokens + num_new, self.block_size)
             if req.in_batch:
                 cached.append(cached_delta(req, with_tokens=not self.workers_keep_samples))
@@ -327,7 +362,7 @@ class Scheduler:
             prompt_left = req.num_prompt_tokens - req.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(num_new, prompt_left))
             req.num_computed_tokens += num_new
-            if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+            if req.num_computed_tokens == known:
                 req.num_placeholders += 1  # every known token is computed: this step samples
         plan = StepPlan(
             step_id=self._next_step_id,
@@ -336,6 +371,7 @@ class Scheduler:
             new_requests=new_requests,
             cached=cached,
             finished_ids=self._finished_ids,
+            draft_token_ids=step.drafts,
         )
         self._finished_ids = []
         self._inflight[plan.step_id] = [(req, req.num_preemptions) for req, _ in step.scheduled]
@@ -362,12 +398,16 @@ class Scheduler:
                 continue
             assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
             req.num_placeholders -= 1
+            if self.spec is not None:
+                self.spec.verified(req, len(token_ids))
             new_ids, status = self._append_tokens(req, token_ids)
             if status is not None:
                 finished.append(req)
                 del self.requests[req.req_id]
                 self._release(req, status)
             logprobs = result.logprobs[i] if result.logprobs else None
+            if logprobs is not None:
+                logprobs = logprobs[: len(new_ids)]
             outputs.append((req.client_index, request_delta(req, new_ids, logprobs)))
         if finished:
             gone = {id(r) for r in finished}
@@ -424,6 +464,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_unfinished=len(self.requests),
             **self._lora_stats(),
+            **(spec_stats(self.spec) if self.spec is not None else {}),
         )
 
     def _lora_stats(self) -> dict[str, object]:
@@ -449,3 +490,14 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def spec_stats(spec: SpecDecoder) -> dict[str, int | list[int]]:
+    """SchedulerStats' speculative decoding fields."""
+    s = spec.stats
+    return dict(
+        spec_num_drafts=s.num_drafts,
+        spec_num_draft_tokens=s.num_draft_tokens,
+        spec_num_accepted_tokens=s.num_accepted_tokens,
+        spec_accepted_per_pos=list(s.accepted_per_pos),
+    )

@@ -9,7 +9,8 @@ cumulative, so a rate is the difference between two lines over the time between 
 
 A line for an interval with nothing done and nothing running or waiting is logged at DEBUG (as
 vLLM does), so an idle server's log stays quiet; others at INFO. We preempt by recompute and never
-swap: "Swapped" is always 0, kept so that parsers of vLLM's line read ours.
+swap: "Swapped" is always 0, kept so that parsers of vLLM's line read ours. With speculative
+decoding, an interval that verified drafts adds vLLM's "SpecDecoding metrics: ..." line.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class StatsLog:
         self.num_ended = 0
         self.num_generated_tokens = 0
         self._last = _Totals(now)
+        self._last_spec = _SpecTotals()
 
     def count(self, deltas: list[tuple[int, RequestDelta]]) -> None:
         for _, delta in deltas:
@@ -67,7 +69,14 @@ class StatsLog:
         logger.log(
             logging.INFO if busy else logging.DEBUG, "%s", stats_line(self._last, totals, stats)
         )
+        spec = _SpecTotals(
+            stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+            list(stats.spec_accepted_per_pos),
+        )  # fmt: skip
+        if spec.num_drafts > self._last_spec.num_drafts:
+            logger.info("%s", spec_line(self._last_spec, spec, now - self._last.time))
         self._last = totals
+        self._last_spec = spec
 
 
 def stats_line(last: _Totals, now: _Totals, stats: SchedulerStats) -> str:
@@ -86,4 +95,30 @@ def stats_line(last: _Totals, now: _Totals, stats: SchedulerStats) -> str:
         f"Preempted: {now.num_preemptions - last.num_preemptions} reqs, "
         f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
         f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+    )
+
+
+@dataclass
+class _SpecTotals:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+
+def spec_line(last: _SpecTotals, now: _SpecTotals, seconds: float) -> str:
+    """vLLM's speculative decoding line over the interval."""
+    seconds = max(seconds, 1e-9)
+    drafts = now.num_drafts - last.num_drafts
+    drafted = now.num_draft_tokens - last.num_draft_tokens
+    accepted = now.num_accepted_tokens - last.num_accepted_tokens
+    before = last.accepted_per_pos or [0] * len(now.accepted_per_pos or [])
+    per_pos = [(a - b) / drafts for a, b in zip(now.accepted_per_pos or [], before, strict=True)]
+    return (
+        f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+        f"Accepted throughput: {accepted / seconds:.2f} tokens/s, "
+        f"Drafted throughput: {drafted / seconds:.2f} tokens/s, "
+        f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+        f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+        f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%"
     )

@@ -113,6 +113,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
       help="plan step N+1 while step N runs (one pipeline stage only)")  # fmt: skip
     a("--enforce-eager", action="store_true", help="no CUDA graphs, no compiled CPU forward")
+    a(
+        "--speculative-config",
+        help="speculative decoding, vLLM's JSON keys, e.g. '{\"method\": "
+        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (methods: ngram, suffix)',
+    )
     a("--attention-backend", default="auto", choices=list(REQUESTABLE_BACKENDS),
       help="flash: FlashAttention 4 (flash-attn-4); auto: triton, or per step kind the backend "
       "measured faster on this GPU (kernels/attention/attention_choice.json)")  # fmt: skip
@@ -309,4 +314,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         lora_dtype=args.lora_dtype,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_allowed_dirs=args.lora_allowed_dirs,
+        speculative_config=args.speculative_config,
     )

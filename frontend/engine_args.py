@@ -20,6 +20,7 @@ from pagedserve.config import (
 )
 from pagedserve.frontend.hub import resolve_model
 from pagedserve.lora_checkpoint import read_adapter
+from pagedserve.speculative_config import SpeculativeConfig
 
 ENGINE_ARGS: dict[str, Any] = {
     # model and tokenizer
@@ -42,6 +43,8 @@ ENGINE_ARGS: dict[str, Any] = {
     "enable_lora": False, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
     "lora_dtype": "auto", "lora_modules": None, "allow_runtime_lora_updating": False,
     "lora_allowed_dirs": None,
+    # speculative decoding: a dict (or JSON text) of vLLM's keys (speculative_config.py)
+    "speculative_config": None,
 }  # fmt: skip
 
 
@@ -108,6 +111,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             data_parallel_size=a["data_parallel_size"],
         ),
         lora=lora_config(a),
+        speculative=SpeculativeConfig.from_value(a["speculative_config"]),
     )
     if config.lora is not None:
         for name, path, _ in config.lora.lora_modules:

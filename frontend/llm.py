@@ -30,6 +30,7 @@ from pagedserve.ipc.messages import (
     EngineOutputs,
     LoRARequest,
     SamplingParams,
+    SchedulerStats,
 )
 from pagedserve.lora_checkpoint import read_adapter
 
@@ -63,6 +64,9 @@ class LLM:
         self._eos_ids = stop_eos_ids(mc, self.tokenizer)
         self._ids = itertools.count()
         self._checked_loras: set[LoRARequest] = set()
+        # the engine's latest SchedulerStats (KV use, prefix cache and speculative decoding
+        # counters), as of the last generate call
+        self.last_stats: SchedulerStats | None = None
 
     # ------------------------------------------------------------------ API
     def get_tokenizer(self) -> Any:
@@ -216,6 +220,7 @@ class LLM:
                 cores.set_dead(core, msg.message)
                 cores.check_alive()
             elif isinstance(msg, EngineOutputs):
+                self.last_stats = msg.stats or self.last_stats
                 touched, to_abort = processor.process(msg.outputs)
                 if to_abort:
                     cores.send(core, AbortRequests(to_abort))

@@ -231,6 +231,11 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     waiting_lora_adapters: dict[str, int] = {}  # adapter name -> waiting requests
     lora_loads: int = 0  # cumulative: adapters the workers read into their host pool
     lora_evictions: int = 0  # cumulative: adapters evicted from the workers' device slots
+    # speculative decoding, cumulative (vLLM's spec_decode_* counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class RequestDelta(msgspec.Struct, **_HOT):
@@ -306,6 +311,9 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     new_requests: list[NewRequest] = []
     cached: list[CachedDelta] = []
     finished_ids: list[str] = []
+    # Speculative decoding: draft tokens a scheduled request verifies this step; it runs
+    # `1 + len(drafts)` tokens (its last known token, then the drafts)
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class InitCache(msgspec.Struct, tag=True, **_HOT):
@@ -343,11 +351,12 @@ class WorkerReady(msgspec.Struct, tag=True, **_HOT):
 
 class StepResult(msgspec.Struct, tag=True, **_HOT):
     """Sent by the driver rank only. Aligned with the plan's `scheduled_ids`: an empty list where
-    a request only advanced its prefill and sampled nothing."""
+    a request only advanced its prefill and sampled nothing; several ids where it verified
+    drafts (the accepted ones, then one sampled after them). `logprobs`: one per sampled id."""
 
     step_id: int
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     # LoRA (cumulative, this rank): adapters read into the host pool, evicted from device slots
     lora_loads: int = 0
     lora_evictions: int = 0

@@ -66,8 +66,8 @@ far_steps = st.integers(-(2**63), -1) | st.integers(10**9, 2**64 - 1)
 
 
 def worker_message(world_size: int) -> st.SearchStrategy[list]:
-    logprobs = st.none() | st.lists(st.none() | st.tuples(token_lists, st.lists(st.floats()),
-                                                          token_lists).map(list))  # fmt: skip
+    entry = st.tuples(token_lists, st.lists(st.floats()), token_lists).map(list)
+    logprobs = st.none() | st.lists(st.none() | st.lists(entry))
     return st.one_of(
         st.tuples(
             st.just("StepResult"), far_steps, st.lists(token_lists, max_size=6), logprobs

@@ -416,7 +416,7 @@ def test_logprobs_and_first_scheduled_time_pass_through():
     add(s, "a", range(3))
     plan = s.schedule()
     lp = TokenLogprobs(token_ids=[7], logprobs=[-0.5], ranks=[1])
-    res = StepResult(step_id=plan.step_id, sampled_token_ids=[[7]], logprobs=[lp])
+    res = StepResult(step_id=plan.step_id, sampled_token_ids=[[7]], logprobs=[[lp]])
     ((_, d),) = s.update_from_output(plan, res)
     assert d.new_logprobs == [lp] and d.first_scheduled_time > 0
 
@@ -797,7 +797,8 @@ def test_results_that_do_not_fit_their_plan_are_named():
     s.update_from_output(plan, result_for(s, plan))
     plan = s.schedule()  # the last 2 prompt tokens: "a" samples
     lp = TokenLogprobs([7, 8], [-0.1], [1, 2])
-    for sampled, logprobs in [([[100]], None), ([[7, 8]], None), ([[-1]], None), ([[7]], [lp])]:
+    bad = [([[100]], None), ([[7, 8]], None), ([[-1]], None), ([[7]], [[lp]]), ([[7]], [[]])]
+    for sampled, logprobs in bad:
         result = StepResult(plan.step_id, sampled, logprobs)
         assert s.check_result(plan, result, vocab_size=100) is not None, result
     assert s.check_result(plan, StepResult(plan.step_id, [[7]]), vocab_size=100) is None

@@ -9,6 +9,9 @@ Tokens come from two sides. The sampling ranks append what they sample at once (
 under async scheduling the next plan feeds that token in before the core has seen it. The core's
 deltas carry the tokens it learned since its last plan (what ranks that do not sample need); they
 are written at the position the core counts from, so on a sampling rank they rewrite the same ids.
+
+Speculative decoding: a plan's draft tokens are written after a row's known tokens for that step
+only (`num_drafts`); the row's sampled tokens (the accepted drafts and one more) overwrite them.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class StepInputs:
     query_start_loc: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int32
     block_tables: np.ndarray  # [B, max_blocks] int32
-    logits_indices: np.ndarray  # [S] int64, the last token of each request that samples
+    logits_indices: np.ndarray  # [S + D] int64, the last token of each request that samples
+    # (its last 1 + k tokens where it verifies k drafts: D drafts in all)
     sample_rows: list[int]  # [S] indices into the plan's scheduled requests
     # Input tokens the host does not know yet (sampled by the step still in flight): their
     # indices in input_ids, and whose they are; the runner copies them in on the device.
@@ -56,6 +60,8 @@ class StepInputs:
     # Tokens of the common prefix the step attends once for all rows
     # (kernels/attention/cascade.py; the runner sets it after `prepare`); 0: none.
     cascade_len: int = 0
+    # [S] draft tokens each sampling row verifies; empty: no row verifies drafts
+    num_drafts: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -71,6 +77,8 @@ class InputBatch:
         # [G, max_num_seqs, max_blocks]: one table per KV cache group (config.kv_cache_groups)
         self.block_tables = np.zeros((num_kv_groups, max_num_seqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_drafts = np.zeros(max_num_seqs, dtype=np.int64)  # this step's, after num_tokens
+        self._draft_rows: list[int] = []
         self.requests: dict[str, RequestRow] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -83,6 +91,14 @@ class InputBatch:
             self._add(new)
         for delta in plan.cached:
             self._update(delta)
+        self.num_drafts[self._draft_rows] = 0
+        self._draft_rows = []
+        for req_id, drafts in plan.draft_token_ids.items():
+            row = self.requests[req_id].row
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n : n + len(drafts)] = drafts
+            self.num_drafts[row] = len(drafts)
+            self._draft_rows.append(row)
 
     def _add(self, new: NewRequest) -> None:
         assert new.req_id not in self.requests, f"{new.req_id} is already in the batch"
@@ -129,18 +145,19 @@ class InputBatch:
         assert len(ids) == len(self.block_tables), "one block list per KV cache group"
         return ids
 
-    def append_sampled(self, members: list[RequestRow], token_ids: list[int]) -> None:
-        """Record a step's sampled tokens (one per row that sampled). A row that has left the
-        batch since (a later plan was applied first) is skipped: its token is of no use."""
+    def append_sampled(self, members: list[RequestRow], token_ids: list[list[int]]) -> None:
+        """Record a step's sampled tokens (one per row that sampled; several where it verified
+        drafts). A row that has left the batch since (a later plan was applied first) is
+        skipped: its tokens are of no use."""
         max_len = self.token_ids.shape[1]
-        for req, token_id in zip(members, token_ids, strict=True):
+        for req, ids in zip(members, token_ids, strict=True):
             if self.requests.get(req.req_id) is not req:
                 continue
             n = int(self.num_tokens[req.row])
-            if n < max_len:  # at max_model_len the core finishes it: this token is its last
-                self.token_ids[req.row, n] = token_id
-                self.num_tokens[req.row] = n + 1
-            req.output_token_ids.append(token_id)
+            end = min(n + len(ids), max_len)  # at max_model_len the core finishes it
+            self.token_ids[req.row, n:end] = ids[: end - n]
+            self.num_tokens[req.row] = end
+            req.output_token_ids.extend(ids)
 
     def prepare(self, req_ids: list[str], num_scheduled: list[int]) -> StepInputs:
         rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
@@ -153,7 +170,8 @@ class InputBatch:
         positions = np.arange(total) - np.repeat(query_start_loc[:-1] - start, n)  # [T]
         token_rows = rows[token_req]
         input_ids = self.token_ids[token_rows, positions]
-        unknown = np.nonzero(positions >= self.num_tokens[token_rows])[0]
+        known = self.num_tokens + self.num_drafts  # [max_num_seqs]
+        unknown = np.nonzero(positions >= known[token_rows])[0]
         block_idx, offsets = positions // self.block_size, positions % self.block_size
         slot_mappings = [
             table[token_rows, block_idx].astype(np.int64) * self.block_size + offsets
@@ -164,6 +182,8 @@ class InputBatch:
         samples = seq_lens >= self.num_tokens[rows]  # the prompt (or decode) is complete
         sample_rows = np.nonzero(samples)[0]
         self.num_computed[rows] = seq_lens
+        ends = query_start_loc[1:][sample_rows]  # [S]
+        num_drafts = self.num_drafts[rows][sample_rows] if self._draft_rows else None
         tables = [table[rows, :max_blocks] for table in self.block_tables]  # [G][B, max_blocks]
         state_slots = None
         if req_ids and self.requests[req_ids[0]].state_slot is not None:
@@ -177,11 +197,18 @@ class InputBatch:
             query_start_loc=query_start_loc.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
             block_tables=tables[0],
-            logits_indices=query_start_loc[1:][sample_rows] - 1,
+            logits_indices=ends - 1 if num_drafts is None else _last_tokens(ends, num_drafts + 1),
             sample_rows=sample_rows.tolist(),
             unknown=unknown,
             unknown_ids=[req_ids[i] for i in token_req[unknown]],
             group_slot_mappings=slot_mappings[1:],
             group_block_tables=tables[1:],
             state_slots=state_slots,
+            num_drafts=[] if num_drafts is None else num_drafts.tolist(),
         )
+
+
+def _last_tokens(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The last `counts[i]` token indices before each `ends[i]`, concatenated."""
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(ends - counts, counts) + offsets

@@ -45,6 +45,7 @@ from pagedserve.worker.sampler import (
     compute_logprobs,
     to_device,
 )
+from pagedserve.worker.spec_verify import verify
 from pagedserve.worker.step_features import step_features
 from pagedserve.worker.step_metadata import attention_metadata
 from pagedserve.worker.warm_up import warm_up_attention, warm_up_head
@@ -77,7 +78,8 @@ class PendingStep:
     token_ids: torch.Tensor | None  # [S] on the device
     host_ids: torch.Tensor | None  # [S] on the host (pinned with CUDA)
     ready: torch.cuda.Event | None
-    logprobs: list[TokenLogprobs | None] | None
+    logprobs: list[list[TokenLogprobs] | None] | None  # one per new token of each row
+    accepted: list[list[int]] | None = None  # each row's new tokens, where drafts were verified
 
 
 class ModelRunner:
@@ -396,6 +398,8 @@ class ModelRunner:
         plan, inputs = step.plan, step.inputs
         sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
         rows = [self._sampling_row(req_id) for req_id in sample_ids]
+        if inputs.num_drafts:
+            return self._verify(step, sample_ids, rows)
         if self.constrained:
             self.constrained.mask(step.logits, sample_ids, [r.output_token_ids for r in rows])
         argmax = None if self.constrained else step.argmax  # grammar masks change the logits
@@ -403,6 +407,7 @@ class ModelRunner:
         logprobs = None
         if self.info.is_driver and any(r.params.logprobs is not None for r in rows):
             logprobs = compute_logprobs(step.logits, token_ids, rows)  # waits for the device
+            logprobs = [None if lp is None else [lp] for lp in logprobs]
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=self._pin)
         host.copy_(token_ids, non_blocking=True)
         ready = None
@@ -412,6 +417,27 @@ class ModelRunner:
         members = [self.batch.requests[r] for r in sample_ids]
         index = {r: j for j, r in enumerate(sample_ids)}
         return PendingStep(plan, inputs, members, index, token_ids, host, ready, logprobs)
+
+    def _verify(self, step: StartedStep, sample_ids: list[str], rows: list) -> PendingStep:
+        """Sample every position of rows that verify drafts (worker/spec_verify.py); waits
+        for the device (the core plans a speculating row only once it has its tokens)."""
+        plan, inputs = step.plan, step.inputs
+        if self.constrained:  # constrained rows verify no drafts: mask their one position
+            heads = to_device(
+                np.cumsum([0, *inputs.num_drafts[:-1]]) + np.arange(len(rows)), self.device
+            )
+            sub = step.logits[heads]  # [S, V], each row's first position
+            self.constrained.mask(sub, sample_ids, [r.output_token_ids for r in rows])
+            step.logits[heads] = sub
+        drafts = [plan.draft_token_ids.get(r, []) for r in sample_ids]
+        want = self.info.is_driver and any(r.params.logprobs is not None for r in rows)
+        v = verify(self.sampler, step.logits, rows, drafts, want)
+        members = [self.batch.requests[r] for r in sample_ids]
+        index = {r: j for j, r in enumerate(sample_ids)}
+        host = v.token_ids.cpu()
+        return PendingStep(
+            plan, inputs, members, index, v.token_ids, host, None, v.logprobs, v.accepted
+        )
 
     def is_done(self, step: PendingStep) -> bool:
         """Whether the step's sampled ids are on the host (finish() will not wait)."""
@@ -423,13 +449,14 @@ class ModelRunner:
         if step.ready is not None:
             step.ready.synchronize()
         token_ids = step.host_ids.tolist() if step.host_ids is not None else []
-        self.batch.append_sampled(step.members, token_ids)
+        new_ids = step.accepted if step.accepted is not None else [[t] for t in token_ids]
+        self.batch.append_sampled(step.members, new_ids)
         if not self.info.is_driver:
             return None
         sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
         logprobs = [None] * len(sampled) if step.logprobs is not None else None
         for j, i in enumerate(step.inputs.sample_rows if step.inputs is not None else []):
-            sampled[i] = [token_ids[j]]
+            sampled[i] = new_ids[j]
             if logprobs is not None:
                 logprobs[i] = step.logprobs[j]
         result = StepResult(plan.step_id, sampled, logprobs)

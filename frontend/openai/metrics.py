@@ -52,6 +52,13 @@ _TOTALS = {
     "lora_loads": "LoRA adapters the workers read into their host pool.",
     "lora_evictions": "LoRA adapters evicted from the workers' device slots.",
 }
+# Speculative decoding's totals (exported once the engine speculates, as vLLM does).
+_SPEC_TOTALS = {
+    "spec_decode_num_drafts": "Verifications of draft tokens (steps of a request with drafts).",
+    "spec_decode_num_draft_tokens": "Draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+}
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # label `position`
 
 # pagedserve name -> its vLLM names (the first is vLLM V1's, the others older names that vLLM's
 # own dashboards used: gpu_cache_usage_perc until 0.10, time_per_output_token_seconds until 0.12).
@@ -61,7 +68,8 @@ _VLLM_TWINS: dict[str, tuple[str, ...]] = {
         "num_requests_running", "num_requests_waiting", "prefix_cache_queries",
         "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
         "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
-        "request_queue_time_seconds", "cache_config_info", "lora_requests_info",
+        "request_queue_time_seconds", "cache_config_info", "lora_requests_info", *_SPEC_TOTALS,
+        _PER_POS,
     )
 } | {
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
@@ -132,6 +140,8 @@ class Metrics:
             "running_lora_adapters"], registry=reg, multiprocess_mode="mostrecent",
         )  # fmt: skip
         self._lora_labels: tuple[str, str, str] | None = None
+        self._spec: dict[str, Gauge] | None = None  # created when the engine first speculates
+        self._engine_gauge = engine_gauge
         lat = _LATENCY_BUCKETS
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", lat)
         self.itl = hist("inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS)
@@ -171,6 +181,24 @@ class Metrics:
             if labels != self._lora_labels:  # vLLM's: a sample per change, its time as value
                 self._lora_labels = labels
                 self._lora_info.labels(*labels).set(time.time())
+        if stats.spec_accepted_per_pos:
+            self._on_spec_stats(engine, stats)
+
+    def _on_spec_stats(self, engine: tuple[str, str], stats: SchedulerStats) -> None:
+        if self._spec is None:
+            spec = _SPEC_TOTALS.items()
+            self._spec = {key: self._engine_gauge(key, doc, mode="max") for key, doc in spec}
+            self._per_pos = Gauge(
+                P + _PER_POS, "Draft tokens accepted, by position in the draft.",
+                ["model_name", "engine", "position"], registry=self.registry,
+                multiprocess_mode="max",
+            )  # fmt: skip
+        self._spec["spec_decode_num_drafts"].labels(*engine).set(stats.spec_num_drafts)
+        self._spec["spec_decode_num_draft_tokens"].labels(*engine).set(stats.spec_num_draft_tokens)
+        accepted = stats.spec_num_accepted_tokens
+        self._spec["spec_decode_num_accepted_tokens"].labels(*engine).set(accepted)
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            self._per_pos.labels(*engine, str(position)).set(count)
 
     async def track(
         self, stream: AsyncIterator[RequestOutput], num_prompt_tokens: int
@@ -251,7 +279,7 @@ class _Exporter:
             families = MultiProcessCollector(None, self.multiproc_dir).collect()
         else:
             families = self.source.collect()
-        totals = {P + key for key in _TOTALS}
+        totals = {P + key for key in [*_TOTALS, *_SPEC_TOTALS, _PER_POS]}
         for family in families:
             if family.name not in totals:
                 yield family

@@ -1,0 +1,138 @@
+"""When a row speculates, with which drafts, and what its verification taught.
+
+The proposers (ngram, suffix) draft from token ids only, which the core holds, so they run here:
+the scheduler knows each row's drafts when it plans, budgets `1 + k` tokens and allocates their
+slots exactly, and the plan carries the drafts to every rank (a first pipeline stage embeds
+them). The workers verify all `k + 1` positions in one forward and return the accepted tokens
+plus one (worker/spec_verify.py); the core then moves `num_computed_tokens` back over the
+rejected drafts (their KV slots are rewritten by the next step).
+
+A row drafts from its last known token, so it cannot also decode ahead of its results the way
+async scheduling does: a speculating row waits for its result before its next plan (the other
+rows of the batch do not). Speculation turns itself off where it cannot pay:
+- for the whole step while `disable_by_batch_size` requests are running or waiting;
+- for a row (back to plain decoding, async scheduling included) after `MAX_MISSES` steps in a
+  row without a draft, or when its last verifications accepted on average fewer than
+  `MIN_ACCEPTED` tokens; it tries again after a back-off that doubles each time
+  (`MIN_BACKOFF`..`MAX_BACKOFF` output tokens) and resets when speculation pays again;
+- never for constrained rows (structured outputs: drafts would bypass the grammar).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import Request
+from pagedserve.core.spec_decode.ngram import NgramProposer
+from pagedserve.core.spec_decode.suffix import SuffixProposer
+from pagedserve.speculative_config import SpeculativeConfig
+
+MAX_MISSES = 4
+WINDOW = 8  # verifications weighed for the acceptance rule
+MIN_WINDOW = 4  # verifications before the rule applies
+MIN_ACCEPTED = 0.5  # accepted tokens per verification below which a row stops speculating
+MIN_BACKOFF, MAX_BACKOFF = 16, 256
+
+
+@dataclass
+class RowSpec:
+    """One request's speculation state (on `Request.spec`)."""
+
+    proposer: NgramProposer | SuffixProposer
+    drafts: list[int] = field(default_factory=list)  # in flight (verified by a planned step)
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # accepted each
+    misses: int = 0  # steps in a row planned without a draft
+    off_until: int = 0  # output tokens before which the row does not speculate
+    backoff: int = MIN_BACKOFF
+
+
+@dataclass
+class SpecStats:
+    """Cumulative, vLLM's spec_decode_* counters."""
+
+    num_drafts: int = 0  # verifications of at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def _new_row(self, req: Request) -> RowSpec:
+        c = self.config
+        if c.method == "ngram":
+            proposer = NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+        else:
+            proposer = SuffixProposer(
+                c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_spec_factor
+            )
+        req.spec = RowSpec(proposer)
+        return req.spec
+
+    def is_busy(self, num_requests: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is not None and num_requests >= limit
+
+    def drafts_for(self, req: Request, budget: int, busy: bool) -> list[int] | None:
+        """The drafts `req` verifies if planned now (maybe none: a plain step); None: skip it
+        this step, it speculates and its last token is still in flight."""
+        if req.sampling.structured_outputs is not None or busy:
+            return []
+        if req.num_computed_tokens < req.num_tokens - 1:
+            return []  # prompt (or recomputed output) left to compute
+        row = req.spec if req.spec is not None else self._new_row(req)
+        if req.num_output_tokens < row.off_until:
+            return []
+        if req.num_placeholders:
+            return None
+        k = min(self.config.num_speculative_tokens, budget - 1, self._room(req))
+        if k <= 0:
+            return []
+        drafts = row.proposer.propose(req.all_token_ids, k)
+        row.misses = 0 if drafts else row.misses + 1
+        if row.misses >= MAX_MISSES:
+            self._back_off(req, row)
+        return drafts
+
+    def _room(self, req: Request) -> int:
+        """Drafts that can still be used: the step's outputs (accepted + 1) stay within
+        max_tokens and max_model_len."""
+        room = self.max_model_len - req.num_tokens - 1
+        max_tokens = req.sampling.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return room
+
+    def _back_off(self, req: Request, row: RowSpec) -> None:
+        row.off_until = req.num_output_tokens + row.backoff
+        row.backoff = min(2 * row.backoff, MAX_BACKOFF)
+        row.misses = 0
+        row.recent.clear()
+
+    def verified(self, req: Request, num_sampled: int) -> None:
+        """A current result brought `num_sampled` tokens for `req`: move its computed tokens
+        back over the rejected drafts, count, and apply the acceptance rule."""
+        row = req.spec
+        if row is None or not row.drafts:
+            return
+        k, accepted = len(row.drafts), num_sampled - 1
+        assert 0 <= accepted <= k, (req, num_sampled, row.drafts)
+        req.num_computed_tokens -= k - accepted
+        row.drafts = []
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += k
+        s.num_accepted_tokens += accepted
+        for i in range(accepted):
+            s.accepted_per_pos[i] += 1
+        row.recent.append(accepted)
+        if len(row.recent) >= MIN_WINDOW:
+            if sum(row.recent) < MIN_ACCEPTED * len(row.recent):
+                self._back_off(req, row)
+            else:
+                row.backoff = MIN_BACKOFF

@@ -1,0 +1,114 @@
+"""`--speculative-config JSON` / `LLM(speculative_config=...)`: vLLM's keys, checked by name.
+
+Pure Python (the core reads it). Methods built: `ngram` (prompt lookup) and `suffix` (a suffix
+automaton over the request's prompt and output); both propose from token ids alone, so they run
+in the core (core/spec_decode/) and need no weights. `draft_model`, `eagle`, `eagle3`, `mtp`,
+`medusa` and `mlp_speculator` are vLLM methods we do not build: refused by name, as is any key
+vLLM does not have or that does not apply to the method.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "suffix")
+NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+MAX_SPECULATIVE_TOKENS = 32
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+_SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram: match the last n tokens, n from max down to min (vLLM: one given sets the other; none:
+    # both 5, arbitrarily chosen there too)
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # suffix: the longest suffix of the sequence that occurred before, at most this long, and
+    # a draft at most `max_spec_factor * match length` tokens long (vLLM's keys and defaults)
+    suffix_decoding_max_tree_depth: int = 64
+    suffix_decoding_max_spec_factor: float = 1.0
+    # no speculation in a step while this many requests are running or waiting (vLLM's key)
+    disable_by_batch_size: int | None = None
+    model: str | None = None  # draft models only (not built)
+    draft_tensor_parallel_size: int | None = None  # draft models only (not built)
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_BUILT or (self.model is not None and self.method not in METHODS):
+            raise ValueError(
+                f"--speculative-config: method {self.method!r} (a draft model) is not implemented; "
+                f"choose one of {', '.join(METHODS)}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(
+                f"--speculative-config: unknown method {self.method!r}; choose one of "
+                f"{', '.join(METHODS)}"
+            )
+        for key in ("model", "draft_tensor_parallel_size"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"--speculative-config: {key!r} applies to draft models, not {self.method!r}"
+                )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"--speculative-config: num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("--speculative-config: disable_by_batch_size must be at least 1")
+        if self.method == "ngram":
+            self._check_ngram()
+        elif not (
+            self.suffix_decoding_max_tree_depth >= 1 and self.suffix_decoding_max_spec_factor > 0
+        ):
+            raise ValueError(
+                "--speculative-config: suffix_decoding_max_tree_depth must be >= 1 and "
+                "suffix_decoding_max_spec_factor > 0"
+            )
+
+    def _check_ngram(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                "--speculative-config: prompt_lookup_min and prompt_lookup_max must be integers "
+                "with 1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None):
+        """From a dict or JSON text (the CLI's); None stays None. Unknown keys, and keys of the
+        other method, are refused by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}")
+        method = value.get("method")
+        if method is None:
+            raise ValueError("--speculative-config: 'method' is required (ngram or suffix)")
+        other = {"ngram": _SUFFIX_KEYS, "suffix": _NGRAM_KEYS}.get(method, ())
+        wrong = sorted(set(value) & set(other))
+        if wrong:
+            raise ValueError(f"--speculative-config: {wrong[0]!r} does not apply to {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("--speculative-config: 'num_speculative_tokens' is required")
+        return cls(**value)
