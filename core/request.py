@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 
 from pagedserve.core.block_pool import KVBlock
-from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams
+from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +80,8 @@ class Request:
         self.in_batch = False  # the workers' persistent batch holds it
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
+        # prompt_logprobs: the entries the workers scored so far (sent with the first token)
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @classmethod
     def from_add(cls, msg: AddRequest, seq: int = 0) -> Request:
@@ -125,6 +127,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt_logprobs and its prompt is not done: every prompt position must
+        be computed (no prefix-cache hit may skip one)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
