@@ -224,6 +224,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field
     add_special_tokens: bool = True
 
 

@@ -166,8 +166,9 @@ class Serving:
                 400, "priority needs the server to run with --scheduling-policy priority.",
                 param="priority",
             )  # fmt: skip
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
+        if req.max_tokens is not None and req.max_tokens < (0 if getattr(req, "echo", 0) else 1):
+            message = "max_tokens must be at least 1 (0 only with echo: the prompt scored alone)."
+            raise APIError(400, message, param="max_tokens")
         self.check_alive()
         return lora
 
