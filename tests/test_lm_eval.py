@@ -24,27 +24,25 @@ def hf_dir() -> str:
 
 @pytest.fixture(scope="module")
 def url(hf_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    # The packaged smollm2 GGUF as transformers loads it (tests/real_models.py): the server starts
+    # in seconds (a GGUF parse takes tens on 2 cores), and lm-eval's hf model reads the same files.
     args = launch_args(
-        hf_dir,
-        "--served-model-name",
-        "smollm2",
-        "--max-model-len",
-        "512",
-        "--kv-cache-memory",
-        "64M",
-    )
+        hf_dir, "--served-model-name", "smollm2", "--max-model-len", "512",
+        "--kv-cache-memory", "64M",
+    )  # fmt: skip
     proc = Launched(args, str(tmp_path_factory.mktemp("launch") / "launch.log"))
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
 
 
 def evaluate(model: str, model_args: str) -> dict:
+    """Batches of 8 (local-completions: 8 prompts per HTTP request)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
-        model=model, model_args=model_args, tasks=[TASK], log_samples=True, batch_size=1,
-        task_manager=TaskManager(include_path=str(DATA)), device="cpu",
+        model=model, model_args=model_args, tasks=[TASK], log_samples=True, batch_size=8,
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False), device="cpu",
     )  # fmt: skip
 
 
@@ -66,4 +64,5 @@ def test_local_completions_equals_hf(url: str, hf_dir: str, monkeypatch) -> None
     for a, b in zip(got, want, strict=True):
         assert all(math.isclose(x, y, abs_tol=1e-3) for x, y in zip(a, b, strict=True)), (a, b)
     acc = ours["results"][TASK]["acc,none"]
+    print(f"lm-eval acc: local-completions {acc}, hf {hf['results'][TASK]['acc,none']}")
     assert acc == hf["results"][TASK]["acc,none"] and acc > 0.25  # above chance: it scored
