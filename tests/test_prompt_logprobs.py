@@ -125,6 +125,13 @@ def test_echo_logprobs_max_tokens_0(client: openai.OpenAI, llm: LLM, hf_logprobs
         offsets.append(offsets[-1] + len(t))
     assert lp.text_offset == offsets
     assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 0
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=text, echo=True, logprobs=2, max_tokens=0, stream=True
+        )
+    )
+    assert len(chunks) == 1 and chunks[0].choices[0].text == text
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
 
 
 def test_echo_logprobs_with_generation_and_extra_field(client: openai.OpenAI) -> None:
@@ -136,6 +143,12 @@ def test_echo_logprobs_with_generation_and_extra_field(client: openai.OpenAI) ->
     n = len(echoed.logprobs.tokens) - len(plain.logprobs.tokens)
     assert echoed.logprobs.token_logprobs[n:] == plain.logprobs.token_logprobs
     assert echoed.logprobs.token_logprobs[0] is None and echoed.text.endswith(plain.text)
+    chunks = [
+        c.choices[0].logprobs
+        for c in client.completions.create(**kw, logprobs=1, echo=True, stream=True)
+    ]
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((getattr(c, field) for c in chunks), []) == getattr(echoed.logprobs, field)
     extra = client.completions.create(**kw, extra_body={"prompt_logprobs": 1}).model_dump()
     prompt_lps = extra["choices"][0]["prompt_logprobs"]
     assert prompt_lps[0] is None and len(prompt_lps) == n

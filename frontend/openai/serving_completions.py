@@ -139,8 +139,16 @@ class CompletionServing(Serving):
         merged = merge_streams(streams)
         try:
             async for i, out in merged:
-                num_generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 num_cached[i] = out.num_cached_tokens
+                if _scores_only(req):  # the prompt, scored, once it is (nothing generated)
+                    for c in out.outputs if out.finished else ():
+                        lp = None
+                        if req.logprobs is not None:
+                            lp = self._prompt_part(prompts[i][1], out, req.logprobs)[0]
+                        choice = _choice(i * req.n + c.index, prompts[i][0], lp, c)
+                        yield sse(_encode({**head, "choices": [choice]}))
+                    continue
+                num_generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 for c in out.outputs:
                     cursor = cursors[(i, c.index)]
                     step = cursor.advance(c)
@@ -208,9 +216,6 @@ def _check_prompt_logprobs(req: CompletionRequest) -> int | None:
         if req.stream:
             message = "prompt_logprobs is not available when stream is enabled (as in vLLM)."
             raise APIError(400, message, param="prompt_logprobs")
-    if _scores_only(req) and req.stream:
-        message = "max_tokens 0 (echo: score the prompt only) is not supported with stream."
-        raise APIError(400, message, param="max_tokens")
     if req.echo and req.logprobs is not None:
         return max(req.logprobs, req.prompt_logprobs or 0)
     return req.prompt_logprobs
