@@ -183,7 +183,9 @@ class OutputProcessor:
             child_params = params
             if params.n > 1:  # each engine request is one choice; choice i samples with seed + i
                 seed = None if params.seed is None else params.seed + i
-                child_params = _replace(params, n=1, seed=seed)
+                # the prompt is scored once, by choice 0 (the others may hit the prefix cache)
+                scored = params.prompt_logprobs if i == 0 else None
+                child_params = _replace(params, n=1, seed=seed, prompt_logprobs=scored)
             state = RequestState(i, prompt_token_ids, child_params, self.tokenizer)
             parent.children.append(state)
             cid = child_id(request_id, i, params.n)

@@ -70,6 +70,10 @@ def test_prompt_logprobs_chunked_prefill(llm: LLM, hf_logprobs) -> None:
         check_prompt_logprobs(ids, out.prompt_logprobs, hf_logprobs(ids), TOP)
     plain = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(max_tokens=2))[0]
     assert plain.prompt_logprobs is None
+    several = SamplingParams(n=3, temperature=1, seed=1, max_tokens=2, prompt_logprobs=TOP)
+    out = llm.generate({"prompt_token_ids": prompts[3]}, several)[0]  # scored once, by choice 0
+    assert len(out.outputs) == 3
+    check_prompt_logprobs(prompts[3], out.prompt_logprobs, hf_logprobs(prompts[3]), TOP)
 
 
 def test_prompt_logprobs_after_prefix_cache_hit(llm: LLM, hf_logprobs) -> None:
