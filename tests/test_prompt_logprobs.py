@@ -159,3 +159,15 @@ def test_echo_logprobs_with_generation_and_extra_field(client: openai.OpenAI) ->
     assert all(len(entry) in (1, 2) for entry in prompt_lps[1:])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=0)
+
+
+def test_chat_prompt_logprobs(client: openai.OpenAI) -> None:
+    """vLLM's `prompt_logprobs` on chat completions: beside the choices, one entry per token of
+    the rendered prompt; not with stream (as in vLLM)."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=1)
+    resp = client.chat.completions.create(**kw, extra_body={"prompt_logprobs": 1}).model_dump()
+    lps = resp["prompt_logprobs"]
+    assert len(lps) == resp["usage"]["prompt_tokens"] and lps[0] is None
+    assert all(1 <= len(e) <= 2 and all(v["rank"] >= 1 for v in e.values()) for e in lps[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 1})

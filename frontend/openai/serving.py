@@ -306,6 +306,36 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def check_prompt_logprobs(req: Any) -> int | None:
+    """vLLM's `prompt_logprobs` request field (completions and chat), checked."""
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            message = f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}."
+            raise APIError(400, message, param="prompt_logprobs")
+        if req.stream:
+            message = "prompt_logprobs is not available when stream is enabled (as in vLLM)."
+            raise APIError(400, message, param="prompt_logprobs")
+    return req.prompt_logprobs
+
+
+def vllm_prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` in a response: per prompt token, token id -> its logprob."""
+    assert out.prompt_logprobs is not None
+    return [
+        None
+        if entries is None
+        else {
+            str(tid): {
+                "logprob": clamp_logprob(e.logprob),
+                "rank": e.rank,
+                "decoded_token": e.decoded_token,
+            }  # fmt: skip
+            for tid, e in entries.items()
+        }
+        for entries in out.prompt_logprobs
+    ]
+
+
 def clamp_logprob(value: float) -> float:
     return max(value, -9999.0)  # JSON has no -inf
 

@@ -15,7 +15,14 @@ from fastapi import Request
 from starlette.responses import Response
 
 from pagedserve.frontend.openai.protocol import APIError, CompletionRequest
-from pagedserve.frontend.openai.serving import MAX_CHOICES, Serving, clamp_logprob, now_s
+from pagedserve.frontend.openai.serving import (
+    MAX_CHOICES,
+    Serving,
+    check_prompt_logprobs,
+    clamp_logprob,
+    now_s,
+    vllm_prompt_logprobs,
+)
 from pagedserve.frontend.openai.streams import (
     SSE_DONE,
     ClientDisconnected,
@@ -27,7 +34,7 @@ from pagedserve.frontend.openai.streams import (
     stream_error,
 )
 from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
-from pagedserve.ipc.messages import MAX_LOGPROBS, SamplingParams
+from pagedserve.ipc.messages import SamplingParams
 
 _encode = msgspec.json.encode
 
@@ -113,7 +120,7 @@ class CompletionServing(Serving):
                     i * req.n + c.index, prefix + ("" if scores_only else c.text), lp, c
                 )
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _vllm_prompt_logprobs(out)
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out)
                 choices.append(choice)
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -209,16 +216,10 @@ class CompletionServing(Serving):
 def _check_prompt_logprobs(req: CompletionRequest) -> int | None:
     """The prompt logprobs the engine computes: vLLM's `prompt_logprobs` field, else (echo with
     logprobs) `logprobs`'s."""
-    if req.prompt_logprobs is not None:
-        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-            message = f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}."
-            raise APIError(400, message, param="prompt_logprobs")
-        if req.stream:
-            message = "prompt_logprobs is not available when stream is enabled (as in vLLM)."
-            raise APIError(400, message, param="prompt_logprobs")
+    prompt_logprobs = check_prompt_logprobs(req)
     if req.echo and req.logprobs is not None:
-        return max(req.logprobs, req.prompt_logprobs or 0)
-    return req.prompt_logprobs
+        return max(req.logprobs, prompt_logprobs or 0)
+    return prompt_logprobs
 
 
 def _scores_only(req: CompletionRequest) -> bool:
@@ -231,24 +232,6 @@ def _ranked(entries: Any) -> dict[str, float]:
         # Tokens can share a text (partial UTF-8 is "\ufffd"): keep the likeliest.
         ranked.setdefault(e.decoded_token or "", clamp_logprob(e.logprob))
     return ranked
-
-
-def _vllm_prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's `prompt_logprobs` of a choice: per prompt token, token id -> its logprob."""
-    assert out.prompt_logprobs is not None
-    return [
-        None
-        if entries is None
-        else {
-            str(tid): {
-                "logprob": clamp_logprob(e.logprob),
-                "rank": e.rank,
-                "decoded_token": e.decoded_token,
-            }  # fmt: skip
-            for tid, e in entries.items()
-        }
-        for entries in out.prompt_logprobs
-    ]
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
