@@ -66,6 +66,10 @@ def _check_sampling(msg: AddRequest, limits: ModelLimits) -> None:
     cap = min(limits.max_logprobs, vocab)
     _require(p.logprobs is None or p.logprobs <= cap, f"logprobs must be at most {cap}")
     _require(
+        p.prompt_logprobs is None or p.prompt_logprobs <= cap,
+        f"prompt_logprobs must be at most {cap}",
+    )
+    _require(
         p.seed is None or p.seed + p.n - 1 < 2**63,
         "seed + n - 1 must fit in 64 bits (choice i samples with seed + i)",
     )
@@ -107,6 +111,12 @@ def check_result(
         for lps, token_ids in zip(result.logprobs, sampled, strict=True):
             if lps is not None and (len(lps) != len(token_ids) or not all(map(_aligned, lps))):
                 return "logprob entries not one per sampled id, or of unequal lengths"
+    if result.prompt_logprobs is not None:
+        if len(result.prompt_logprobs) != len(record):
+            return f"{len(result.prompt_logprobs)} prompt logprob lists for {len(record)} requests"
+        for (req, _), entries in zip(record, result.prompt_logprobs, strict=True):
+            if len(entries) > req.num_prompt_tokens - 1 or not all(map(_aligned, entries)):
+                return f"request {req.req_id!r}: prompt logprob entries that do not fit its prompt"
     return None
 
 

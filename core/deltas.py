@@ -48,7 +48,15 @@ def cached_delta(req: Request, with_tokens: bool = True) -> CachedDelta:
 def request_delta(
     req: Request, new_ids: list[int], logprobs: list[TokenLogprobs] | None
 ) -> RequestDelta:
-    """`logprobs`: one per new token, or None."""
+    """`logprobs`: one per new token, or None. The request's prompt logprobs go with its first
+    token (then the core forgets them)."""
+    prompt_logprobs = None
+    if (
+        req.sampling.prompt_logprobs is not None
+        and new_ids
+        and req.num_output_tokens == len(new_ids)
+    ):
+        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
     return RequestDelta(
         req_id=req.req_id,
         new_token_ids=new_ids,
@@ -57,4 +65,5 @@ def request_delta(
         stop_reason=req.stop_reason,
         num_cached_tokens=req.num_cached_tokens,
         first_scheduled_time=req.first_scheduled_time or 0.0,
+        prompt_logprobs=prompt_logprobs,
     )

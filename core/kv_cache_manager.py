@@ -132,7 +132,7 @@ class KVCacheManager:
         touch the blocks (allocate_slots does) nor count stats (record_lookup does, on success),
         so a lookup retried after a failed allocation is free and not double-counted.
         """
-        if not self.enable_caching or req.num_computed_tokens > 0:
+        if not self.enable_caching or req.num_computed_tokens > 0 or req.scores_prompt:
             return [], 0
         hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
         num_hit = len(hashes)

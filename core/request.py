@@ -22,7 +22,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from pagedserve.core.block_pool import KVBlock
-from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams
+from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from pagedserve.core.spec_decode.decoder import RowSpec
@@ -86,6 +86,8 @@ class Request:
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
         self.spec: RowSpec | None = None  # speculative decoding state, once it was considered
+        # prompt_logprobs: the entries the workers scored so far (sent with the first token)
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @classmethod
     def from_add(cls, msg: AddRequest, seq: int = 0) -> Request:
@@ -131,6 +133,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt_logprobs and its prompt is not done: every prompt position must
+        be computed (no prefix-cache hit may skip one)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

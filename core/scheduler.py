@@ -301,6 +301,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req, RequestStatus.PREEMPTED)
+        if req.scores_prompt:  # its prompt is computed again, from position 0
+            req.prompt_logprobs = []
         req.num_computed_tokens = 0
         req.num_placeholders = 0  # results of plans in flight are dropped (num_preemptions)
         if req.spec is not None:
@@ -394,7 +396,10 @@ class Scheduler:
         outputs, finished = [], []
         for i, (req, num_preemptions) in enumerate(record):
             token_ids = result.sampled_token_ids[i]
-            if not token_ids or not self._is_current(req, num_preemptions):
+            current = self._is_current(req, num_preemptions)
+            if result.prompt_logprobs and current and req.scores_prompt:
+                req.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if not token_ids or not current:
                 continue
             assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
             req.num_placeholders -= 1

@@ -18,7 +18,7 @@ from pagedserve.frontend.detokenizer import (
     StopStrings,
     check_stop_strings,
 )
-from pagedserve.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.frontend.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.ipc.messages import (
     AddRequest,
     LoRARequest,
@@ -40,6 +40,7 @@ class RequestState:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -52,6 +53,8 @@ class RequestState:
         if self.finish_reason is not None:
             return False
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *map(self._logprob_dict, delta.prompt_logprobs)]
         # The EOS or stop token id that ended the request keeps its id but not its text (vLLM's
         # rule), unless include_stop_str_in_output.
         last = len(delta.new_token_ids) - 1
@@ -86,13 +89,14 @@ class RequestState:
     def _add_logprobs(self, entry: TokenLogprobs) -> None:
         assert self.logprobs is not None
         self.cumulative_logprob += entry.logprobs[0]
+        self.logprobs.append(self._logprob_dict(entry))
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         decode = self.detok.decode_one
-        self.logprobs.append(
-            {
-                tid: Logprob(lp, rank, decode(tid))
-                for tid, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
-            }
-        )
+        return {
+            tid: Logprob(lp, rank, decode(tid))
+            for tid, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True)
+        }
 
     def streamable_text(self) -> str:
         if self.finish_reason is not None or not self.params.stop:
@@ -143,6 +147,9 @@ class ParentRequest:
             outputs=[c.to_output(streamable) for c in self.children],
             finished=self.finished,
             num_cached_tokens=max((c.num_cached_tokens for c in self.children), default=0),
+            prompt_logprobs=next(
+                (c.prompt_logprobs for c in self.children if c.prompt_logprobs is not None), None
+            ),
         )
 
 
@@ -176,7 +183,9 @@ class OutputProcessor:
             child_params = params
             if params.n > 1:  # each engine request is one choice; choice i samples with seed + i
                 seed = None if params.seed is None else params.seed + i
-                child_params = _replace(params, n=1, seed=seed)
+                # the prompt is scored once, by choice 0 (the others may hit the prefix cache)
+                scored = params.prompt_logprobs if i == 0 else None
+                child_params = _replace(params, n=1, seed=seed, prompt_logprobs=scored)
             state = RequestState(i, prompt_token_ids, child_params, self.tokenizer)
             parent.children.append(state)
             cid = child_id(request_id, i, params.n)

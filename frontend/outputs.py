@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token (vLLM's prompt_logprobs): None for the first, which nothing scores.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -39,6 +41,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
     metrics: dict[str, float] = field(default_factory=dict)
     # seconds between the engine steps that brought tokens since the previous output (several
     # when the reader fell behind: one output then stands for many steps)

@@ -82,7 +82,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs besides the sampled token's
-    prompt_logprobs: int | None = None  # accepted for vLLM compatibility; must be None
+    # top-N logprobs per prompt token besides the prompt token's own (vLLM's prompt_logprobs):
+    # computed with the prompt's prefill, which then skips the prefix-cache lookup
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -116,7 +118,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "min_tokens must not exceed max_tokens",
         )
         _check(self.logprobs is None or 0 <= self.logprobs < _I32, "logprobs must be >= 0")
-        _check(self.prompt_logprobs is None, "prompt_logprobs is not supported")
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs < _I32,
+            "prompt_logprobs must be >= 0",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
@@ -248,6 +253,9 @@ class RequestDelta(msgspec.Struct, **_HOT):
     num_cached_tokens: int = 0
     first_scheduled_time: float = 0.0  # when the core first scheduled it (queue time)
     error: str | None = None  # why the core refused the request ("invalid")
+    # With its first token, when it asked for prompt_logprobs: one entry per prompt token after
+    # the first (the prompt token, then the top-N)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineReady(msgspec.Struct, tag=True, **_HOT):
@@ -357,6 +365,9 @@ class StepResult(msgspec.Struct, tag=True, **_HOT):
     step_id: int
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Per scheduled request asking for prompt_logprobs: an entry per prompt token this step
+    # scored (those after the step's prompt positions, in order; an empty list: none)
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
     # LoRA (cumulative, this rank): adapters read into the host pool, evicted from device slots
     lora_loads: int = 0
     lora_evictions: int = 0

@@ -199,3 +199,21 @@ def test_cpu_threads_leave_a_core_to_the_host_only_for_small_models(
 
 def _packed(module) -> bool:
     return getattr(module, "packed", None) is not None
+
+
+def test_profile_scores_a_chunk_of_prompt_logprobs(runner, monkeypatch):
+    """The profile's peak counts prompt logprobs: one CHUNK of positions through the LM head,
+    with the largest top-N (worker/prompt_logprobs.py)."""
+    from pagedserve.ipc.messages import MAX_LOGPROBS
+    from pagedserve.worker import model_runner
+    from pagedserve.worker.prompt_logprobs import CHUNK
+
+    seen, real = [], model_runner.score_positions
+    monkeypatch.setattr(
+        model_runner,
+        "score_positions",
+        lambda f, hidden, idx, tgt, n: seen.append((len(idx), n)) or real(f, hidden, idx, tgt, n),
+    )
+    runner._dummy_forward()
+    sched, vocab = runner.config.scheduler, runner.config.model.vocab_size
+    assert seen == [(min(CHUNK, sched.max_num_batched_tokens), min(MAX_LOGPROBS, vocab))]

@@ -847,3 +847,58 @@ def test_state_slots_bound_admission_and_come_back_on_preemption():
     assert s.requests["a"].state_slot is not None
     s.abort_requests(["a"])
     assert s.states.num_free == 2
+
+
+# ---------------------------------------------------------------- prompt logprobs
+def _scored(s: Scheduler, plan: StepPlan) -> StepResult:
+    """`result_for`, plus one prompt logprob entry per prompt token this step scored (its
+    position as the logprob), as the workers score them (worker/prompt_logprobs.py)."""
+    res = result_for(s, plan)
+    res.prompt_logprobs = []
+    for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
+        req = s.requests[rid]
+        start = req.num_computed_tokens - n
+        end = min(start + n, req.num_prompt_tokens - 1)
+        res.prompt_logprobs.append(
+            [TokenLogprobs([req.prompt_token_ids[p + 1]], [-p], [1]) for p in range(start, end)]
+        )
+    return res
+
+
+def test_prompt_logprobs_gather_over_chunks_and_go_with_the_first_token():
+    s = make(budget=4)
+    add(s, "a", range(10, 20), prompt_logprobs=0, max_tokens=2)
+    deltas = []
+    while s.has_unfinished_requests():
+        plan = s.schedule()
+        deltas += [d for _, d in s.update_from_output(plan, _scored(s, plan))]
+    first, last = deltas
+    assert [e.logprobs[0] for e in first.prompt_logprobs] == [-p for p in range(9)]
+    assert [e.token_ids[0] for e in first.prompt_logprobs] == list(range(11, 20))
+    assert last.prompt_logprobs is None
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_lookup():
+    """A hit would skip prompt positions to score: such a request computes its whole prompt
+    (its blocks are cached all the same); after its prompt, a preemption may hit again."""
+    s = make()
+    add(s, "warm", range(9), max_tokens=1)
+    step(s)
+    add(s, "scored", range(9), max_tokens=1, prompt_logprobs=1)
+    plan = s.schedule()
+    assert plan.new_requests[0].num_computed_tokens == 0 and sched(plan) == {"scored": 9}
+    ((_, d),) = s.update_from_output(plan, _scored(s, plan))
+    assert len(d.prompt_logprobs) == 8 and d.num_cached_tokens == 0
+    add(s, "plain", range(9), max_tokens=1)
+    assert s.schedule().new_requests[0].num_computed_tokens == 8
+
+
+def test_prompt_logprobs_that_do_not_fit_the_prompt_are_refused():
+    s = make()
+    add(s, "a", range(3), prompt_logprobs=0)
+    plan = s.schedule()
+    res = result_for(s, plan)
+    res.prompt_logprobs = [[TokenLogprobs([1], [-1.0], [1])] * 3]  # 3 entries, 2 prompt tokens
+    assert "prompt logprob" in s.check_result(plan, res, vocab_size=100)
+    res.prompt_logprobs = [[TokenLogprobs([1], [-1.0], [1])] * 2]
+    assert s.check_result(plan, res, vocab_size=100) is None

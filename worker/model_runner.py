@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig, kv_cache_groups
-from pagedserve.ipc.messages import StepPlan, StepResult, TokenLogprobs
+from pagedserve.ipc.messages import MAX_LOGPROBS, StepPlan, StepResult, TokenLogprobs
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention.cascade import cascade_len
 from pagedserve.kernels.attention.metadata import AttentionMetadata
@@ -38,6 +38,14 @@ from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
+from pagedserve.worker.prompt_logprobs import (
+    CHUNK,
+    PromptRows,
+    PromptScores,
+    prompt_rows,
+    score_positions,
+    score_prompt,
+)
 from pagedserve.worker.sampler import (
     Sampler,
     SamplingRow,
@@ -65,6 +73,7 @@ class StartedStep:
     inputs: StepInputs | None
     logits: torch.Tensor | None
     argmax: torch.Tensor | None = None
+    prompt_scores: PromptScores | None = None  # prompt logprobs of the rows that asked
 
 
 @dataclass
@@ -80,6 +89,7 @@ class PendingStep:
     ready: torch.cuda.Event | None
     logprobs: list[list[TokenLogprobs] | None] | None  # one per new token of each row
     accepted: list[list[int]] | None = None  # each row's new tokens, where drafts were verified
+    prompt_scores: PromptScores | None = None
 
 
 class ModelRunner:
@@ -121,6 +131,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.profiled_peak: int | None = None
+        self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
@@ -225,6 +236,11 @@ class ModelRunner:
                 rows = worst_sampling_rows(inputs, logits.shape[1])
                 token_ids = self.sampler.sample_ids(logits, rows)  # [R]
                 compute_logprobs(logits, token_ids, rows)
+                del logits  # prompt logprobs: one chunk of the LM head, with the top-N
+                n = min(num_tokens, CHUNK)
+                idx = torch.arange(n, device=self.device)
+                top_n = min(MAX_LOGPROBS, self.config.model.vocab_size)
+                score_positions(self.model.compute_logits, hidden, idx, idx * 0, top_n)
         del caches
 
     def init_cache(self, num_blocks: int) -> dict[str, float]:
@@ -313,6 +329,8 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         self.batch.apply(plan)
+        if self.scoring or plan.new_requests:
+            self._track_scoring(plan)
         if self.lora is not None:
             self.lora.track(plan)
         if self.info.is_last_stage and (self.constrained or plan.new_requests):
@@ -328,8 +346,9 @@ class ModelRunner:
                 inputs.block_tables, inputs.seq_lens, q_lens, self.block_size
             )
         fill = self._device_fill(inputs, prev)
-        bucket = self._graph_bucket(inputs)
-        mixed = self._mixed_bucket(inputs) if bucket is None else None
+        scored = self._prompt_rows(plan, inputs) if self.scoring else None
+        bucket = self._graph_bucket(inputs) if scored is None else None  # graphs keep no hidden
+        mixed = self._mixed_bucket(inputs) if bucket is None and scored is None else None
         graph_size = bucket[0] if bucket is not None else mixed
         intermediate = None if self.info.is_first_stage else self._receive(inputs, graph_size)
         if bucket is not None:
@@ -344,14 +363,40 @@ class ModelRunner:
         if not self.info.is_last_stage:
             send_intermediate(*outputs, self.info.next_rank)  # hidden, residual [T, H]
             return StartedStep(plan, inputs, None)
-        if not inputs.sample_rows:
-            return StartedStep(plan, inputs, None)
         hidden, *head = outputs  # head: a decode graph's logits [T, V] and ids [T]
+        scores = None
+        if scored is not None:
+            scores = score_prompt(self.model.compute_logits, hidden, scored)
+        if not inputs.sample_rows:
+            return StartedStep(plan, inputs, None, prompt_scores=scores)
         if head:
             return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
         logits_idx = to_device(inputs.logits_indices, self.device)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
-        return StartedStep(plan, inputs, logits)
+        return StartedStep(plan, inputs, logits, prompt_scores=scores)
+
+    def _prompt_rows(self, plan: StepPlan, inputs: StepInputs) -> PromptRows | None:
+        """The rows of this step that score prompt tokens (every rank decides alike, so that
+        all stages skip the graphs together); a request leaves `scoring` with its last one."""
+        wanted = []
+        for i, req_id in enumerate(plan.scheduled_ids):
+            if req_id not in self.scoring:
+                continue
+            req = self.batch.requests[req_id]
+            start = int(inputs.positions[inputs.query_start_loc[i]])
+            n = plan.num_scheduled_tokens[i]
+            if start + n >= req.prompt_len - 1:
+                self.scoring.discard(req_id)
+            wanted.append((i, req.row, start, n, req.prompt_len, req.sampling.prompt_logprobs))
+        return prompt_rows(wanted, self.batch.token_ids, inputs.query_start_loc)
+
+    def _track_scoring(self, plan: StepPlan) -> None:
+        """Requests that join with their prompt to score (one resumed after its prompt was
+        done has nothing left to score)."""
+        self.scoring.difference_update(plan.finished_ids)
+        for new in plan.new_requests:
+            if new.sampling.prompt_logprobs is not None and not new.output_token_ids:
+                self.scoring.add(new.req_id)
 
     def _receive(self, inputs: StepInputs, graph_size: int | None) -> GraphOutputs:
         """The previous stage's hidden states and residual [T, H] for this step: into the
@@ -394,7 +439,10 @@ class ModelRunner:
         penalties and seeded sampling read each request's outputs, which then include its token.
         """
         if step.logits is None:
-            return PendingStep(step.plan, step.inputs, [], {}, None, None, None, None)
+            return PendingStep(
+                step.plan, step.inputs, [], {}, None, None, None, None,
+                prompt_scores=step.prompt_scores,
+            )  # fmt: skip
         plan, inputs = step.plan, step.inputs
         sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
         rows = [self._sampling_row(req_id) for req_id in sample_ids]
@@ -416,7 +464,10 @@ class ModelRunner:
             ready.record()
         members = [self.batch.requests[r] for r in sample_ids]
         index = {r: j for j, r in enumerate(sample_ids)}
-        return PendingStep(plan, inputs, members, index, token_ids, host, ready, logprobs)
+        return PendingStep(
+            plan, inputs, members, index, token_ids, host, ready, logprobs,
+            prompt_scores=step.prompt_scores,
+        )  # fmt: skip
 
     def _verify(self, step: StartedStep, sample_ids: list[str], rows: list) -> PendingStep:
         """Sample every position of rows that verify drafts (worker/spec_verify.py); waits
@@ -436,8 +487,9 @@ class ModelRunner:
         index = {r: j for j, r in enumerate(sample_ids)}
         host = v.token_ids.cpu()
         return PendingStep(
-            plan, inputs, members, index, v.token_ids, host, None, v.logprobs, v.accepted
-        )
+            plan, inputs, members, index, v.token_ids, host, None, v.logprobs, v.accepted,
+            step.prompt_scores,
+        )  # fmt: skip
 
     def is_done(self, step: PendingStep) -> bool:
         """Whether the step's sampled ids are on the host (finish() will not wait)."""
@@ -460,6 +512,8 @@ class ModelRunner:
             if logprobs is not None:
                 logprobs[i] = step.logprobs[j]
         result = StepResult(plan.step_id, sampled, logprobs)
+        if step.prompt_scores is not None:
+            result.prompt_logprobs = step.prompt_scores.to_messages(len(plan.scheduled_ids))
         if self.lora is not None:
             result.lora_loads, result.lora_evictions = self.lora.num_loads, self.lora.num_evictions
         return result

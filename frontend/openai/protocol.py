@@ -224,6 +224,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field
     add_special_tokens: bool = True
 
 
@@ -246,6 +247,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra field
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

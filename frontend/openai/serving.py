@@ -166,8 +166,9 @@ class Serving:
                 400, "priority needs the server to run with --scheduling-policy priority.",
                 param="priority",
             )  # fmt: skip
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise APIError(400, "max_tokens must be at least 1.", param="max_tokens")
+        if req.max_tokens is not None and req.max_tokens < (0 if getattr(req, "echo", 0) else 1):
+            message = "max_tokens must be at least 1 (0 only with echo: the prompt scored alone)."
+            raise APIError(400, message, param="max_tokens")
         self.check_alive()
         return lora
 
@@ -303,6 +304,36 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved)."""
     if not future.cancelled():
         future.exception()
+
+
+def check_prompt_logprobs(req: Any) -> int | None:
+    """vLLM's `prompt_logprobs` request field (completions and chat), checked."""
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            message = f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}."
+            raise APIError(400, message, param="prompt_logprobs")
+        if req.stream:
+            message = "prompt_logprobs is not available when stream is enabled (as in vLLM)."
+            raise APIError(400, message, param="prompt_logprobs")
+    return req.prompt_logprobs
+
+
+def vllm_prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` in a response: per prompt token, token id -> its logprob."""
+    assert out.prompt_logprobs is not None
+    return [
+        None
+        if entries is None
+        else {
+            str(tid): {
+                "logprob": clamp_logprob(e.logprob),
+                "rank": e.rank,
+                "decoded_token": e.decoded_token,
+            }  # fmt: skip
+            for tid, e in entries.items()
+        }
+        for entries in out.prompt_logprobs
+    ]
 
 
 def clamp_logprob(value: float) -> float:

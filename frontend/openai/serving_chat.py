@@ -29,7 +29,13 @@ from pagedserve.frontend.openai.chat_output import ChatShape, ChoiceStream
 from pagedserve.frontend.openai.metrics import Metrics
 from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
 from pagedserve.frontend.openai.reasoning_parsers import make_reasoning_parser
-from pagedserve.frontend.openai.serving import Serving, clamp_logprob, now_s
+from pagedserve.frontend.openai.serving import (
+    Serving,
+    check_prompt_logprobs,
+    clamp_logprob,
+    now_s,
+    vllm_prompt_logprobs,
+)
 from pagedserve.frontend.openai.streams import (
     SSE_DONE,
     ClientDisconnected,
@@ -122,6 +128,8 @@ class ChatServing(Serving):
             })  # fmt: skip
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         body = {**head, "choices": choices}
+        if req.prompt_logprobs is not None:  # vLLM's field, beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(final)
         body["usage"] = self.usage(len(ids), num_generated, final.num_cached_tokens)
         return Response(_encode(body), 200)
 
@@ -136,6 +144,7 @@ class ChatServing(Serving):
             raise APIError(400, message, param="max_completion_tokens")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
+        prompt_logprobs = check_prompt_logprobs(req)
         shape, spec = self._shape(req)
         if getattr(shape.tool_parser, "keeps_special_tokens", False):
             req.skip_special_tokens = False
@@ -154,6 +163,8 @@ class ChatServing(Serving):
             after = self.reasoning.grammar_starts_after(ids)
             spec = msgspec.structs.replace(spec, after_token_id=after)
         params = self.sampling_params(req, max_tokens, top_n, spec)
+        if prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=prompt_logprobs)
         (stream,) = await self.admit([self.generate(ids, params, text, req.priority, lora)], raw)
         return Started(ids, shape, stream)
 

@@ -15,7 +15,14 @@ from fastapi import Request
 from starlette.responses import Response
 
 from pagedserve.frontend.openai.protocol import APIError, CompletionRequest
-from pagedserve.frontend.openai.serving import MAX_CHOICES, Serving, clamp_logprob, now_s
+from pagedserve.frontend.openai.serving import (
+    MAX_CHOICES,
+    Serving,
+    check_prompt_logprobs,
+    clamp_logprob,
+    now_s,
+    vllm_prompt_logprobs,
+)
 from pagedserve.frontend.openai.streams import (
     SSE_DONE,
     ClientDisconnected,
@@ -35,15 +42,19 @@ _encode = msgspec.json.encode
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         lora = self.check_request(req)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs (unsupported).", "echo")
+        prompt_logprobs = _check_prompt_logprobs(req)
+        # echo with max_tokens 0 scores the prompt alone: one token is generated and dropped
+        max_tokens = 1 if _scores_only(req) else req.max_tokens
         prompts = await self._prompts(req)
         if len(prompts) * req.n > MAX_CHOICES:
             message = f"prompts x n must be at most {MAX_CHOICES} (got {len(prompts) * req.n})."
             raise APIError(400, message, param="prompt")
         spec = await self.structured_outputs(req)
         params = [
-            self.sampling_params(req, self.check_prompt(ids, req.max_tokens), req.logprobs, spec)
+            msgspec.structs.replace(
+                self.sampling_params(req, self.check_prompt(ids, max_tokens), req.logprobs, spec),
+                prompt_logprobs=prompt_logprobs,
+            )
             for _, ids in prompts
         ]
         generating = [
@@ -95,15 +106,25 @@ class CompletionServing(Serving):
         finals: list[RequestOutput],
     ) -> dict[str, Any]:
         choices = []
-        for i, ((text, _), out) in enumerate(zip(prompts, finals, strict=True)):
+        scores_only = _scores_only(req)
+        for i, ((text, ids), out) in enumerate(zip(prompts, finals, strict=True)):
             for c in out.outputs:
                 prefix = text if req.echo else ""
-                lp = None
-                if c.logprobs is not None:
-                    lp = completion_logprobs(c, 0, len(c.token_ids), len(prefix))[0]
-                choices.append(_choice(i * req.n + c.index, prefix + c.text, lp, c))
+                lp, offset = None, len(prefix)
+                if req.echo and req.logprobs is not None:
+                    lp, offset = self._prompt_part(ids, out, req.logprobs)
+                if c.logprobs is not None and not scores_only:
+                    body = completion_logprobs(c, 0, len(c.token_ids), offset)[0]
+                    lp = body if lp is None else {k: lp[k] + body[k] for k in body}
+                choice = _choice(
+                    i * req.n + c.index, prefix + ("" if scores_only else c.text), lp, c
+                )
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out)
+                choices.append(choice)
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        num_generated = 0 if scores_only else num_generated
         num_cached = sum(out.num_cached_tokens for out in finals)
         total = self.usage(num_prompt, num_generated, num_cached)
         return {**head, "choices": choices, "usage": total}
@@ -125,22 +146,35 @@ class CompletionServing(Serving):
         merged = merge_streams(streams)
         try:
             async for i, out in merged:
-                num_generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 num_cached[i] = out.num_cached_tokens
+                if _scores_only(req):  # the prompt, scored, once it is (nothing generated)
+                    for c in out.outputs if out.finished else ():
+                        lp = None
+                        if req.logprobs is not None:
+                            lp = self._prompt_part(prompts[i][1], out, req.logprobs)[0]
+                        choice = _choice(i * req.n + c.index, prompts[i][0], lp, c)
+                        yield sse(_encode({**head, "choices": [choice]}))
+                    continue
+                num_generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 for c in out.outputs:
                     cursor = cursors[(i, c.index)]
                     step = cursor.advance(c)
                     if step is None:
                         continue
                     text, start = step
+                    lp = None
                     if req.echo and not cursor.started:
                         text = prompts[i][0] + text
+                        if req.logprobs is not None:
+                            lp, cursor.text_offset = self._prompt_part(
+                                prompts[i][1], out, req.logprobs
+                            )
                     cursor.started = True
-                    lp = None
                     if c.logprobs is not None:
-                        lp, cursor.text_offset = completion_logprobs(
+                        body, cursor.text_offset = completion_logprobs(
                             c, start, len(c.token_ids), cursor.text_offset
                         )
+                        lp = body if lp is None else {k: lp[k] + body[k] for k in body}
                     chunk = {**head, "choices": [_choice(i * req.n + c.index, text, lp, c)]}
                     if continuous:
                         chunk["usage"] = self.usage(len(prompts[i][1]), num_generated[i])
@@ -154,6 +188,50 @@ class CompletionServing(Serving):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+    def _prompt_part(
+        self, ids: list[int], out: RequestOutput, top: int
+    ) -> tuple[dict[str, Any], int]:
+        """Legacy logprobs of the echoed prompt (its first token has none), the next offset."""
+        assert out.prompt_logprobs is not None, "echo with logprobs asks for prompt logprobs"
+        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+        for token_id, entries in zip(ids, out.prompt_logprobs, strict=True):
+            if entries is None:
+                token, lp, ranked = self.tokenizer.decode([token_id]), None, None
+            else:
+                token = entries[token_id].decoded_token or ""
+                lp = clamp_logprob(entries[token_id].logprob)
+                ranked = _ranked(
+                    e for e in entries.values() if e is entries[token_id] or (e.rank or 0) <= top
+                )
+            tokens.append(token)
+            token_logprobs.append(lp)
+            tops.append(ranked)
+            offsets.append(offset)
+            offset += len(token)
+        body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops}
+        return {**body, "text_offset": offsets}, offset
+
+
+def _check_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """The prompt logprobs the engine computes: vLLM's `prompt_logprobs` field, else (echo with
+    logprobs) `logprobs`'s."""
+    prompt_logprobs = check_prompt_logprobs(req)
+    if req.echo and req.logprobs is not None:
+        return max(req.logprobs, prompt_logprobs or 0)
+    return prompt_logprobs
+
+
+def _scores_only(req: CompletionRequest) -> bool:
+    return req.echo and req.max_tokens == 0
+
+
+def _ranked(entries: Any) -> dict[str, float]:
+    ranked: dict[str, float] = {}
+    for e in sorted(entries, key=lambda e: e.rank or 0):
+        # Tokens can share a text (partial UTF-8 is "\ufffd"): keep the likeliest.
+        ranked.setdefault(e.decoded_token or "", clamp_logprob(e.logprob))
+    return ranked
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -185,11 +263,7 @@ def completion_logprobs(
         token = sampled.decoded_token or ""
         tokens.append(token)
         token_logprobs.append(clamp_logprob(sampled.logprob))
-        ranked: dict[str, float] = {}
-        for e in sorted(entries.values(), key=lambda e: e.rank or 0):
-            # Tokens can share a text (partial UTF-8 is "\ufffd"): keep the likeliest.
-            ranked.setdefault(e.decoded_token or "", clamp_logprob(e.logprob))
-        top.append(ranked)
+        top.append(_ranked(entries.values()))
         offsets.append(text_offset)
         text_offset += len(token)
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
