@@ -59,9 +59,9 @@ def run_requests(runner: ModelRunner, tag: str) -> list[tuple[list[int], list[fl
         return NewRequest(ids[i], prompts[i], blocks[0], GREEDY, 0, group_block_ids=blocks[1:])
 
     def record(rows: list[int], res) -> None:
-        for i, t, lp in zip(rows, res.sampled_token_ids, res.logprobs, strict=True):
+        for i, t, lps in zip(rows, res.sampled_token_ids, res.logprobs, strict=True):
             tokens[i].extend(t)
-            logprobs[i].append(lp.logprobs[0])
+            logprobs[i].extend(lp.logprobs[0] for lp in lps)  # one entry per new token
 
     record([0, 1], runner.execute(StepPlan(0, ids[:2], [11, 7], new_requests=[new(0), new(1)])))
     for step in range(1, 9):
