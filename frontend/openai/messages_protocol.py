@@ -15,7 +15,12 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, _Request
+from pagedserve.frontend.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    _Request,
+    unsupported_field,
+)
 
 PATH = "/v1/messages"  # requests under it get errors in Anthropic's shape
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -57,11 +62,9 @@ class MessagesRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, harmless in UNSUPPORTED.items():
-                value = data.get(name)
-                if value is not None and value not in harmless:
-                    raise APIError(400, f"{name} is not supported by this server.", param=name)
+        name = unsupported_field(data, UNSUPPORTED)
+        if name is not None:
+            raise APIError(400, f"{name} is not supported by this server.", param=name)
         return data
 
     @property

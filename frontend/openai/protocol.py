@@ -113,20 +113,28 @@ def engine_api_error(e: Exception) -> APIError:
     return APIError(503, f"The engine is not running: {e}", code="engine_dead")
 
 
+def unsupported_field(data: Any, table: dict[str, tuple[Any, ...]], own: Any = ()) -> str | None:
+    """The first field of a request body that `table` refuses (a value other than null and the
+    harmless ones it lists), skipping the names in `own`; None when there is none."""
+    if not isinstance(data, dict):
+        return None
+    for name, harmless in table.items():
+        value = data.get(name)
+        if value is not None and name not in own and value not in harmless:
+            return name
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, harmless in UNSUPPORTED_FIELDS.items():
-                value = data.get(name)
-                if value is not None and name not in cls.model_fields and value not in harmless:
-                    raise APIError(
-                        400, _unsupported_message(name), param=name,
-                        code="unsupported_parameter",
-                    )  # fmt: skip
+        name = unsupported_field(data, UNSUPPORTED_FIELDS, cls.model_fields)
+        if name is not None:
+            message = _unsupported_message(name)
+            raise APIError(400, message, param=name, code="unsupported_parameter")
         return data
 
 

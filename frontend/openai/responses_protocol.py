@@ -16,7 +16,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedserve.frontend.openai.protocol import APIError, ChatCompletionRequest, _Request
+from pagedserve.frontend.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    _Request,
+    unsupported_field,
+)
 
 # Responses fields we do not implement, with the values that ask for nothing (besides null).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -85,12 +90,11 @@ class ResponsesRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
+        name = unsupported_field(data, UNSUPPORTED)
+        if name is not None:
+            raise APIError(400, f"{name}={json.dumps(data[name])} is not supported by this "
+                           "server.", param=name, code="unsupported_parameter")  # fmt: skip
         if isinstance(data, dict):
-            for name, harmless in UNSUPPORTED.items():
-                value = data.get(name)
-                if value is not None and value not in harmless:
-                    raise APIError(400, f"{name}={json.dumps(value)} is not supported by this "
-                                   "server.", param=name, code="unsupported_parameter")  # fmt: skip
             for value in data.get("include") or ():
                 if value not in INCLUDABLE:
                     raise APIError(400, f"include {value!r} is not supported (only "
