@@ -1,6 +1,7 @@
 """Tool-call and reasoning parsers on replies in the formats real chat templates teach (Qwen's
-hermes `<tool_call>`, Llama 3.1's JSON with `<|python_tag|>`, Mistral's `[TOOL_CALLS]`), whole
-and streamed token by token; the grammar matcher's reasoning gate on token ids."""
+hermes `<tool_call>`, Llama 3.1's JSON with `<|python_tag|>`, Mistral's `[TOOL_CALLS]`, Qwen3.5's
+XML `<function=...>`), whole and streamed token by token; Qwen3.5's reasoning opened by the
+prompt; the grammar matcher's reasoning gate on token ids."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ CASES = {
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
         '{"name": "get_time", "arguments": {}}]',
         None,
+    ),
+    "qwen3_coder": (
+        "I will check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+        "I will check.",
     ),
 }
 
@@ -98,6 +105,49 @@ def test_qwen3_without_thinking_is_all_content():
         "content": "Just the answer.",
         "reasoning_content": None,
     }
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_qwen35_reasoning_opens_in_the_prompt_and_ends_at_a_call(step):
+    """Qwen3.5's template opens `<think>` in the prompt (thinking on) or closes an empty block
+    (off, and earlier turns close theirs). Without `</think>`, a `<tool_call>` that `<function=`
+    follows ends the reasoning (a mere mention does not); the call's parameters are typed by the
+    request's tool schema. Streamed in pieces, the same as whole."""
+    from pagedserve.frontend.openai.protocol import ToolDefinition
+
+    parser = make_reasoning_parser("qwen3", _Vocab())  # <think> = 7, </think> = 8
+    on, off, again = [5, 7, 3], [5, 7, 3, 8, 3], [7, 4, 8, 5, 7]
+    assert [parser.grammar_starts_after(p) for p in (on, off, again)] == [8, None, 8]
+    shape = ChatShape(reasoning=parser.for_prompt(off))
+    assert shape.message("The answer.", "stop")[0]["content"] == "The answer."
+    shape = ChatShape(reasoning=parser.for_prompt(again))
+    message, _ = shape.message("Still thinking", "length")
+    assert (message["reasoning_content"], message["content"]) == ("Still thinking", None)
+    tool = ToolDefinition.model_validate({"function": {"name": "get_weather", "parameters": {
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}})  # fmt: skip
+    thought = "I need the weather; <tool_call> is its tag.\n"
+    text = (
+        f"{thought}<tool_call>\n<function=get_weather>\n<parameter=city>\n7\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=note>\nnull\n</parameter>\n</function>"
+        "\n</tool_call>"
+    )
+    shape = ChatShape(
+        reasoning=parser.for_prompt(on),
+        tool_parser=make_tool_parser("qwen3_coder").for_tools([tool]),
+    )
+    message, finish = shape.message(text, "stop")
+    assert (message["reasoning_content"], message["content"], finish) == (
+        thought,
+        None,
+        "tool_calls",
+    )
+    (call,) = message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "7", "days": 3, "note": None}
+    deltas = _stream(shape, text, step=step)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == thought
+    assert not any("content" in d for d in deltas)
+    streamed = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert streamed[1]["arguments"] == call["function"]["arguments"]
 
 
 def test_forced_call_streams_name_then_arguments():

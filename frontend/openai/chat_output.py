@@ -61,6 +61,8 @@ class ChatShape:
                 finish_reason = "tool_calls"
         elif left is None:
             msg["content"] = content
+        if self.reasoning is not None and not msg["content"]:
+            msg["content"] = None  # all reasoning (cut short, or tool calls after it): as vLLM
         return msg, finish_reason
 
 

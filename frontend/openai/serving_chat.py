@@ -159,6 +159,8 @@ class ChatServing(Serving):
         (ids,) = await self.tokenize([text], False, "messages")
         max_tokens = self.check_prompt(ids, max_tokens)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
+        if self.reasoning is not None:
+            shape.reasoning = self.reasoning.for_prompt(ids)  # whether the prompt opens <think>
         if spec is not None and self.reasoning is not None:
             after = self.reasoning.grammar_starts_after(ids)
             spec = msgspec.structs.replace(spec, after_token_id=after)
@@ -177,11 +179,14 @@ class ChatServing(Serving):
             message = 'tool_choice "auto" needs --enable-auto-tool-choice and --tool-call-parser.'
             raise APIError(400, message, param="tool_choice")
         spec, name = tool_call_spec(choice, req.tools or [], req.parallel_tool_calls)
+        parser = self.tool_parser if choice == "auto" else None
+        if hasattr(parser, "for_tools"):  # a parser that reads arguments by the tools' schemas
+            parser = parser.for_tools(req.tools or [])
         shape = ChatShape(
             reasoning=self.reasoning,
             forced_name=name,
             required=choice == "required",
-            tool_parser=self.tool_parser if choice == "auto" else None,
+            tool_parser=parser,
         )
         return shape, spec
 

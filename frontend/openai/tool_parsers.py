@@ -6,7 +6,10 @@
 - llama3_json: Llama 3.1+, the whole reply a JSON object `{"name": ..., "parameters": {...}}`
   (several joined by `;`), optionally after `<|python_tag|>`;
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` and the newer
-  `[TOOL_CALLS]name[ARGS]{...}` (repeated).
+  `[TOOL_CALLS]name[ARGS]{...}` (repeated);
+- qwen3_coder (alias qwen3_xml): Qwen3-Coder / Qwen3.5, `<tool_call>\n<function=NAME>\n
+  <parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>`; values are text, read as
+  the request's tool schema types them (`for_tools`): strings stay strings, the rest as JSON.
 `extract` returns (content or None, [(name, arguments as JSON text)]); a reply that does not
 parse is plain content. `stream_cut(text)`: how much of a reply a stream may send as content now
 (up to where a call may start); the rest is held back and the calls are sent when the reply ends.
@@ -111,7 +114,71 @@ def _named_args(piece: str) -> tuple[str, str]:
     return name.strip(), json.dumps(json.loads(args), ensure_ascii=False)
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+class Qwen3XMLParser:
+    markers = ("<tool_call>", "<function=")
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _PARAMETER = re.compile(
+        r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL
+    )
+
+    def __init__(self, schemas: dict[str, dict[str, Any]] | None = None) -> None:
+        self.schemas = schemas or {}  # function name -> its parameters' JSON schemas
+
+    def for_tools(self, tools: list[Any]) -> Qwen3XMLParser:
+        """This parser for one request's tools, whose schemas type the parameters' text."""
+        schemas = {}
+        for tool in tools:
+            params = tool.function.parameters or {}
+            schemas[tool.function.name] = params.get("properties") or {}
+        return Qwen3XMLParser(schemas)
+
+    def extract(self, text: str) -> tuple[str | None, ToolCalls]:
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        if not found:
+            return text, []
+        start = min(found)
+        calls = []
+        for name, body in self._FUNCTION.findall(text[start:]):
+            name, schema = name.strip(), self.schemas.get(name.strip(), {})
+            args = {
+                key.strip(): _typed(_strip_newline(value), schema.get(key.strip()))
+                for key, value in self._PARAMETER.findall(body)
+            }
+            calls.append((name, json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            return text, []
+        return text[:start].strip() or None, calls
+
+    def stream_cut(self, text: str) -> int:
+        return held_back(text, self.markers)
+
+
+def _strip_newline(value: str) -> str:
+    """The template writes each value between newlines: `<parameter=k>\nVALUE\n</parameter>`."""
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as its schema types it (vLLM's qwen3_coder reading): a string (or an
+    unknown parameter) as it is, `null` as None, anything else as JSON when it parses."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if value.lower() == "null":
+        return None
+    if kind in (None, "string"):
+        return value
+    try:
+        return json.loads(value.lower() if kind == "boolean" else value)
+    except json.JSONDecodeError:
+        return value
+
+
+PARSERS = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "qwen3_coder": Qwen3XMLParser,
+    "qwen3_xml": Qwen3XMLParser,
+}
 
 
 def make_tool_parser(name: str) -> Any:
