@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +36,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class StateLayout:
     """A step's rows as the linear-attention ops see them, derived once per step from the
     attention metadata (every linear layer of the step reuses it): rows continuing with one token
-    take the recurrent step together (`step_*`), every other row the chunked form alone."""
+    take the recurrent step together (`step_*`), every other row the chunked form alone.
+
+    A decode CUDA graph (`decode`) knows its rows' slots only on the device: every row steps,
+    and padding rows step in a scratch slot of their own, so the graph replays for any slots."""
 
     state_slots: list[int]  # [B]
     query_start_loc: list[int]  # [B + 1]
@@ -46,6 +50,7 @@ class StateLayout:
     # The chunk rows' slots, first and one-past-last tokens, fresh flags ([C] each, on the
     # device) for the Triton kernel; None off CUDA.
     chunk_tensors: tuple[torch.Tensor, ...] | None = None
+    conv_plan: ConvPlan | None = None  # the chunk rows' conv windows, all rows at once
 
     @classmethod
     def build(
@@ -54,7 +59,9 @@ class StateLayout:
         query_start_loc: list[int],
         seq_lens: list[int],
         device: torch.device,
+        conv_width: int = 3,
     ) -> StateLayout:
+        """`conv_width`: the conv state's length, `K - 1`."""
         lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(state_slots))]
         fresh = [n == s for n, s in zip(lens, seq_lens, strict=True)]
         steps = [i for i, n in enumerate(lens) if n == 1 and not fresh[i]]
@@ -72,10 +79,61 @@ class StateLayout:
             ]
             both = torch.tensor(columns, dtype=torch.int64).to(device)  # one copy
             chunk_tensors = (both[0], both[1], both[2], both[3].to(torch.int32))
+        rows = [(state_slots[i], *query_start_loc[i : i + 2], fresh[i]) for i in chunk_rows]
+        conv_plan = ConvPlan.build(rows, query_start_loc[-1], conv_width, device) if rows else None
         return cls(
             state_slots, query_start_loc, fresh, chunk_rows, tokens.to(device),
-            slots.to(device), chunk_tensors,
+            slots.to(device), chunk_tensors, conv_plan,
         )  # fmt: skip
+
+    @classmethod
+    def decode(cls, state_slots: torch.Tensor) -> StateLayout:
+        """Every row continues with one token from its slot (`state_slots` [B] int64, on the
+        device only): a decode CUDA graph's layout."""
+        tokens = torch.arange(len(state_slots), dtype=torch.int64, device=state_slots.device)
+        return cls([], [], [], [], tokens, state_slots)
+
+
+@dataclass
+class ConvPlan:
+    """The chunk rows' conv as gathers over `[x ; their previous inputs]` (`[T + R (K - 1), C]`:
+    the step's tokens, then each row's conv state as `K - 1` token rows, zeros for a fresh
+    row): `windows[j]` indexes the `j`-th input of every output token's window, `tails` the
+    last `K - 1` inputs of each row (its new conv state)."""
+
+    slots: torch.Tensor  # [R] int64
+    keep: torch.Tensor  # [R, 1, 1] bool: False for a fresh row (its previous inputs are zeros)
+    tokens: torch.Tensor  # [N] int64: the chunk rows' token indices
+    windows: torch.Tensor  # [K, N] int64 into the extended inputs
+    tails: torch.Tensor  # [R * (K - 1)] int64 into the extended inputs
+
+    @classmethod
+    def build(
+        cls, rows: list[tuple[int, int, int, bool]], num_tokens: int, width: int,
+        device: torch.device,
+    ) -> ConvPlan:  # fmt: skip
+        """`rows`: (slot, first token, one past the last, fresh) of each chunk row."""
+        seqs, tokens, windows, tails, at = [], [], [], [], 0
+        for r, (_, lo, hi, _) in enumerate(rows):
+            prev = num_tokens + r * width + np.arange(width)
+            seqs.append(np.concatenate([prev, np.arange(lo, hi)]))  # the row's inputs in order
+            tokens.append(np.arange(lo, hi))
+            windows.append(at + np.arange(hi - lo)[None, :] + np.arange(width + 1)[:, None])
+            tails.append(at + (hi - lo) + np.arange(width))
+            at += hi - lo + width
+        seq = np.concatenate(seqs)
+        host = [
+            np.array([row[0] for row in rows]),
+            np.array([0 if row[3] else 1 for row in rows]),
+            np.concatenate(tokens),
+            seq[np.concatenate(windows, axis=1)].reshape(-1),
+            seq[np.concatenate(tails)],
+        ]
+        flat = torch.from_numpy(np.concatenate(host).astype(np.int64)).to(device)  # one copy
+        parts = list(flat.split([len(h) for h in host]))
+        parts[1] = parts[1].view(-1, 1, 1).bool()
+        parts[3] = parts[3].view(width + 1, -1)
+        return cls(*parts)
 
 
 def causal_conv1d(
@@ -84,25 +142,26 @@ def causal_conv1d(
     conv_state: torch.Tensor,  # [S, C, K - 1], updated in place
     layout: StateLayout,
 ) -> torch.Tensor:  # [T, C], SiLU-activated
-    """Depthwise causal conv over each row's previous `K - 1` inputs and its new ones."""
+    """Depthwise causal conv over each row's previous `K - 1` inputs and its new ones: the step
+    rows as `[R, C, K]` windows, the chunk rows by `layout.conv_plan`'s gathers; no host sync,
+    so it runs inside a CUDA graph."""
     out = torch.empty_like(x)
     if len(layout.step_tokens):  # one token each: [R, C, K] windows, all rows at once
         idx, slots = layout.step_tokens, layout.step_slots
         seq = torch.cat([conv_state[slots], x[idx].unsqueeze(-1).to(conv_state.dtype)], dim=-1)
         conv_state[slots] = seq[..., 1:]
         out[idx] = F.silu((seq.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
-    width = weight.shape[1] - 1
-    for i in layout.chunk_rows:
-        slot, lo, hi = (
-            layout.state_slots[i],
-            layout.query_start_loc[i],
-            layout.query_start_loc[i + 1],
-        )
-        prev = conv_state[slot].zero_() if layout.fresh[i] else conv_state[slot]  # [C, K - 1]
-        seq = torch.cat([prev, x[lo:hi].t().to(prev.dtype)], dim=-1)  # [C, K - 1 + n]
-        conv_state[slot].copy_(seq[:, -width:])
-        y = F.conv1d(seq[None].to(weight.dtype), weight[:, None, :], groups=seq.shape[0])
-        out[lo:hi] = F.silu(y[0]).t().to(x.dtype)
+    plan = layout.conv_plan
+    if plan is None:
+        return out
+    prev = torch.where(plan.keep, conv_state[plan.slots], 0)  # [R, C, K - 1]
+    ext = torch.cat([x.to(conv_state.dtype), prev.transpose(1, 2).reshape(-1, x.shape[1])])
+    acc = torch.zeros((plan.windows.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+    for j in range(weight.shape[1]):  # [N, C] per tap, accumulated in float32
+        acc += ext[plan.windows[j]].float() * weight[:, j].float()
+    out[plan.tokens] = F.silu(acc).to(x.dtype)
+    tails = ext[plan.tails].view(len(plan.slots), -1, x.shape[1])  # [R, K - 1, C]
+    conv_state[plan.slots] = tails.transpose(1, 2)
     return out
 
 

@@ -8,8 +8,9 @@ in state slots, gated full attention, against transformers on tiny random models
   (every prompt in chunks), 4-token blocks and a KV cache too small for all requests at once, so
   requests are preempted and resume by recomputing their state; Qwen3-Next at tp=2 and over two
   pipeline stages, seeded sampling equal between the two.
-- The Triton recurrent step against its reference; the multimodal checkpoint's vision tower and
-  an MTP head are skipped by name.
+- A decode CUDA graph's layout (state slots on the device only, padding in a scratch slot)
+  against the eager one; the Triton recurrent step against its reference; the multimodal
+  checkpoint's vision tower and an MTP head are skipped by name.
 """
 
 from __future__ import annotations
@@ -94,6 +95,45 @@ def test_engine_chunked_preempted_equals_transformers(tp, pp, tmp_path_factory):
     assert all(o.num_cached_tokens == 0 for o in sampled), "prefix caching is off for them"
     SEEDED[tp, pp] = [o.outputs[0].token_ids for o in sampled]
     assert len(set(map(str, SEEDED.values()))) == 1, SEEDED
+
+
+def test_decode_graph_layout_matches_the_eager_one(tmp_path_factory):
+    """A decode CUDA graph knows its rows' state slots only on the device and pads its batch
+    with rows in a scratch slot: a linear layer gives the same outputs and states as with the
+    step's host layout, and leaves every other slot as it was."""
+    import numpy as np
+
+    from pagedserve.kernels.attention.metadata import AttentionMetadata
+
+    path = make_tiny_model("qwen3.5", str(tmp_path_factory.getbasetemp() / "qwen3.5"))
+    model = build_model(ModelConfig(model=path), torch.float32, torch.device("cpu"))
+    layer = model.linear_layers[0]
+    gen = torch.Generator().manual_seed(9)
+    layer.allocate_states(6, torch.float32, torch.device("cpu"))  # 5 slots + the scratch one
+    layer.conv_state.normal_(generator=gen)
+    layer.ssm_state.normal_(generator=gen)
+    slots, scratch = [4, 0, 2], 5
+    x = torch.randn(4, 64, generator=gen)  # 3 decode rows, then a padding row
+
+    def meta(rows: int) -> AttentionMetadata:
+        qsl = np.arange(rows + 1, dtype=np.int32)
+        none = torch.zeros(0)
+        return AttentionMetadata(none, none, none, none, qsl, np.full(rows, 9, np.int32), 1, 9, 4)
+
+    states = layer.conv_state.clone(), layer.ssm_state.clone()
+    eager = meta(3)
+    eager.state_slots_cpu = np.array(slots)
+    eager.state_slots = torch.tensor(slots)
+    want = layer(x[:3], eager)
+    want_states = layer.conv_state.clone(), layer.ssm_state.clone()
+    layer.conv_state.copy_(states[0])
+    layer.ssm_state.copy_(states[1])
+    graph = meta(4)  # as DecodeGraphs lays it out: slots on the device only
+    graph.state_slots = torch.tensor([*slots, scratch])
+    got = layer(x, graph)
+    torch.testing.assert_close(got[:3], want)
+    for mine, theirs in zip((layer.conv_state, layer.ssm_state), want_states, strict=True):
+        torch.testing.assert_close(mine[:scratch], theirs[:scratch])
 
 
 @needs_triton

@@ -23,6 +23,12 @@ outputs (parallel/groups.py: NCCL's stream, no host sync).
 For batch-1 latency, a decode bucket up to `HEAD_MAX_BATCH` rows also runs the LM head and the
 greedy argmax inside its graph (`head`).
 
+Models with recurrent state (linear attention) replay decode graphs only: each row's state slot
+is a fourth int64 input row, padding rows point at a scratch slot past the core's (`state_scratch`;
+the model allocates it), and a step with a row that starts from zeros (a one-token prompt) runs
+eagerly. Their prompt chunks run eagerly too (no mixed graphs: the chunked kernels' grids follow
+the step's rows).
+
 Cascade attention (kernels/attention/cascade.py): a decode step whose rows share a prefix of at
 least CASCADE_MIN_TOKENS replays a second graph of its bucket, captured with the cascade on; the
 step's prefix length travels in the int32 buffer, so one capture serves every prefix. Those variants
@@ -91,6 +97,7 @@ class _GraphSet:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        state_scratch: int | None = None,
     ) -> None:
         self.forward = forward
         self.sizes = sizes  # largest first
@@ -98,13 +105,16 @@ class _GraphSet:
         self.max_blocks = max_blocks
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.dev64 = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
+        rows64 = 3 if state_scratch is None else 4  # + the rows' state slots
+        self.dev64 = torch.zeros((rows64, max_tokens), dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(int32_len, dtype=torch.int32, device=device)
         self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
         self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
         self._flip = 0
-        self.input_ids, self.positions, self.slot_mapping = self.dev64
+        self.input_ids, self.positions, self.slot_mapping = self.dev64[:3]
         self.slot_mapping.fill_(-1)
+        self.state_scratch = state_scratch
+        self.state_slots = None if state_scratch is None else self.dev64[3].fill_(state_scratch)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, GraphOutputs] = {}
         self.pool = None
@@ -162,6 +172,8 @@ class _GraphSet:
         a64, a32 = self.host64[self._flip].numpy(), self.host32[self._flip].numpy()
         n = len(inputs.input_ids)
         a64[0, :n], a64[1, :n], a64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        if self.state_slots is not None:  # decode: one token per row
+            a64[3, :n] = inputs.state_slots
         return a64, a32
 
     def _replay(
@@ -200,14 +212,16 @@ class DecodeGraphs(_GraphSet):
         device: torch.device,
         head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         cascade: bool = False,
+        state_scratch: int | None = None,
     ) -> None:
         self.head = head
         sizes = capture_sizes(max_batch)
         b = sizes[0]
         self.tables_at = t = b + CASCADE_SLOT
         super().__init__(
-            forward, sizes, b, t + b * max_blocks, max_blocks, max_model_len, block_size, device
-        )
+            forward, sizes, b, t + b * max_blocks, max_blocks, max_model_len, block_size, device,
+            state_scratch,
+        )  # fmt: skip
         self.seq_lens = self.dev32[:b]
         self.seq_lens.fill_(1)
         self.cascade_len = self.dev32[b : b + 1]
@@ -219,6 +233,8 @@ class DecodeGraphs(_GraphSet):
     def _meta(self, key: GraphKey) -> AttentionMetadata:
         size, cascade = key
         meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
+        if self.state_slots is not None:  # on the device only (kernels/gated_delta.py decode)
+            meta.state_slots = self.state_slots[:size]
         if cascade:  # an upper bound on the host; each replay writes the step's value
             meta.cascade_len, meta.cascade_len_dev = self.max_model_len, self.cascade_len
         return meta
@@ -252,6 +268,8 @@ class DecodeGraphs(_GraphSet):
         n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
         a64, a32 = self._host_buffers(inputs)
         a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
+        if self.state_slots is not None:
+            a64[3, n:size] = self.state_scratch  # and step in the scratch state slot
         a32[:n], a32[n:size] = inputs.seq_lens, 1
         a32[b] = inputs.cascade_len if cascade else 0
         tables = a32[t : t + size * self.max_blocks].reshape(size, self.max_blocks)
@@ -324,9 +342,11 @@ def capture_graphs(
     device: torch.device,
     head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
     cascade: bool,
-) -> tuple[DecodeGraphs, MixedGraphs]:
+    state_scratch: int | None = None,
+) -> tuple[DecodeGraphs, MixedGraphs | None]:
     """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
-    activations first: one pool for all), then the decode graphs into the same pool."""
+    activations first: one pool for all), then the decode graphs into the same pool. A model
+    with recurrent state (`state_scratch`: its scratch slot) gets decode graphs only."""
     shape = dict(
         max_blocks=max_blocks,
         max_model_len=config.max_model_len,
@@ -335,11 +355,16 @@ def capture_graphs(
     )
     sched = config.scheduler
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
-    mixed = MixedGraphs(forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape)
-    mixed.capture()
+    mixed = None
+    if state_scratch is None:
+        mixed = MixedGraphs(forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape)
+        mixed.capture()
     max_batch = min(sched.max_num_seqs, DECODE_MAX_BATCH)
-    decode = DecodeGraphs(forward, max_batch=max_batch, head=head, cascade=cascade, **shape)
-    decode.capture(pool=mixed.pool)
+    decode = DecodeGraphs(
+        forward, max_batch=max_batch, head=head, cascade=cascade, state_scratch=state_scratch,
+        **shape,
+    )  # fmt: skip
+    decode.capture(pool=mixed.pool if mixed is not None else None)
     return decode, mixed
 
 

@@ -174,7 +174,8 @@ class ModelRunner:
         num_slots = self.config.num_state_slots
         if num_slots is None or self.states_ready:
             return
-        self.model.allocate_states(num_slots, self.dtype, self.device)
+        # One more: the scratch slot decode graphs' padding rows step in (cuda_graphs.py).
+        self.model.allocate_states(num_slots + 1, self.dtype, self.device)
         self.states_ready = True
 
     def profile_num_blocks(self) -> int:
@@ -276,7 +277,7 @@ class ModelRunner:
             max_blocks = self.batch.block_tables.shape[2]
             self.graphs, self.mixed_graphs = capture_graphs(
                 forward, self.config, max_blocks, self.device, self._graph_head(),
-                self.features.cascade,
+                self.features.cascade, self.config.num_state_slots,
             )  # fmt: skip
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         if self.device.type == "cuda" and self.info.is_last_stage:
@@ -524,6 +525,8 @@ class ModelRunner:
             return None
         if self.graphs is None or len(inputs.input_ids) != num_seqs:  # not decode-only
             return None
+        if inputs.state_slots is not None and (inputs.seq_lens == 1).any():
+            return None  # a one-token prompt: its state starts from zeros (eager)
         return self.graphs.bucket(num_seqs, inputs.cascade_len > 0)
 
     def _mixed_bucket(self, inputs: StepInputs) -> int | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.config import EngineConfig, has_recurrent_state, kv_cache_groups
+from pagedserve.config import EngineConfig, kv_cache_groups
 from pagedserve.kernels.attention.registry import backend_caps
 from pagedserve.kernels.attention.selection import attention_backend_name
 from pagedserve.kernels.backend import fusion_enabled
@@ -28,8 +28,8 @@ class StepFeatures:
     cascade: bool
     # Decode and mixed-step CUDA graphs (worker/cuda_graphs.py), on every pipeline stage:
     # capturable attention (every backend the model may run) and one KV cache group (the
-    # graphs' static buffers hold one block table). Not yet for models with recurrent state:
-    # the graphs' static buffers do not carry the rows' state slots.
+    # graphs' static buffers hold one block table). Models with recurrent state get decode
+    # graphs only (their state slots are a graph input; cuda_graphs.py).
     cuda_graphs: bool
     # LM head and greedy argmax inside small decode graphs (one TP rank: no collective inside;
     # the last pipeline stage, which holds the head).
@@ -52,7 +52,6 @@ def step_features(
         is_cuda
         and not model_config.enforce_eager
         and len(kv_cache_groups(model_config.hf)) == 1
-        and not has_recurrent_state(model_config.hf)
         and all(c.cuda_graphs for c in caps)
     )
     return StepFeatures(

@@ -4,7 +4,8 @@ gated delta rule (kernels/gated_delta.py), instead of a KV cache that grows with
 
 The states live in this layer, one row per state slot (`allocate_states`); the core gives every
 running request one slot (core/state_pool.py) and the step's metadata names each row's slot
-(`AttentionMetadata.state_slots_cpu`). A row whose context starts in this step starts from zeros.
+(`AttentionMetadata.state_slots`; in a decode CUDA graph only on the device, where every row
+continues by one token). A row whose context starts in this step starts from zeros.
 
 Tensor parallel: key and value heads split across ranks in contiguous ranges (value head `j`
 reads key head `j // (Hv / Hk)`, so a rank's value heads read only its own key heads); the
@@ -121,13 +122,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         assert self.conv_state is not None and self.ssm_state is not None, "allocate_states first"
-        assert meta.state_slots_cpu is not None, "a model with linear attention needs state slots"
+        has_slots = meta.state_slots_cpu is not None or meta.state_slots is not None
+        assert has_slots, "a model with linear attention needs state slots"
         num_tokens = x.shape[0]
         layout = meta.scratch.get("state_layout")  # built by the step's first linear layer
-        if layout is None:
+        if layout is None and meta.state_slots_cpu is None:  # a decode graph: slots on the device
+            layout = meta.scratch["state_layout"] = StateLayout.decode(meta.state_slots)
+        elif layout is None:
             layout = meta.scratch["state_layout"] = StateLayout.build(
                 meta.state_slots_cpu.tolist(), meta.query_start_loc_cpu.tolist(),
-                meta.seq_lens_cpu.tolist(), x.device,
+                meta.seq_lens_cpu.tolist(), x.device, self.kernel_size - 1,
             )  # fmt: skip
         qkv, z, b, a = self.project(x)
         weight = self.conv_weight[:, 0]  # [C, K]
