@@ -117,6 +117,9 @@ class _GraphSet:
         self.state_slots = None if state_scratch is None else self.dev64[3].fill_(state_scratch)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, GraphOutputs] = {}
+        # Each graph's metadata, kept: what layers derive from it in the warm-up before capture
+        # (its `scratch`, e.g. kernels/gated_delta.py's decode layout) is read by the replays.
+        self.metas: dict[GraphKey, AttentionMetadata] = {}
         self.pool = None
 
     def _meta(self, key: GraphKey) -> AttentionMetadata:
@@ -155,7 +158,8 @@ class _GraphSet:
         self.pool = pool
         for key in sorted(self.keys, reverse=True):
             size = key[0]
-            args = (self.input_ids[:size], self.positions[:size], self._meta(key))
+            self.metas[key] = meta = self._meta(key)
+            args = (self.input_ids[:size], self.positions[:size], meta)
             self._graph_forward(key, *args)  # warm-up: autotuning, lazy init out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
