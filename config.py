@@ -520,16 +520,10 @@ class EngineConfig:
         return out
 
     @property
-    def max_num_running(self) -> int:
-        """Requests that may run at once: `max_num_seqs` in each of the pipeline's micro-batches
-        (core/scheduler.py), so the workers' persistent batch has a row for each."""
-        return self.scheduler.max_num_seqs * self.parallel.pipeline_parallel_size
-
-    @property
     def num_state_slots(self) -> int | None:
         """Recurrent-state slots of a model with linear attention (None: it keeps none): one per
-        request that may run; the workers' memory profile reserves them before KV."""
-        return self.max_num_running if has_recurrent_state(self.model.hf) else None
+        request `max_num_seqs` lets run; the workers' memory profile reserves them before KV."""
+        return self.scheduler.max_num_seqs if has_recurrent_state(self.model.hf) else None
 
     def to_json(self) -> str:
         def init_fields(obj: Any) -> dict[str, Any] | None:

@@ -66,7 +66,7 @@ def check_invariants(sched: Scheduler) -> None:
     for req in waiting:
         assert not req.blocks and req.num_computed_tokens == 0 == req.num_placeholders, req
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
-    assert len(sched.running) <= sched.max_running
+    assert len(sched.running) <= sched.config.max_num_seqs
     unfinished = {id(r) for r in sched.running} | {id(r) for r in waiting}
     assert len(unfinished) == len(sched.running) + len(waiting) == len(sched.requests)
     assert unfinished == {id(r) for r in sched.requests.values()}

@@ -12,10 +12,6 @@ Micro-batches (`num_microbatches` = pipeline stages): a plan takes at most 1/P o
 requests, so with P plans in flight over disjoint requests every stage has a share of the batch to
 work on; without the cap the first plan would take every request and the next plans would find
 each one still in flight (stage 1 idle while stage 2 works, and back: a bubble of (P-1)/P).
-`max_num_seqs` bounds the rows of one plan (vLLM: sequences per iteration; a micro-batch is an
-iteration of its own, as vLLM's virtual engines each had `max_num_seqs`), so up to P x
-`max_num_seqs` requests run: with the running set capped at `max_num_seqs`, P micro-batches of
-1/P each read every stage's weights P times as often per token as one stage's full batch does.
 
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
 (`NewRequest`), then only its new blocks (`CachedDelta`), and its sampled tokens only where the
@@ -142,7 +138,6 @@ class Scheduler:
         self.workers_keep_samples = workers_keep_samples
         assert num_microbatches >= 1
         self.num_microbatches = num_microbatches
-        self.max_running = scheduler_config.max_num_seqs * num_microbatches
         self.policy = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # policy order: the tail is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -234,12 +229,11 @@ class Scheduler:
            (lowest priority / latest) by recompute, until it fits or it was the tail.
            A request whose LoRA adapter would exceed `max_loras` distinct adapters in the step
            waits for a later step.
-        2. Unless step 1 preempted, waiting requests in policy order while budget, rows
-           (`max_num_seqs` a plan, `max_running` in all), state slots (models with recurrent
-           state) and blocks allow: reuse the longest cached prefix, take a chunk, allocate, run.
-           Stop at the first that does not fit (no skipping ahead), except that a request whose
-           adapter finds no slot left in the step is passed over (up to MAX_LORA_SKIPS per step,
-           as vLLM does) and keeps its place.
+        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs,
+           state slots (models with recurrent state) and blocks allow: reuse the longest cached
+           prefix, take a chunk, allocate, run. Stop at the first that does not fit (no skipping
+           ahead), except that a request whose adapter finds no slot left in the step is passed
+           over (up to MAX_LORA_SKIPS per step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
         step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
@@ -248,8 +242,7 @@ class Scheduler:
             self._schedule_waiting(step)
         plan = self._build_plan(step)
         assert sum(plan.num_scheduled_tokens) <= self.config.max_num_batched_tokens
-        assert len(self.running) <= self.max_running
-        assert len(plan.scheduled_ids) <= self.config.max_num_seqs
+        assert len(self.running) <= self.config.max_num_seqs
         if self.debug:
             check_invariants(self)
         return plan
@@ -321,12 +314,7 @@ class Scheduler:
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         now = time.time()
         skipped: list[Request] = []  # of adapters with no slot left in this step
-        while (
-            len(self.policy)
-            and step.budget > 0
-            and len(self.running) < self.max_running
-            and len(step.scheduled) < self.config.max_num_seqs
-        ):
+        while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             if self.states is not None and not self.states.num_free:
                 break
             req = self.policy.peek()

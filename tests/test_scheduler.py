@@ -521,20 +521,6 @@ def test_pipeline_micro_batches_split_the_running_requests():
     assert not s.schedule().scheduled_ids  # both micro-batches in flight
 
 
-def test_max_num_seqs_bounds_each_micro_batch():
-    """Two stages, max_num_seqs 2: each plan runs up to two rows, so four requests run (as
-    each of vLLM's virtual engines had max_num_seqs), not two split into micro-batches of one."""
-    s = make(max_seqs=2, block_size=4, budget=64, num_microbatches=2)
-    for i in range(5):
-        add(s, f"r{i}", range(3), ignore_eos=True)
-    first, second = s.schedule(), s.schedule()
-    assert first.scheduled_ids == ["r0", "r1"] and second.scheduled_ids == ["r2", "r3"]
-    assert not s.schedule().scheduled_ids  # four running, all in flight; r4 waits
-    s.update_from_output(first, result_for(s, first))
-    assert s.schedule().scheduled_ids == ["r0", "r1"]
-    assert [r.req_id for r in s.running] == ["r0", "r1", "r2", "r3"]
-
-
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="max_model_len"):
         make(num_blocks=3, block_size=4, max_model_len=16)

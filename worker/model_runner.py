@@ -127,7 +127,7 @@ class ModelRunner:
         self.kv_slots = [slot_of.get(i) for i in range(*layers)]
         self.states_ready = False  # allocate_states (models with recurrent state)
         self.batch = InputBatch(
-            config.max_num_running, config.max_model_len, self.block_size, len(groups)
+            config.scheduler.max_num_seqs, config.max_model_len, self.block_size, len(groups)
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.profiled_peak: int | None = None
@@ -541,17 +541,16 @@ class ModelRunner:
         )
 
     def _check_state_memory(self, budget: float) -> None:
-        """Refuse, with the flag to change, recurrent state for every request that may run
-        (`max_num_seqs` a micro-batch) that would take more than half of `budget`, the bytes
-        the KV cache and the states share (on a CPU: the KV cache's)."""
+        """Refuse, with the flag to change, recurrent state for `max_num_seqs` requests that
+        would take more than half of `budget`, the bytes the KV cache and the states share (on
+        a CPU: the KV cache's)."""
         num_slots = self.config.num_state_slots
         if num_slots is None or self.states_ready:
             return
         need = num_slots * self.model.state_bytes_per_slot(self.dtype)
         if need > budget / 2:
             raise ValueError(
-                f"recurrent state for {num_slots} requests (--max-num-seqs "
-                f"{self.config.scheduler.max_num_seqs}) takes {need / 2**30:.1f} GiB, "
+                f"recurrent state for --max-num-seqs {num_slots} takes {need / 2**30:.1f} GiB, "
                 f"more than half of the {budget / 2**30:.1f} GiB left for the KV cache and the "
                 "states: lower --max-num-seqs (or give the KV cache more memory)"
             )
