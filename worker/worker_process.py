@@ -96,11 +96,11 @@ def run_loop(
     # it is sampled, and the core plans N + 2 while this worker computes N + 1.
     lookahead = device.type == "cuda"
     # The last of several pipeline stages reports step N before it queues an eager step N+1:
-    # queueing one waits for the launch queue to drain, i.e. for N and most of N+1 to run, and
-    # the core, which needs N's tokens for that micro-batch's next plan, would get them a whole
-    # stage forward late while the first stage idles (measured: prompt steps' results came in
-    # pairs, 3 stage forwards after their plans instead of 2). N+1 cannot start before its
-    # hidden states arrive anyway.
+    # queueing one behind N waits for the device (its launch queue, most likely) until N and
+    # most of N+1 have run, and the core, which needs N's tokens for that micro-batch's next
+    # plan, would get them a whole stage forward late while the first stage idles (measured:
+    # prompt steps' results came in pairs, 3 stage forwards after their plans instead of 2).
+    # N+1 cannot start before its hidden states arrive anyway.
     report_first = lookahead and info.is_last_stage and parallel.pipeline_parallel_size > 1
     freeze_startup_heap()
     pending = None
