@@ -205,7 +205,8 @@ class AsyncEngine:
             self.cores.client_index, lora_request,
         )  # fmt: skip
         collector = self._collectors[request_id] = Collector(self.processor.parents[request_id])
-        core = self.cores.route(request_id, prompt_token_ids)
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        core = self.cores.route(request_id, prompt_token_ids, lora_id)
         finished = False
         try:
             try:

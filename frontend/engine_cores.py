@@ -146,10 +146,15 @@ class EngineCores:
         return f"{name}: {message}"
 
     # ------------------------------------------------------------------ requests
-    def route(self, request_id: str, prompt_token_ids: list[int]) -> int:
-        """The core for a new request; it counts as in flight there until `release`."""
-        core = self._core_of[request_id] = self.router.route(prompt_token_ids)
+    def route(self, request_id: str, prompt_token_ids: list[int], lora_id: int = 0) -> int:
+        """The core for a new request (`lora_id`: its adapter's `lora_int_id`, 0: none); it
+        counts as in flight there until `release`."""
+        core = self._core_of[request_id] = self.router.route(prompt_token_ids, lora_id)
         return core
+
+    def core_of(self, request_id: str) -> int | None:
+        """The core a request in flight was routed to (None: not routed, or released)."""
+        return self._core_of.get(request_id)
 
     def release(self, request_id: str) -> None:
         core = self._core_of.pop(request_id, None)

@@ -190,7 +190,7 @@ class LLM:
                 request_id = str(next(self._ids))
                 order.append(request_id)
                 messages = processor.add(request_id, text, ids, p, prio, cores.client_index, lora)
-                core = cores.route(request_id, ids)
+                core = cores.route(request_id, ids, lora.lora_int_id if lora is not None else 0)
                 for msg in messages:
                     cores.send(core, msg)
             results = self._collect(processor, len(order), use_tqdm)

@@ -67,6 +67,22 @@ def test_router_keeps_a_prefix_on_its_core_and_bounds_the_load():
         PrefixRouter(2, 4).release(1)
 
 
+def test_router_keys_include_the_lora_adapter():
+    """A LoRA request's prompt is another prefix than the same prompt without the adapter (or
+    with another one): the core's prefix cache keys include the adapter, so do the router's."""
+    prompt = next(
+        p
+        for p in (random_ids(12, 700 + i) for i in range(100))
+        if block_hashes(p, 4)[0] % 2 != block_hashes(p, 4, lora_id=1)[0] % 2
+    )
+    router = PrefixRouter(2, block_size=4)
+    home = router.route(prompt, lora_id=1)
+    assert home == block_hashes(prompt, 4, lora_id=1)[0] % 2
+    assert router.route(prompt + [5], lora_id=1) == home  # the adapter's next turn stays
+    assert router.route(prompt + [5]) == 1 - home  # the base model's is a new prefix
+    assert set(block_hashes(prompt, 4)).isdisjoint(block_hashes(prompt, 4, lora_id=2))
+
+
 def test_router_spreads_a_shared_system_prompt_and_keeps_conversations():
     """New conversations that share only a system prompt spread evenly (every core soon caches
     the system prompt); each one's next turn, sent while all are in flight, finds its core."""
@@ -174,6 +190,7 @@ def test_shared_prefix_lands_on_one_core(url: str) -> None:
     whose prefix cache holds that start: only its query and hit counts grow."""
     before_q = engine_series(url, "prefix_cache_queries_total")
     before_h = engine_series(url, "prefix_cache_hits_total")
+    before_p = engine_series(url, "prompt_tokens_total")
     for prompt in AFFINITY:  # a connection each: the two API servers share them out
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
@@ -184,6 +201,11 @@ def test_shared_prefix_lands_on_one_core(url: str) -> None:
     (home,) = [e for e, d in grew.items() if d > 0]
     assert grew[home] == sum(len(p) for p in AFFINITY), grew
     assert after_h[home] - before_h.get(home, 0) >= 4 * len(SHARED), (before_h, after_h)
+    # per-request series carry the core that ran the request
+    prompt = {
+        e: v - before_p.get(e, 0) for e, v in engine_series(url, "prompt_tokens_total").items()
+    }
+    assert prompt == {home: grew[home], str(1 - int(home)): 0}, prompt
 
 
 def core_pids(launched: Launched) -> dict[int, int]:

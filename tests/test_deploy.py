@@ -590,6 +590,12 @@ def test_prometheus_adapter_rules_serve_the_hpa_metric() -> None:
         if series.split(":")[1] in r["seriesQuery"]
     }
     assert served == {wanted}, (served, wanted)
+    # A pod with --data-parallel-size N exports each gauge once per engine core: its queue and
+    # batch are their sum, its KV cache usage their mean (a max would hide N - 1 cores' load).
+    for r in rules:
+        query = r["metricsQuery"]
+        counts = "num_requests_waiting" in r["seriesQuery"] or "running" in r["seriesQuery"]
+        assert query.startswith("sum by") if counts else not query.startswith("max by"), r
 
 
 # ---------------------------------------------------------------------- observability

@@ -279,3 +279,46 @@ def test_pipeline_keeps_micro_batches_in_flight(llama, tmp_path, monkeypatch):
     assert max(rows) == 4 and len(rows) >= 14, rows  # 8 running: micro-batches of 4
     overlapped = sum(s < r for s, r in zip(sent[1:], received, strict=False))
     assert overlapped >= len(plans) // 2, "the next plan left before the one before came back"
+
+
+def test_last_stage_reports_a_step_before_queueing_an_eager_one():
+    """On a GPU a worker queues step N+1 before it reports N; the last of several pipeline
+    stages reports N first when N+1 runs eagerly (queueing it waits for the device's launch
+    queue, which would hold N's tokens back a whole stage forward). Graph replays keep the
+    order, as do other stages and single-stage engines."""
+    from pagedserve.worker.worker_process import _step_ahead
+
+    class Runner:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def runs_eager(self, plan: str) -> bool:
+            return plan.startswith("prompt")
+
+        def start(self, plan: str, prev: str | None) -> str:
+            self.calls.append(f"start {plan}")
+            return plan
+
+        def sample(self, started: str) -> str:
+            self.calls.append(f"sample {started}")
+            return started
+
+        def finish(self, pending: str) -> str:
+            self.calls.append(f"finish {pending}")
+            return f"result {pending}"
+
+    class Results:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def send(self, result: str) -> None:
+            self.sent.append(result)
+
+    for report_first, plan, order in [
+        (True, "prompt B", ["finish A", "start prompt B", "sample prompt B"]),
+        (True, "decode B", ["start decode B", "finish A", "sample decode B"]),
+        (False, "prompt B", ["start prompt B", "finish A", "sample prompt B"]),
+    ]:
+        runner, results = Runner(), Results()
+        assert _step_ahead(runner, plan, "A", results, None, report_first) == plan
+        assert runner.calls == order and results.sent == ["result A"], (plan, runner.calls)

@@ -114,7 +114,8 @@ def test_metrics_have_vllm_twins(url: str, stop: SimpleNamespace) -> None:
         dict(labels)["finished_reason"] for (n, labels) in got if n.endswith("success_total")
     }
     assert "length" in reasons
-    assert got[("vllm:generation_tokens_total", frozenset({("model_name", DEFAULT_MODEL_NAME)}))]
+    labels = frozenset({("model_name", DEFAULT_MODEL_NAME), ("engine", "0")})
+    assert got[("vllm:generation_tokens_total", labels)]
 
 
 @pytest.mark.parametrize(

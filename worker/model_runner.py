@@ -529,6 +529,15 @@ class ModelRunner:
             return None  # a one-token prompt: its state starts from zeros (eager)
         return self.graphs.bucket(num_seqs, inputs.cascade_len > 0)
 
+    def runs_eager(self, plan: StepPlan) -> bool:
+        """Whether the plan's forward goes out kernel by kernel, no CUDA graph holding it (a
+        prompt-sized step: more tokens than the largest mixed graph). Its launches, hundreds a
+        stage, fill the device's queue behind a step still running, and start() then waits."""
+        tokens = sum(plan.num_scheduled_tokens)
+        if self.mixed_graphs is not None:
+            return tokens > self.mixed_graphs.sizes[0]
+        return self.graphs is None or tokens != len(plan.scheduled_ids)
+
     def _mixed_bucket(self, inputs: StepInputs) -> int | None:
         if self.mixed_graphs is None or (self.lora is not None and self.lora.batch.active):
             return None

@@ -95,6 +95,13 @@ def run_loop(
     # only hold step N's result back for a whole forward: there each step is reported as soon as
     # it is sampled, and the core plans N + 2 while this worker computes N + 1.
     lookahead = device.type == "cuda"
+    # The last of several pipeline stages reports step N before it queues an eager step N+1:
+    # queueing one behind N waits for the device (its launch queue, most likely) until N and
+    # most of N+1 have run, and the core, which needs N's tokens for that micro-batch's next
+    # plan, would get them a whole stage forward late while the first stage idles (measured:
+    # prompt steps' results came in pairs, 3 stage forwards after their plans instead of 2).
+    # N+1 cannot start before its hidden states arrive anyway.
+    report_first = lookahead and info.is_last_stage and parallel.pipeline_parallel_size > 1
     freeze_startup_heap()
     pending = None
     trace = _open_trace(config, rank)
@@ -104,15 +111,7 @@ def run_loop(
                 _report_grammars(runner, rank, results)
             msg = _next_message(plans, runner, pending)
             if isinstance(msg, StepPlan) and lookahead:
-                t0 = time.monotonic()
-                gpu_begin = trace.gpu_mark() if trace is not None else None
-                started = runner.start(msg, pending)
-                t1 = time.monotonic()
-                _finish(runner, pending, results)
-                t2 = time.monotonic()
-                pending = runner.sample(started)
-                if trace is not None:
-                    trace.step(msg, t0, t1, t2, gpu_begin)
+                pending = _step_ahead(runner, msg, pending, results, trace, report_first)
                 continue
             _finish(runner, pending, results)
             pending = None
@@ -138,6 +137,27 @@ def run_loop(
         runner.grammars.close()
         if trace is not None:
             trace.close()
+
+
+def _step_ahead(
+    runner, plan: StepPlan, pending, results: StepSender, trace: StepTrace | None, report_first
+):
+    """Queue `plan` on the device, then report the step before (`pending`; first when
+    `report_first` and `plan` runs eagerly) and queue `plan`'s sampling; returns `plan`'s
+    pending step."""
+    if report_first and pending is not None and runner.runs_eager(plan):
+        _finish(runner, pending, results)
+        pending = None
+    t0 = time.monotonic()
+    gpu_begin = trace.gpu_mark() if trace is not None else None
+    started = runner.start(plan, pending)
+    t1 = time.monotonic()
+    _finish(runner, pending, results)
+    t2 = time.monotonic()
+    pending = runner.sample(started)
+    if trace is not None:
+        trace.step(plan, t0, t1, t2, gpu_begin)
+    return pending
 
 
 def _memory_report(runner, rank: int) -> None:

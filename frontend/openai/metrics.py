@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -93,8 +93,7 @@ class Metrics:
             return Gauge(P + name, doc, engine_labels, registry=reg, multiprocess_mode=mode)
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
-            h = Histogram(P + name, doc, labels, buckets=buckets, registry=reg)
-            return h.labels(model_name)
+            return Histogram(P + name, doc, engine_labels, buckets=buckets, registry=reg)
 
         self.running = engine_gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = engine_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -115,16 +114,17 @@ class Metrics:
             [*engine_labels, "num_gpu_blocks", "block_size", "cache_dtype"], registry=reg,
             multiprocess_mode="mostrecent",
         )  # fmt: skip
+        # Per-request series carry the core that ran the request (`engine`), as vLLM's do.
         self.prompt_tokens = Counter(
-            P + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=reg
-        ).labels(model_name)
+            P + "prompt_tokens", "Prefilled prompt tokens.", engine_labels, registry=reg
+        )
         self.generation_tokens = Counter(
-            P + "generation_tokens", "Generated tokens.", labels, registry=reg
-        ).labels(model_name)
+            P + "generation_tokens", "Generated tokens.", engine_labels, registry=reg
+        )
         self._success = Counter(
             P + "request_success",
             "Finished requests (one per choice), by finish reason.",
-            [*labels, "finished_reason"],
+            [*engine_labels, "finished_reason"],
             registry=reg,
         )
         # By endpoint (route pattern) and status class, as vLLM's http_requests_total.
@@ -155,6 +155,9 @@ class Metrics:
         self.kv_tokens.labels(*engine).set(num_blocks * block_size)
         labels = (*engine, str(num_blocks), str(block_size), cache_dtype)
         self._cache_info.labels(*labels).set(1)
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue):  # fmt: skip
+            family.labels(*engine)  # the core's per-request series exist (at 0) from the start
 
     def set_lora(self, max_loras: int) -> None:
         """LoRA is on: export lora_requests_info (from the first stats on)."""
@@ -201,35 +204,55 @@ class Metrics:
             self._per_pos.labels(*engine, str(position)).set(count)
 
     async def track(
-        self, stream: AsyncIterator[RequestOutput], num_prompt_tokens: int
+        self,
+        stream: AsyncIterator[RequestOutput],
+        num_prompt_tokens: int,
+        core_of: Callable[[], int | None] = lambda: 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, observing token counts and latencies."""
+        """Pass a request's outputs through, observing token counts and latencies under the
+        label of the core that runs it (`core_of`, asked once the request is routed)."""
         num_tokens = 0
         finished: set[int] = set()
+        engine: tuple[str, str] | None = None
         try:
             async for out in stream:
-                now = time.time()
-                arrival = out.metrics.get("arrival_time", now)
-                total = sum(len(c.token_ids) for c in out.outputs)
-                if total > num_tokens:
-                    if num_tokens == 0:
-                        self.prompt_tokens.inc(num_prompt_tokens)
-                        self.ttft.observe(out.metrics.get("first_token_time", now) - arrival)
-                        if "first_scheduled_time" in out.metrics:
-                            self.queue.observe(out.metrics["first_scheduled_time"] - arrival)
-                    self.generation_tokens.inc(total - num_tokens)
-                    num_tokens = total
-                for gap in out.inter_token_latencies:  # per engine step, as it came
-                    self.itl.observe(gap)
-                for c in out.outputs:
-                    if c.finish_reason is not None and c.index not in finished:
-                        finished.add(c.index)
-                        self._success.labels(self.model_name, c.finish_reason).inc()
-                if out.finished:
-                    self.e2e.observe(now - arrival)
+                if engine is None:  # routed before its first output
+                    engine = (self.model_name, str(core_of() or 0))
+                num_tokens = self._observe(out, engine, num_tokens, num_prompt_tokens, finished)
                 yield out
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+
+    def _observe(
+        self,
+        out: RequestOutput,
+        engine: tuple[str, str],
+        num_tokens: int,
+        num_prompt_tokens: int,
+        finished: set[int],
+    ) -> int:
+        """One output of a request whose earlier outputs brought `num_tokens` tokens; returns
+        the tokens counted with this one."""
+        now = time.time()
+        arrival = out.metrics.get("arrival_time", now)
+        total = sum(len(c.token_ids) for c in out.outputs)
+        if total > num_tokens:
+            if num_tokens == 0:
+                self.prompt_tokens.labels(*engine).inc(num_prompt_tokens)
+                first = out.metrics.get("first_token_time", now)
+                self.ttft.labels(*engine).observe(first - arrival)
+                if (scheduled := out.metrics.get("first_scheduled_time")) is not None:
+                    self.queue.labels(*engine).observe(scheduled - arrival)
+            self.generation_tokens.labels(*engine).inc(total - num_tokens)
+        for gap in out.inter_token_latencies:  # per engine step, as it came
+            self.itl.labels(*engine).observe(gap)
+        for c in out.outputs:
+            if c.finish_reason is not None and c.index not in finished:
+                finished.add(c.index)
+                self._success.labels(*engine, c.finish_reason).inc()
+        if out.finished:
+            self.e2e.labels(*engine).observe(now - arrival)
+        return max(total, num_tokens)
 
     def count_http(self, path: str, method: str, status: int) -> None:
         """One answered request; `path` without --root-path's prefix."""

@@ -271,7 +271,8 @@ class Serving:
             ids, params, request_id, prompt=prompt, priority=priority, lora_request=lora
         )
         if self.metrics is not None:
-            stream = self.metrics.track(stream, len(ids))
+            core_of = self.engine.cores.core_of
+            stream = self.metrics.track(stream, len(ids), lambda: core_of(request_id))
         return stream
 
     async def admit(

@@ -5,6 +5,13 @@
 # `lat-L`: `bench latency`, batch 1, 128 in / 256 out; `thr-L`: `bench throughput`, 500 x 1024 in
 # / 128 out ($THR_PROMPTS); L is a layout: tp4, pp2, tp2pp2, pp4 (tpN and ppN in any order).
 # `pp-tests`: the GPU equality tests of pipeline stages (tests/test_gpu_equivalence.py).
+# `serve-L`: `launch` layout L under `bench serve`, 300 requests ($SERVE_PROMPTS) of 512 +-50% in
+# / 256 +-50% out at 8 req/s ($SERVE_RATE); target with tp2pp2: >= 7.8 req/s done, TPOT p99 <= 45
+# ms. `mt-dpN`: the 8B shape, `launch -dp N` under a multi-turn `bench serve` (the cached share of
+# prompt tokens, -dp 4 within 10% of -dp 1's). `STEP@FLAG,FLAG`: STEP with these engine flags
+# too (`thr-tp2pp2@--max-num-seqs=128`). TRACE=1: each engine writes a step trace
+# (PAGEDSERVE_STEP_TRACE) to $OUT/trace-NAME, and every worker's is summed up after its step
+# (tests/gpu/trace_summary.py: GPU busy and idle seconds per step kind, per rank).
 # `base:STEP` runs STEP with the package of $BASE (another checkout: main's tree before a change)
 # instead of this one: the A/B of a change in the same lease. LAT_FLAGS / THR_FLAGS add engine
 # flags (the latency steps default to --max-num-seqs 8 --max-num-batched-tokens 512: batch 1
@@ -23,37 +30,64 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve
 if [ -n "${BASE:-}" ]; then mkdir -p /tmp/pkgbase && ln -sfn "$(cd "$BASE" && pwd)" /tmp/pkgbase/pagedserve; fi
-M=/tmp/m70b
+M=${M70:-/tmp/m70b}  # M70, M8, VOCAB: other model dirs (a CPU dry run: tiny ones, VOCAB 4000)
 [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-70b >/dev/null
+M8=${M8:-/tmp/m8b}
 COMMON="--model $M --load-format dummy --dtype bfloat16"
 LAT_FLAGS=${LAT_FLAGS:-"--max-num-seqs 8 --max-num-batched-tokens 512"}
 STEPS=${STEPS:-"pp-tests lat-pp2 lat-tp2pp2 lat-tp4 thr-tp4 thr-tp2pp2"}
 layout() { echo "$1" | sed -E 's/tp([0-9]+)/ --tp \1 /; s/pp([0-9]+)/ --pp \1 /'; }
+serve() {  # serve ENGINE_FLAGS BENCH_FLAGS: launch, wait for /health, bench serve, stop
+  $PS launch $1 --port 8015 --host 127.0.0.1 --disable-log-requests > "$OUT/$name-server.log" 2>&1 &
+  local srv=$!
+  for _ in $(seq 2000); do curl -sf localhost:8015/health >/dev/null && break; sleep 0.2; done
+  $PS bench serve --base-url http://127.0.0.1:8015 $2 --metric-percentiles 50,99 \
+    --output-json "$json" 2>&1 | grep -v "^USDT" | tail -4
+  kill -TERM $srv; wait $srv
+}
 table=()
 for step in $STEPS; do
   t0=$(date +%s)
   tree=/tmp/pkg; name=$step
   case $step in base:*) tree=/tmp/pkgbase; step=${step#base:}; name=base-$step ;; esac
+  X=""; case $step in *@*) X=$(echo "${step#*@}" | tr ',' ' '); step=${step%%@*} ;; esac
+  name=${name//[@=,]/_}
   PS="env PYTHONPATH=$tree:${PYTHONPATH:-} timeout ${STEP_TIMEOUT:-420} python3 -m pagedserve.entrypoints.cli"
   json="$OUT/$name.json"
+  if [ "${TRACE:-0}" = 1 ]; then export PAGEDSERVE_STEP_TRACE="$OUT/trace-$name"; fi
   case $step in
     pp-tests) env PYTHONPATH=$tree:${PYTHONPATH:-} timeout ${STEP_TIMEOUT:-420} python3 -m pytest \
           -q -m gpu -s tests/test_gpu_equivalence.py -k pipeline 2>&1 | tail -8
         table+=("$(printf '%-22s %s' "$name" "exit ${PIPESTATUS[0]}")") ;;
-    lat-*) $PS bench latency $COMMON $(layout "${step#lat-}") $LAT_FLAGS --batch-size 1 \
+    lat-*) $PS bench latency $COMMON $(layout "${step#lat-}") $LAT_FLAGS $X --batch-size 1 \
           --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \
           --output-json "$json" 2>&1 | grep -v "^USDT" | tail -3 ;;
-    thr-*) $PS bench throughput $COMMON $(layout "${step#thr-}") ${THR_FLAGS:-} \
+    thr-*) $PS bench throughput $COMMON $(layout "${step#thr-}") ${THR_FLAGS:-} $X \
           --input-len 1024 --output-len 128 --num-prompts ${THR_PROMPTS:-500} \
           --output-json "$json" 2>&1 | grep -v "^USDT" | tail -3 ;;
+    serve-*) serve "$COMMON $(layout "${step#serve-}") $X" "--model $M --vocab-size ${VOCAB:-128000} \
+          --num-prompts ${SERVE_PROMPTS:-300} --random-input-len 512 --random-output-len 256 \
+          --random-range-ratio 0.5 --request-rate ${SERVE_RATE:-8} --ignore-eos" ;;
+    mt-dp*) [ -d $M8 ] || python3 .gpucarry/make_model_dir.py $M8 --arch llama3-8b >/dev/null
+        serve "--model $M8 --load-format dummy --dtype bfloat16 -dp ${step#mt-dp} $X \
+          --enable-prompt-tokens-details" "--endpoint /v1/chat/completions \
+          --dataset-name multi-turn --num-users ${MT_USERS:-256} --num-turns 4 --think-time 0.5" ;;
     *) echo "unknown step $step"; continue ;;
   esac
+  unset PAGEDSERVE_STEP_TRACE
+  for f in "$OUT/trace-$name".worker*; do
+    [ -s "$f" ] && echo "${f##*/}" && python3 tests/gpu/trace_summary.py "$f"
+  done
   if [ -f "$json" ]; then
     table+=("$(python3 - "$json" "$name" <<'PY'
 import json, sys
-d = json.load(open(sys.argv[1]))
-key = "ms_per_output_token" if "ms_per_output_token" in d else "requests_per_s"
-print(f"{sys.argv[2]:<22} {key:<20} {d[key]:9.2f}")
+d, name = json.load(open(sys.argv[1])), sys.argv[2]
+if "request_throughput" in d:  # bench serve
+    keys = ("request_throughput", "p50_tpot_ms", "p99_tpot_ms", "p99_ttft_ms", "cached_share")
+    print(f"{name:<22} " + " ".join(f"{k} {d[k]:.3f}" for k in keys if d.get(k) is not None))
+else:
+    key = "ms_per_output_token" if "ms_per_output_token" in d else "requests_per_s"
+    print(f"{name:<22} {key:<20} {d[key]:9.2f}")
 PY
 )")
   fi
