@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
+from test_scheduler import FakeWorker, SchedulerMachine, add, result_for
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.host_pool import HostPool
@@ -21,8 +22,6 @@ from pagedserve.core.kv_tier import TierSpec
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.ipc.messages import StepPlan
-
-from test_scheduler import FakeWorker, SchedulerMachine, add, result_for
 
 
 def make(
