@@ -15,7 +15,7 @@ from tiny_models import make_tiny_model
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # 20 blocks of 4 tokens cannot hold 8 running requests of 20-43 tokens (each needs up to 11):
 # requests are preempted; a shared 16-token prefix, evicted and hit again, spills to the host.
-TIGHT = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=20,
+TIGHT = dict(dtype="float32", block_size=4, num_gpu_blocks_override=20,
              max_model_len=64, max_num_batched_tokens=16)  # fmt: skip
 TIER = dict(kv_offloading_size=0.001)  # 1 MiB: 64 blocks of this model's 16 KiB
 
@@ -27,8 +27,8 @@ def prompts() -> list[list[int]]:
     return [shared + r for r in rest] + rest[1:4]
 
 
-def generate(path: str, **kw) -> tuple[list[list[int]], object]:
-    with LLM(path, **TIGHT, **kw) as llm:
+def generate(path: str, device: str = "cpu", **kw) -> tuple[list[list[int]], object]:
+    with LLM(path, device=device, **TIGHT, **kw) as llm:
         batch = [{"prompt_token_ids": p} for p in prompts()]
         first = llm.generate(batch, GREEDY)
         again = llm.generate(batch[:3], GREEDY)  # their prefixes were evicted meanwhile
@@ -53,3 +53,14 @@ def test_tier_changes_no_output(tiny, mode, tp, pp):
     assert stats.kv_swap_out_bytes > 0 and stats.kv_swap_in_bytes > 0
     if mode == "recompute":
         assert stats.host_cache_hits > 0
+
+
+@pytest.mark.gpu
+def test_tier_changes_no_output_on_a_gpu(tiny):
+    """The copy stream's ordering against the compute stream (float32, CUDA graphs on)."""
+    path, _ = tiny
+    want, _ = generate(path, "cuda")
+    for mode in ("swap", "recompute"):
+        got, stats = generate(path, "cuda", **TIER, preemption_mode=mode)
+        assert got == want, mode
+        assert stats.kv_swap_out_bytes > 0 and stats.kv_swap_in_bytes > 0
