@@ -200,7 +200,7 @@ class TierMachine(SchedulerMachine):
 
 
 TierMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=40,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
