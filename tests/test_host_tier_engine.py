@@ -36,8 +36,13 @@ def generate(path: str, device: str = "cpu", **kw) -> tuple[list[list[int]], obj
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("tier-llama")))
+def tiny_path(tmp_path_factory):
+    return make_tiny_model("llama", str(tmp_path_factory.mktemp("tier-llama")))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    path = tiny_path
     want, stats = generate(path)
     assert stats.num_preemptions > 0
     return path, want
@@ -56,9 +61,9 @@ def test_tier_changes_no_output(tiny, mode, tp, pp):
 
 
 @pytest.mark.gpu
-def test_tier_changes_no_output_on_a_gpu(tiny):
+def test_tier_changes_no_output_on_a_gpu(tiny_path):
     """The copy stream's ordering against the compute stream (float32, CUDA graphs on)."""
-    path, _ = tiny
+    path = tiny_path
     want, _ = generate(path, "cuda")
     for mode in ("swap", "recompute"):
         got, stats = generate(path, "cuda", **TIER, preemption_mode=mode)
