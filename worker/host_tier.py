@@ -1,6 +1,13 @@
 """This rank's host-memory KV tier: a copy of each KV cache tensor's block layout in host memory
 (pinned on a GPU), and the block copies each plan names (core/kv_tier.py decides them).
 
+The host tier is block-major (`[host blocks, layers, 2, block_size, kv_heads, head_dim]`: one
+host block is one contiguous chunk), the device cache layer-major (a tensor per layer), so a plan's
+copies go through a device staging buffer of `STAGING_BLOCKS` blocks: one gather (out) or scatter
+(in) per layer for a whole chunk of blocks, and one host copy per run of consecutive host blocks;
+not a copy per block and layer (a cudaMemcpyAsync costs microseconds of host time, a block's
+layer tens of KiB).
+
 On a GPU the copies run on their own stream, ordered against the compute stream both ways: they
 start once every step queued before has written its KV (a block copied out holds its final
 content; a block copied into is no longer read by an earlier step), and the step that follows
@@ -15,6 +22,7 @@ import time
 import torch
 
 HOST_TIER_BLOCKS_IF_NO_KV = 1 << 30  # a stage without KV layers: the other stages decide
+STAGING_BLOCKS = 32  # blocks per staged chunk (64 MiB at the 8B shape)
 
 
 def host_tier_blocks(size_gib: float | None, block_bytes: int) -> int:
@@ -41,16 +49,19 @@ class HostKVTier:
         unique = {id(c): c for c in kv_caches if c is not None}  # layers may share a tensor
         self.device_caches = list(unique.values())
         pin = any(c.is_cuda for c in self.device_caches)
-        # per distinct KV tensor: [num_blocks, 2, block_size, kv_heads, head_dim] on the host
-        self.host_caches = [
-            torch.empty((num_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin)
-            for c in self.device_caches
-        ]
+        self.num_blocks = num_blocks
+        self.host: torch.Tensor | None = None  # [num_blocks, L, 2, block_size, kv_heads, head_dim]
+        self.staging: torch.Tensor | None = None  # [STAGING_BLOCKS, L, ...] on the device
+        if self.device_caches:
+            c = self.device_caches[0]
+            shape = (len(self.device_caches), *c.shape[1:])
+            self.host = torch.empty((num_blocks, *shape), dtype=c.dtype, pin_memory=pin)
+            self.staging = torch.empty((STAGING_BLOCKS, *shape), dtype=c.dtype, device=c.device)
         self.stream = torch.cuda.Stream(self.device_caches[0].device) if pin else None
 
     @property
     def block_bytes(self) -> int:
-        return sum(h[0].numel() * h.element_size() for h in self.host_caches)
+        return 0 if self.host is None else self.host[0].numel() * self.host.element_size()
 
     def copy(self, to_host: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> None:
         """(device, host) pairs out, then (host, device) pairs in."""
@@ -66,20 +77,40 @@ class HostKVTier:
         compute.wait_stream(self.stream)
 
     def _copy(self, to_host: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> None:
-        for src, dst, n in _runs(to_host):
-            for dev, host in zip(self.device_caches, self.host_caches, strict=True):
-                host[dst : dst + n].copy_(dev[src : src + n], non_blocking=True)
-        for src, dst, n in _runs(from_host):
-            for dev, host in zip(self.device_caches, self.host_caches, strict=True):
-                dev[dst : dst + n].copy_(host[src : src + n], non_blocking=True)
+        if self.host is None:  # a stage without KV layers
+            return
+        for i in range(0, len(to_host), STAGING_BLOCKS):
+            chunk = to_host[i : i + STAGING_BLOCKS]
+            n = len(chunk)
+            ids = self._ids([d for d, _ in chunk])
+            for layer, dev in enumerate(self.device_caches):  # gather each layer's blocks
+                self.staging[:n, layer].copy_(dev.index_select(0, ids))
+            for k, dst, m in _runs([(k, h) for k, (_, h) in enumerate(chunk)]):
+                self.host[dst : dst + m].copy_(self.staging[k : k + m], non_blocking=True)
+        for i in range(0, len(from_host), STAGING_BLOCKS):
+            chunk = from_host[i : i + STAGING_BLOCKS]
+            n = len(chunk)
+            for src, k, m in _runs([(h, k) for k, (h, _) in enumerate(chunk)]):
+                self.staging[k : k + m].copy_(self.host[src : src + m], non_blocking=True)
+            ids = self._ids([d for _, d in chunk])
+            for layer, dev in enumerate(self.device_caches):  # scatter into each layer
+                dev.index_copy_(0, ids, self.staging[:n, layer])
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, without a synchronous copy (which would wait for the step
+        the copy stream waits for)."""
+        t = torch.tensor(ids, dtype=torch.int64)
+        if self.stream is None:
+            return t
+        return t.pin_memory().to(self.staging.device, non_blocking=True)
 
     def measure_swap(self, num_device_blocks: int) -> tuple[float, float, float]:
         """Seconds per block copied (out and in averaged), and the out and in bandwidths in
         bytes/s, from copies of up to 64 contiguous blocks (before any request: the content
         does not matter)."""
-        n = max(1, min(64, num_device_blocks, len(self.host_caches[0]) if self.host_caches else 1))
-        if not self.device_caches:
+        if self.host is None:
             return 0.0, 0.0, 0.0
+        n = max(1, min(64, num_device_blocks, self.num_blocks))
         pairs = [(i, i) for i in range(n)]
         seconds = []
         for to_host, from_host in ((pairs, []), ([], pairs)) * 2:  # warm, then timed
