@@ -206,3 +206,22 @@ TierMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_tier_state_machine = TierMachine.TestCase
+
+
+def test_worker_copies_round_trip_through_the_staging_buffer():
+    """worker/host_tier.py: more blocks than one staged chunk, layers sharing a tensor, a layer
+    without KV, ids out of order: what goes out comes back into the blocks named."""
+    torch = pytest.importorskip("torch")
+    from pagedserve.worker.host_tier import STAGING_BLOCKS, HostKVTier, host_tier_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(60, 2, 4, 2, 8, generator=gen) for _ in range(2))
+    tier = HostKVTier([a, a, None, b], 70)
+    assert tier.block_bytes == 2 * a[0].numel() * 4 and host_tier_blocks(1e-6, 1024) == 1
+    n = STAGING_BLOCKS + 5
+    want_a, want_b = a[:n].clone(), b[:n].clone()
+    tier.copy([(i, 69 - i) for i in range(n)], [])
+    a.zero_(), b.zero_()
+    tier.copy([], [(69 - i, (i * 7) % 60) for i in range(n)])
+    for i in range(n):
+        assert torch.equal(a[(i * 7) % 60], want_a[i]) and torch.equal(b[(i * 7) % 60], want_b[i])
