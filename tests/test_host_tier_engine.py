@@ -50,14 +50,15 @@ def tiny(tiny_path):
 
 @pytest.mark.parametrize("mode,tp,pp", [("recompute", 2, 1), ("swap", 1, 2)])
 def test_tier_changes_no_output(tiny, mode, tp, pp):
+    """Swap runs without the prefix cache: every copy is a swap (none a spill or a host hit)."""
     path, want = tiny
     got, stats = generate(
-        path, **TIER, preemption_mode=mode, tensor_parallel_size=tp, pipeline_parallel_size=pp
-    )
+        path, **TIER, preemption_mode=mode, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        enable_prefix_caching=mode != "swap",
+    )  # fmt: skip
     assert got == want
     assert stats.kv_swap_out_bytes > 0 and stats.kv_swap_in_bytes > 0
-    if mode == "recompute":
-        assert stats.host_cache_hits > 0
+    assert (stats.host_cache_hits > 0) == (mode == "recompute")
 
 
 @pytest.mark.gpu
