@@ -319,7 +319,9 @@ class KVCacheManager:
         (then it is recomputed). Its device blocks are freed by the caller."""
         num_blocks = cdiv(num_keep_tokens, self.block_size)
         tier = self.tier
-        if tier is None or not num_blocks or not tier.prefers_swap(num_blocks, num_keep_tokens):
+        if tier is None or not num_blocks:
+            return None
+        if not tier.prefers_swap(num_blocks, num_keep_tokens, self.enable_caching):
             return None
         block_ids = [b.block_id for b in req.blocks[0][:num_blocks]]
         full = num_keep_tokens // self.block_size

@@ -82,6 +82,15 @@ def test_preemption_swaps_out_and_resumes_with_the_same_kv():
     assert s.kv.tier.pool.num_free == 8
 
 
+def test_cost_model():
+    """Auto mode: with the prefix cache on, recompute (a lazy swap); without it, the cheaper."""
+    s = make(num_blocks=9, num_host_blocks=8, mode=None)
+    assert not s.kv.tier.prefers_swap(4, 16, caching=True)
+    assert s.kv.tier.prefers_swap(4, 16, caching=False)  # 8e-4 s of copies < 1.6e-2 s of compute
+    s.kv.tier.spec = TierSpec(8, 1.0, 1e-9, 100, None)
+    assert not s.kv.tier.prefers_swap(4, 16, caching=False)
+
+
 def test_recompute_mode_and_cost_model_choose_recompute():
     for mode, spec in [("recompute", None), (None, (1.0, 1e-9))]:
         s = make(num_blocks=9, num_host_blocks=8, mode=mode, caching=False)  # no spills
