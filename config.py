@@ -317,6 +317,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; required meaning on CPU, an override on GPU
     num_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (e4m3, per-tensor scales)
+    kv_offloading_size: float | None = None  # GiB of host KV tier per worker (None: off)
 
     def __post_init__(self) -> None:
         kv_cache_is_fp8(self.kv_cache_dtype)  # validates the name
@@ -326,6 +327,8 @@ class CacheConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be positive")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError("num_blocks_override must be at least 1")
 
@@ -344,8 +347,11 @@ class SchedulerConfig:
     async_scheduling: bool = True  # plan step N+1 while step N runs (single pipeline stage)
     # a grammar whose compile runs longer is refused (a 400 naming the limit); others go on
     max_grammar_compile_seconds: float = 10.0
+    preemption_mode: str | None = None  # "swap" | "recompute" (None: by cost, with a host tier)
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"--preemption-mode {self.preemption_mode!r}: swap or recompute")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("--max-waiting must be >= 0")
         if not self.max_grammar_compile_seconds > 0:

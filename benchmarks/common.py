@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.config import ModelConfig
+from pagedserve.entrypoints.args import parse_size
 
 ENGINE_FLAGS = {
     "--tp": ("tensor_parallel_size", int, 1),
@@ -30,6 +31,9 @@ ENGINE_FLAGS = {
     "--quantization": ("quantization", str, None),
     "--kv-cache-dtype": ("kv_cache_dtype", str, "auto"),
     "--attention-backend": ("attention_backend", str, "auto"),
+    "--kv-cache-memory": ("kv_cache_memory", parse_size, None),
+    "--kv-offloading-size": ("kv_offloading_size", float, None),
+    "--preemption-mode": ("preemption_mode", str, None),
 }
 
 

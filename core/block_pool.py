@@ -10,7 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVBlock:
@@ -106,6 +106,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        # Called with a cached block and its key as it is evicted (the host tier spills it).
+        self.on_evict: Callable[[KVBlock, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -134,6 +136,8 @@ class BlockPool:
         if h is not None:
             if self.cached.get(h) is block:
                 del self.cached[h]
+                if self.on_evict is not None:
+                    self.on_evict(block, h)
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -28,6 +28,7 @@ from typing import Protocol
 from pagedserve.config import EngineConfig
 from pagedserve.core.admission import ModelLimits, check_request
 from pagedserve.core.grammar_gate import GrammarGate
+from pagedserve.core.kv_tier import TierSpec
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats_log import StatsLog
 from pagedserve.errors import EngineDeadError, StepTimeoutError
@@ -74,8 +75,10 @@ class EngineCore:
         transport: Transport,
         num_blocks: int,
         log_stats_interval: float | None = None,
+        host_tier: TierSpec | None = None,
     ) -> None:
-        """`log_stats_interval`: seconds between stats lines in the log (None: none)."""
+        """`log_stats_interval`: seconds between stats lines in the log (None: none);
+        `host_tier`: the KV cache's host tier (None: off)."""
         self.transport = transport
         # One plan per pipeline stage keeps every stage busy. With one stage, async scheduling
         # keeps a second plan queued behind the running one: the workers start it the moment the
@@ -94,6 +97,7 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora is not None else None,
             num_state_slots=config.num_state_slots,
             speculative=config.speculative,
+            host_tier=host_tier,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size

@@ -24,7 +24,9 @@ def check_invariants(sched: Scheduler) -> None:
     - skipped blocks are exactly a group's first `num_skipped_blocks[g]`, all wholly behind the
       group's sliding window of the request's next token;
     - the hash map and the blocks' hashes agree, both ways;
-    - `running` and the waiting queue partition the unfinished requests;
+    - `running`, the waiting queue and `swapped` partition the unfinished requests; a swapped
+      request holds host blocks for its computed tokens and no device block; every host block is
+      in one state, referenced exactly by the swapped requests that hold it;
     - with state slots, each running request holds one slot of its own, waiting ones none.
     """
     pool, kv = sched.kv.pool, sched.kv
@@ -67,8 +69,16 @@ def check_invariants(sched: Scheduler) -> None:
         assert not req.blocks and req.num_computed_tokens == 0 == req.num_placeholders, req
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
     assert len(sched.running) <= sched.config.max_num_seqs
+    for req in sched.swapped:
+        assert req.status == RequestStatus.SWAPPED and not req.blocks, req
+        assert len(req.host_block_ids) == -(-req.num_computed_tokens // sched.block_size), req
+        assert 0 < req.num_computed_tokens < req.num_tokens and not req.num_placeholders, req
+    if sched.kv.tier is not None:
+        sched.kv.tier.pool.check([i for r in sched.swapped for i in r.host_block_ids])
     unfinished = {id(r) for r in sched.running} | {id(r) for r in waiting}
-    assert len(unfinished) == len(sched.running) + len(waiting) == len(sched.requests)
+    unfinished |= {id(r) for r in sched.swapped}
+    num = len(sched.running) + len(waiting) + len(sched.swapped)
+    assert len(unfinished) == num == len(sched.requests)
     assert unfinished == {id(r) for r in sched.requests.values()}
     if sched.states is not None:
         sched.states.check()

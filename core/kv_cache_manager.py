@@ -40,6 +40,7 @@ import hashlib
 from array import array
 
 from pagedserve.core.block_pool import SKIPPED_BLOCK, BlockPool, KVBlock
+from pagedserve.core.kv_tier import HostTier
 from pagedserve.core.request import Request
 
 ROOT_HASH = b""  # parent of an unsalted sequence's first block
@@ -71,12 +72,18 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         group_windows: list[int | None] | None = None,
+        tier: HostTier | None = None,
     ) -> None:
+        """`tier`: the host-memory tier (core/kv_tier.py); one global group only."""
         self.windows = list(group_windows or [None])  # per KV cache group (None: global)
         assert all(w is None or w >= 1 for w in self.windows) and len(self.windows) < 256
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.tier = tier
+        assert tier is None or self.windows == [None]
+        if tier is not None and enable_caching:  # evicted prefix-cache blocks spill to the host
+            self.pool.on_evict = lambda block, key: tier.spill(block.block_id, key)
         self.prefix_cache_queries = 0  # cumulative, in tokens
         self.prefix_cache_hits = 0  # cumulative, in tokens
 
@@ -176,21 +183,44 @@ class KVCacheManager:
             self.prefix_cache_queries += num_query_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def host_hits(self, req: Request, num_device_hits: int) -> list[int]:
+        """Host blocks that extend a device prefix hit of `num_device_hits` blocks (same cap:
+        one token is left to compute)."""
+        if self.tier is None or not self.enable_caching or req.num_computed_tokens > 0:
+            return []
+        if req.scores_prompt:
+            return []
+        hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        return self.tier.hits(hashes[num_device_hits:])
+
     def can_allocate(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[list[KVBlock]]
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[KVBlock]],
+        num_host_hits: int = 0,
     ) -> bool:
-        num_needed = self._num_blocks_needed(req, num_new_tokens, new_computed_blocks)
+        num_needed = self._num_blocks_needed(
+            req, num_new_tokens, new_computed_blocks, num_host_hits
+        )
         # A hit nobody owns sits in the free queue: touching it takes it out of the free pool.
         revived = (b for hits in new_computed_blocks for b in hits if b is not SKIPPED_BLOCK)
         num_revived = sum(1 for b in revived if b.ref_cnt == 0)
         return num_needed * self.num_groups + num_revived <= self.pool.num_free
 
     def _num_blocks_needed(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[list[KVBlock]]
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[list[KVBlock]],
+        num_host_hits: int = 0,
     ) -> int:
-        """New blocks each group needs (the same in all: their lists grow in step)."""
+        """New blocks each group needs (the same in all: their lists grow in step); host hits
+        need new device blocks to be copied into."""
         num_hits = len(new_computed_blocks[0]) if new_computed_blocks else 0
-        num_total = req.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        num_total = (
+            req.num_computed_tokens + (num_hits + num_host_hits) * self.block_size + num_new_tokens
+        )
         return max(0, cdiv(num_total, self.block_size) - req.num_blocks - num_hits)
 
     def allocate_slots(
@@ -198,9 +228,11 @@ class KVCacheManager:
         req: Request,
         num_new_tokens: int,
         new_computed_blocks: list[list[KVBlock]] | None = None,
+        host_hits: list[int] | None = None,
     ) -> bool:
         """Give `req` blocks, in every group, for `num_new_tokens` more tokens after its computed
-        ones (and after `new_computed_blocks`, prefix hits found by `get_computed_blocks`).
+        ones (and after `new_computed_blocks`, prefix hits found by `get_computed_blocks`, and
+        `host_hits`, host blocks found by `host_hits`, copied into its first new blocks).
         False if they don't fit; then nothing changed but the blocks freed behind the window.
 
         On success, every block that becomes full once these tokens are computed is registered
@@ -210,12 +242,17 @@ class KVCacheManager:
         """
         hits = new_computed_blocks or []
         self.free_outside_window(req)  # whatever follows: those blocks are needed no more
-        if not self.can_allocate(req, num_new_tokens, hits):
+        host_hits = host_hits or []
+        if not self.can_allocate(req, num_new_tokens, hits, len(host_hits)):
             return False
-        assert not hits or not req.blocks, "prefix hits only on a request's first allocation"
-        num_needed = self._num_blocks_needed(req, num_new_tokens, hits)
+        assert not (hits or host_hits) or not req.blocks, "hits only on a first allocation"
+        num_needed = self._num_blocks_needed(req, num_new_tokens, hits, len(host_hits))
         num_hits = len(hits[0]) if hits else 0
-        num_tokens = req.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        num_tokens = (
+            req.num_computed_tokens + (num_hits + len(host_hits)) * self.block_size + num_new_tokens
+        )
+        if host_hits:  # before any eviction: a spill must not take these host blocks
+            self.tier.pin(host_hits, take_ref=True)
         if not req.blocks:
             req.blocks = [[] for _ in self.windows]
             req.num_skipped_blocks = [0] * self.num_groups
@@ -228,7 +265,10 @@ class KVCacheManager:
             req.num_skipped_blocks[g] += len(group_hits) - len(held)  # they lead the list
         for blocks in req.blocks:
             blocks.extend(self.pool.get_new_blocks(num_needed))
-        req.num_hashed_blocks += num_hits
+        if host_hits:
+            targets = req.blocks[0][num_hits : num_hits + len(host_hits)]
+            self.tier.load(host_hits, [b.block_id for b in targets])
+        req.num_hashed_blocks += num_hits  # the host hits' blocks are registered below
         self._cache_full_blocks(req, min(num_tokens, req.num_tokens) // self.block_size)
         return True
 
@@ -273,5 +313,39 @@ class KVCacheManager:
         req.num_hashed_blocks = 0
         req.num_skipped_blocks = []
 
+    def swap_out(self, req: Request, num_keep_tokens: int) -> list[int] | None:
+        """Copy the blocks of the first `num_keep_tokens` of a request being preempted to the
+        host tier, if the cost model prefers that and there is room; its host blocks, or None
+        (then it is recomputed). Its device blocks are freed by the caller."""
+        num_blocks = cdiv(num_keep_tokens, self.block_size)
+        tier = self.tier
+        if tier is None or not num_blocks:
+            return None
+        if not tier.prefers_swap(num_blocks, num_keep_tokens, self.enable_caching):
+            return None
+        block_ids = [b.block_id for b in req.blocks[0][:num_blocks]]
+        full = num_keep_tokens // self.block_size
+        keys = self.block_hashes(req, full) if self.enable_caching else []
+        return tier.save(block_ids, keys)
+
+    def swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        """Give a swapped request device blocks for its kept tokens and `num_new_tokens` more,
+        its host blocks copied into the first ones (False: they don't fit, nothing changed)."""
+        host_ids = req.host_block_ids
+        num_tokens = req.num_computed_tokens + num_new_tokens
+        num_needed = cdiv(num_tokens, self.block_size)
+        assert not req.blocks and num_needed >= len(host_ids)
+        if num_needed > self.pool.num_free:
+            return False
+        self.tier.pin(host_ids, take_ref=False)  # the request's references go with this plan
+        blocks = self.pool.get_new_blocks(num_needed)
+        self.tier.load(host_ids, [b.block_id for b in blocks[: len(host_ids)]])
+        req.blocks, req.num_skipped_blocks, req.num_hashed_blocks = [blocks], [0], 0
+        req.host_block_ids = []
+        self._cache_full_blocks(req, min(num_tokens, req.num_tokens) // self.block_size)
+        return True
+
     def reset_prefix_cache(self) -> bool:
+        if self.tier is not None and self.pool.num_free == self.pool.num_blocks:
+            self.tier.pool.reset()
         return self.pool.reset_prefix_cache()

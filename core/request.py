@@ -32,6 +32,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # preempted, its KV in the host tier (core/swapping.py)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -76,6 +77,7 @@ class Request:
         self.blocks: list[list[KVBlock]] = []  # per KV cache group
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_skipped_blocks: list[int] = []  # per group: leading blocks behind its window
+        self.host_block_ids: list[int] = []  # while swapped: its KV's host blocks, in order
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of all_token_ids
         self.num_cached_tokens = 0  # prefix-cache hit at the first schedule
         self.num_preemptions = 0

@@ -37,10 +37,12 @@ from pagedserve.core.admission import check_result
 from pagedserve.core.deltas import cached_delta, new_request, request_delta
 from pagedserve.core.invariants import check_invariants
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_tier import HostTier, TierSpec
 from pagedserve.core.policy import make_policy
 from pagedserve.core.request import Request, RequestStatus, check_stop
 from pagedserve.core.spec_decode.decoder import SpecDecoder
 from pagedserve.core.state_pool import StatePool
+from pagedserve.core.swapping import release_swapped, schedule_swapped, try_swap_out
 from pagedserve.ipc.messages import (
     AddRequest,
     RequestDelta,
@@ -98,6 +100,7 @@ class Scheduler:
         max_loras: int | None = None,
         num_state_slots: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        host_tier: TierSpec | None = None,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
         absent, one global group. `num_microbatches`: plans in flight over disjoint requests
@@ -105,7 +108,8 @@ class Scheduler:
         step (None: LoRA is off, and a request with an adapter never runs: the core refuses it
         first). `num_state_slots`: models with recurrent state (linear attention) get that many
         state slots (core/state_pool.py), one per running request. `speculative`: speculative
-        decoding's config (None: off)."""
+        decoding's config (None: off). `host_tier`: the KV cache's host-memory tier
+        (core/kv_tier.py; None: off)."""
         caching = cache_config.enable_prefix_caching
         if caching and num_state_slots is not None:
             # A hit would have to restore every linear layer's state at the hit's boundary, and
@@ -115,9 +119,16 @@ class Scheduler:
                 "state, which a prefix-cache hit cannot restore"
             )
             caching = False
+        if host_tier is not None and (group_windows not in (None, [None]) or num_state_slots):
+            raise ValueError(
+                "--kv-offloading-size: the host KV tier supports models whose layers all attend "
+                "globally (no sliding-window or linear-attention layers)"
+            )
+        tier = HostTier(host_tier, cache_config.block_size) if host_tier is not None else None
         self.kv = KVCacheManager(
-            num_blocks, cache_config.block_size, caching, group_windows or [None]
+            num_blocks, cache_config.block_size, caching, group_windows or [None], tier
         )
+        self.swapped: list[Request] = []  # preempted by swap, oldest first (core/swapping.py)
         self.states = StatePool(num_state_slots) if num_state_slots is not None else None
         budget = scheduler_config.max_num_batched_tokens
         need = self.kv.max_blocks_per_request(max_model_len, budget)
@@ -195,6 +206,10 @@ class Scheduler:
         gone = {id(r) for r in aborted if r.status == RequestStatus.RUNNING}
         if gone:
             self.running = [r for r in self.running if id(r) not in gone]
+        swapped = [r for r in aborted if r.status == RequestStatus.SWAPPED]
+        if swapped:
+            release_swapped(self, swapped)
+            gone.update(id(r) for r in swapped)
         self.policy.remove(r for r in aborted if id(r) not in gone)
         for req in aborted:
             self._release(req, RequestStatus.FINISHED_ABORTED)
@@ -203,9 +218,9 @@ class Scheduler:
     def _release(self, req: Request, status: RequestStatus) -> None:
         """Free the blocks of a request that left `running`; the workers hear it next plan."""
         req.status = status
-        if self._grammar_of and status != RequestStatus.PREEMPTED:
+        if self._grammar_of and status.is_finished:
             self._drop_grammar_user(req.req_id)
-        if req.lora is not None and status != RequestStatus.PREEMPTED:
+        if req.lora is not None and status.is_finished:
             self.lora_users[req.lora.lora_name] -= 1
             if not self.lora_users[req.lora.lora_name]:
                 del self.lora_users[req.lora.lora_name]
@@ -229,7 +244,9 @@ class Scheduler:
            (lowest priority / latest) by recompute, until it fits or it was the tail.
            A request whose LoRA adapter would exceed `max_loras` distinct adapters in the step
            waits for a later step.
-        2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs,
+        2. Unless step 1 preempted, swapped requests (host KV tier) resume first, oldest first,
+           while the same limits allow (core/swapping.py); then, once none is left swapped,
+           waiting requests in policy order while budget, max_num_seqs,
            state slots (models with recurrent state) and blocks allow: reuse the longest cached
            prefix, take a chunk, allocate, run. Stop at the first that does not fit (no skipping
            ahead), except that a request whose adapter finds no slot left in the step is passed
@@ -239,7 +256,9 @@ class Scheduler:
         step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
         self._schedule_running(step)
         if not step.preempted:
-            self._schedule_waiting(step)
+            schedule_swapped(self, step)
+            if not self.swapped:
+                self._schedule_waiting(step)
         plan = self._build_plan(step)
         assert sum(plan.num_scheduled_tokens) <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
@@ -300,6 +319,8 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        if try_swap_out(self, req):
+            return
         self._release(req, RequestStatus.PREEMPTED)
         if req.scores_prompt:  # its prompt is computed again, from position 0
             req.prompt_logprobs = []
@@ -324,9 +345,13 @@ class Scheduler:
                 skipped.append(self.policy.pop())
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
+            host_hits = self.kv.host_hits(req, num_hit // self.block_size)
+            num_hit += len(host_hits) * self.block_size
             num_new = min(req.num_tokens - num_hit, step.budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+            if not self.kv.allocate_slots(req, num_new, hits, host_hits):
                 break
+            if host_hits:
+                self.kv.tier.num_hit_tokens += len(host_hits) * self.block_size
             self.policy.pop()
             if self.states is not None:
                 req.state_slot = self.states.allocate()
@@ -366,8 +391,11 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == known:
                 req.num_placeholders += 1  # every known token is computed: this step samples
+        copies = self.kv.tier.end_plan() if self.kv.tier is not None else ([], [])
         plan = StepPlan(
             step_id=self._next_step_id,
+            kv_to_host=copies[0],
+            kv_from_host=copies[1],
             scheduled_ids=[req.req_id for req, _ in step.scheduled],
             num_scheduled_tokens=[n for _, n in step.scheduled],
             new_requests=new_requests,
@@ -468,6 +496,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_unfinished=len(self.requests),
+            **(tier_stats(self) if self.kv.tier is not None else {}),
             **self._lora_stats(),
             **(spec_stats(self.spec) if self.spec is not None else {}),
         )
@@ -495,6 +524,17 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def tier_stats(sched: Scheduler) -> dict[str, int]:
+    """SchedulerStats' host KV tier fields."""
+    tier = sched.kv.tier
+    return dict(
+        num_swapped=len(sched.swapped),
+        kv_swap_out_bytes=tier.num_out_blocks * tier.spec.block_bytes,
+        kv_swap_in_bytes=tier.num_in_blocks * tier.spec.block_bytes,
+        host_cache_hits=tier.num_hit_tokens,
+    )
 
 
 def spec_stats(spec: SpecDecoder) -> dict[str, int | list[int]]:

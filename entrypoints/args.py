@@ -107,6 +107,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=16)
     a("--gpu-memory-utilization", type=float, default=0.9)
     a("--kv-cache-memory", type=parse_size, help="KV cache size in bytes (512M, 2G)")
+    a(
+        "--kv-offloading-size",
+        type=float,
+        help="GiB of host memory per worker for a second KV "
+        "tier: swap on preemption, evicted prefix blocks (off by default; docs/kv-offloading.md)",
+    )
+    a("--swap-space", type=float, help="vLLM's older name of --kv-offloading-size")
+    a("--preemption-mode", choices=["swap", "recompute"],
+      help="with a host KV tier: force one (default: chosen by measured cost)")  # fmt: skip
     a("--device", default="auto")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     a("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -299,6 +308,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
+        kv_offloading_size=args.kv_offloading_size,
+        swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode,
         device=args.device,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,

@@ -25,6 +25,7 @@ import zmq
 from pagedserve import settings
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore
+from pagedserve.core.kv_tier import TierSpec
 from pagedserve.errors import EngineDeadError, StepTimeoutError
 from pagedserve.ipc.curve import load_key, start_authenticator
 from pagedserve.ipc.messages import (
@@ -197,7 +198,8 @@ class ZmqTransport:
                 ready[msg.rank] = msg
         return list(ready.values())
 
-    def init_cache(self) -> int:
+    def init_cache(self) -> tuple[int, TierSpec | None]:
+        """The KV cache's blocks, and its host tier's spec (None: off)."""
         profiled = self.wait_workers("profiled")
         _say_timings(profiled, self.config.settings.launch_t0)
         num_blocks = min(r.num_blocks for r in profiled)
@@ -212,10 +214,12 @@ class ZmqTransport:
         world = self.config.parallel.world_size
         if not self.plans.wait_subscribers(world, timeout=60):
             raise EngineDeadError("workers did not subscribe to the plan broadcast")
-        self.plans.send(InitCache(num_blocks))
-        _say_timings(self.wait_workers("cache_ready"), self.config.settings.launch_t0)
+        num_host_blocks = min(r.num_host_blocks for r in profiled)
+        self.plans.send(InitCache(num_blocks, num_host_blocks))
+        ready = self.wait_workers("cache_ready")
+        _say_timings(ready, self.config.settings.launch_t0)
         self.ready = EngineReady(num_blocks, block_size, max_len)
-        return num_blocks
+        return num_blocks, tier_spec(ready, self.config) if num_host_blocks else None
 
     def fail(self, message: str) -> None:
         """Tell every client (also those whose hello is still queued) that the engine is dead."""
@@ -251,6 +255,19 @@ def _say_timings(ready: list[WorkerReady], launch_t0: float | None) -> None:
         if launch_t0 is not None:  # set by `launch`
             text += f" (done {time.time() - launch_t0:.1f} s after launch)"
         print(f"pagedserve: {text}", file=sys.stderr, flush=True)
+
+
+def tier_spec(ready: list[WorkerReady], config: EngineConfig) -> TierSpec:
+    """The host tier as the core sees it: ranks copy in parallel (the slowest counts), pipeline
+    stages recompute one after another."""
+    return TierSpec(
+        num_blocks=ready[0].num_host_blocks,
+        swap_s_per_block=max(r.swap_s_per_block for r in ready),
+        recompute_s_per_token=max(r.recompute_s_per_token for r in ready)
+        * config.parallel.pipeline_parallel_size,
+        block_bytes=sum(r.block_bytes for r in ready),
+        mode=config.scheduler.preemption_mode,
+    )
 
 
 def start_workers(
@@ -292,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         transport.start_workers(args.config)
-        num_blocks = transport.init_cache()
+        num_blocks, tier = transport.init_cache()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.cache.block_size)
-        core = EngineCore(config, transport, num_blocks, args.log_stats_interval)
+        core = EngineCore(config, transport, num_blocks, args.log_stats_interval, tier)
         freeze_startup_heap()
         core.run()
     except Exception as e:

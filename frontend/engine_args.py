@@ -31,6 +31,7 @@ ENGINE_ARGS: dict[str, Any] = {
     # KV cache
     "block_size": 16, "enable_prefix_caching": True, "gpu_memory_utilization": 0.9,
     "kv_cache_memory": None, "num_gpu_blocks_override": None, "kv_cache_dtype": "auto",
+    "kv_offloading_size": None, "swap_space": None, "preemption_mode": None,
     # scheduler
     "max_num_seqs": None, "max_num_batched_tokens": None, "scheduling_policy": "fcfs",
     "max_waiting": None, "step_timeout": None, "async_scheduling": True,
@@ -89,6 +90,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             kv_cache_memory=a["kv_cache_memory"],
             num_blocks_override=a["num_gpu_blocks_override"],
             kv_cache_dtype=a["kv_cache_dtype"] or "auto",
+            kv_offloading_size=offloading_size(a),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=a["max_num_seqs"] or 256,
@@ -98,6 +100,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             step_timeout=a["step_timeout"] or 600.0,
             async_scheduling=a["async_scheduling"],
             max_grammar_compile_seconds=a["max_grammar_compile_seconds"],
+            preemption_mode=a["preemption_mode"],
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=a["tensor_parallel_size"],
@@ -117,6 +120,18 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
         for name, path, _ in config.lora.lora_modules:
             read_adapter(name, path, config.model.hf, config.lora.max_lora_rank)
     return config
+
+
+def offloading_size(a: dict[str, Any]) -> float | None:
+    """GiB of host KV tier per worker: `kv_offloading_size`, or `swap_space` (vLLM's older name,
+    whose 0 meant off); a swap preemption mode needs one."""
+    size, swap = a["kv_offloading_size"], a["swap_space"]
+    if size is not None and swap is not None and size != swap:
+        raise ValueError("--kv-offloading-size and --swap-space name one size: give one")
+    size = size if size is not None else (swap or None)
+    if a["preemption_mode"] == "swap" and size is None:
+        raise ValueError("--preemption-mode swap needs a host KV tier: --kv-offloading-size GiB")
+    return size
 
 
 def lora_config(a: dict[str, Any]) -> LoRAConfig | None:

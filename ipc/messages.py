@@ -232,6 +232,10 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
     num_unfinished: int = 0  # requests the scheduler tracks (running + waiting; 0 when idle)
+    num_swapped: int = 0  # preempted requests whose KV waits in the host tier
+    kv_swap_out_bytes: int = 0  # cumulative, device -> host (swaps and spills), all ranks
+    kv_swap_in_bytes: int = 0  # cumulative, host -> device (resumes and host hits), all ranks
+    host_cache_hits: int = 0  # cumulative prefix-cache hits served by the host tier, in tokens
     running_lora_adapters: dict[str, int] = {}  # adapter name -> running requests
     waiting_lora_adapters: dict[str, int] = {}  # adapter name -> waiting requests
     lora_loads: int = 0  # cumulative: adapters the workers read into their host pool
@@ -322,10 +326,15 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     # Speculative decoding: draft tokens a scheduled request verifies this step; it runs
     # `1 + len(drafts)` tokens (its last known token, then the drafts)
     draft_token_ids: dict[str, list[int]] = {}
+    # Host KV tier (core/kv_tier.py): block copies the workers run before the forward, in this
+    # order: (device block, host block) pairs out, then (host block, device block) pairs in.
+    kv_to_host: list[tuple[int, int]] = []
+    kv_from_host: list[tuple[int, int]] = []
 
 
 class InitCache(msgspec.Struct, tag=True, **_HOT):
     num_blocks: int
+    num_host_blocks: int = 0  # the host KV tier's blocks (0: off)
 
 
 class ShutdownWorkers(msgspec.Struct, tag=True, **_HOT):
@@ -355,6 +364,12 @@ class WorkerReady(msgspec.Struct, tag=True, **_HOT):
     phase: str  # "profiled" | "cache_ready"
     seconds: float = 0.0
     timings: dict[str, float] = {}  # seconds per start-up step of this phase, in order
+    # Host KV tier: "profiled" says how many host blocks --kv-offloading-size holds on this rank;
+    # "cache_ready" what the rank measured for the preemption cost model (worker/host_tier.py)
+    num_host_blocks: int = 0
+    block_bytes: int = 0  # one block's bytes on this rank
+    swap_s_per_block: float = 0.0  # one block copied out and one in, averaged
+    recompute_s_per_token: float = 0.0  # one token's forward on this rank's layers
 
 
 class StepResult(msgspec.Struct, tag=True, **_HOT):

@@ -92,6 +92,7 @@ BAD_FLAGS = [
     ("--block-size", "3"),
     ("--port", "abc"),
     ("--kv-cache-memory", "12Q"),
+    ("--kv-offloading-size", "-1"),
     ("--max-model-len", "0"),
     ("--tp", "3"),
     ("--scheduling-policy", "lifo"),

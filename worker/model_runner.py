@@ -34,6 +34,7 @@ from pagedserve.worker.cuda_graphs import (
 )
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
+from pagedserve.worker.host_tier import HostKVTier, host_tier_blocks, measure_recompute
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
@@ -134,6 +135,8 @@ class ModelRunner:
         self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
+        self.host_tier: HostKVTier | None = None  # --kv-offloading-size (worker/host_tier.py)
+        self.tier_costs: dict[str, float] = {}  # what init_cache measured for the core
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         # A later pipeline stage's graphs read the hidden states and residual it receives from
@@ -244,12 +247,19 @@ class ModelRunner:
                 score_positions(self.model.compute_logits, hidden, idx, idx * 0, top_n)
         del caches
 
-    def init_cache(self, num_blocks: int) -> dict[str, float]:
-        """Allocate the KV cache and capture the CUDA graphs; seconds spent on each."""
+    def num_host_blocks(self) -> int:
+        return host_tier_blocks(self.config.cache.kv_offloading_size, self._block_bytes())
+
+    def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> dict[str, float]:
+        """Allocate the KV cache (and its host tier) and capture the CUDA graphs; seconds spent
+        on each."""
         t0 = time.perf_counter()
         self.kv_caches = self._new_kv_caches(num_blocks)
         self._allocate_states()
         timings = {"KV cache": time.perf_counter() - t0}
+        if num_host_blocks:
+            self._init_host_tier(num_blocks, num_host_blocks)
+            timings["host KV tier"] = time.perf_counter() - t0 - timings["KV cache"]
         if self.device.type == "cpu":  # build (once per machine) or load the C++ kernels now
             t1 = time.perf_counter()
             cpu_native.available()
@@ -286,6 +296,17 @@ class ModelRunner:
             warm_up_head(self.model, self.hidden_size, self.dtype, self.device, max_rows)
             timings["LM head warm-up"] = time.perf_counter() - t1
         return timings
+
+    def _init_host_tier(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Allocate the host tier, measure its copies and the recompute cost (the core's
+        preemption cost model)."""
+        self.host_tier = tier = HostKVTier(self.kv_caches, num_host_blocks)
+        swap_s, out_bw, in_bw = tier.measure_swap(num_blocks)
+        recompute_s = measure_recompute(self.model, self.hidden_size, self.dtype, self.device)
+        self.tier_costs = dict(
+            block_bytes=tier.block_bytes, swap_s_per_block=swap_s,
+            recompute_s_per_token=recompute_s, d2h_bytes_per_s=out_bw, h2d_bytes_per_s=in_bw,
+        )  # fmt: skip
 
     def _graph_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
         """LM head and greedy argmax for small decode graphs."""
@@ -329,6 +350,8 @@ class ModelRunner:
         device. Under async scheduling this plan feeds some of them in (a decode of a token the
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
+        if self.host_tier is not None:  # before anything reads or writes the KV cache
+            self.host_tier.copy(plan.kv_to_host, plan.kv_from_host)
         self.batch.apply(plan)
         if self.scoring or plan.new_requests:
             self._track_scoring(plan)

@@ -84,7 +84,14 @@ def run_loop(
     num_blocks = runner.profile_num_blocks()
     clock.mark("memory profile")
     results.send(
-        WorkerReady(rank, num_blocks, "profiled", time.perf_counter() - start, clock.timings)
+        WorkerReady(
+            rank,
+            num_blocks,
+            "profiled",
+            time.perf_counter() - start,
+            clock.timings,
+            num_host_blocks=runner.num_host_blocks(),
+        )  # fmt: skip
     )
     # One step may stay unfinished while the next is queued on the device: if the next plan is
     # already here (async scheduling sends it early; with pipeline stages the core keeps one plan
@@ -121,12 +128,23 @@ def run_loop(
                 _finish(runner, runner.sample(runner.start(msg, None)), results)
             elif isinstance(msg, InitCache):
                 start = time.perf_counter()
-                timings = runner.init_cache(msg.num_blocks)
+                timings = runner.init_cache(msg.num_blocks, msg.num_host_blocks)
+                costs = runner.tier_costs
                 results.send(
                     WorkerReady(
-                        rank, msg.num_blocks, "cache_ready", time.perf_counter() - start, timings
-                    )
+                        rank,
+                        msg.num_blocks,
+                        "cache_ready",
+                        time.perf_counter() - start,
+                        timings,
+                        num_host_blocks=msg.num_host_blocks,
+                        block_bytes=int(costs.get("block_bytes", 0)),
+                        swap_s_per_block=costs.get("swap_s_per_block", 0.0),
+                        recompute_s_per_token=costs.get("recompute_s_per_token", 0.0),
+                    )  # fmt: skip
                 )
+                if costs and rank == 0:
+                    _say_tier(costs)
             elif isinstance(msg, CompileGrammar):
                 if info.is_last_stage:  # only the sampling ranks need grammars
                     runner.grammars.submit(msg.key, msg.spec, msg.drop_keys)
@@ -234,6 +252,16 @@ class StepTrace:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _say_tier(costs: dict[str, float]) -> None:
+    print(
+        f"pagedserve: host KV tier: {costs['d2h_bytes_per_s'] / 1e9:.2f} GB/s out, "
+        f"{costs['h2d_bytes_per_s'] / 1e9:.2f} GB/s in, "
+        f"{costs['swap_s_per_block'] * 1e6:.1f} us/block; recompute "
+        f"{costs['recompute_s_per_token'] * 1e6:.2f} us/token",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
 
 
 def _report_grammars(runner, rank: int, results: StepSender) -> None:

@@ -51,6 +51,9 @@ _TOTALS = {
     "num_preemptions": "Requests preempted by the scheduler.",
     "lora_loads": "LoRA adapters the workers read into their host pool.",
     "lora_evictions": "LoRA adapters evicted from the workers' device slots.",
+    "kv_swap_out_bytes": "KV bytes copied to the host tier (swaps and spills), all workers.",
+    "kv_swap_in_bytes": "KV bytes copied back from the host tier, all workers.",
+    "host_cache_hits": "Prefix cache hits served by the host KV tier, in tokens.",
 }
 # Speculative decoding's totals (exported once the engine speculates, as vLLM does).
 _SPEC_TOTALS = {
@@ -65,7 +68,8 @@ _PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # label `position`
 _VLLM_TWINS: dict[str, tuple[str, ...]] = {
     name: (name,)
     for name in (
-        "num_requests_running", "num_requests_waiting", "prefix_cache_queries",
+        "num_requests_running", "num_requests_waiting", "num_requests_swapped",
+        "prefix_cache_queries",
         "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
         "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
         "request_queue_time_seconds", "cache_config_info", "lora_requests_info", *_SPEC_TOTALS,
@@ -98,6 +102,7 @@ class Metrics:
         self.running = engine_gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = engine_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = engine_gauge("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.swapped = engine_gauge("num_requests_swapped", "Requests swapped to the host tier.")
         self.unfinished = engine_gauge(
             "num_requests_unfinished", "Requests the scheduler tracks (running or waiting)."
         )
@@ -175,6 +180,9 @@ class Metrics:
         self.totals["num_preemptions"].labels(*engine).set(stats.num_preemptions)
         self.totals["lora_loads"].labels(*engine).set(stats.lora_loads)
         self.totals["lora_evictions"].labels(*engine).set(stats.lora_evictions)
+        self.swapped.labels(*engine).set(stats.num_swapped)
+        for key in ("kv_swap_out_bytes", "kv_swap_in_bytes", "host_cache_hits"):
+            self.totals[key].labels(*engine).set(getattr(stats, key))
         if self.max_loras is not None:
             labels = (
                 str(self.max_loras),

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The host KV tier on a GPU (issue 41, docs/kv-offloading.md), 8B shape (dummy weights):
+#  1. `gpu-tests`: tests/test_host_tier_engine.py's GPU test (tier on/off, swap and recompute
+#     give the float32 tiny model's greedy tokens, through the copy stream);
+#  2. `multi-turn`: `launch --kv-cache-memory 4G` under `bench serve --dataset-name multi-turn`
+#     (users whose histories do not fit on the GPU together), tier off, then
+#     `--kv-offloading-size 64`: cached share of prompt tokens, TTFT p50, throughput;
+#  3. `w1`: W1's shape (1024 in, 128 out) with --kv-cache-memory at a quarter of its need,
+#     recompute (tier off) against `--kv-offloading-size 16 --preemption-mode swap`;
+#  and the host<->device bandwidth the workers measured at start-up (their log line).
+#   STEPS="multi-turn w1 gpu-tests" bash tests/gpu/kv_tier_run.sh
+# (from a helper's worktree: see tests/gpu/device_run.sh's note on carrying the branch)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+unset PYTHONDONTWRITEBYTECODE
+PS="python3 -m pagedserve.entrypoints.cli"
+M=${M:-/tmp/m8b}
+[ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
+COMMON=${COMMON:-"--model $M --load-format dummy --dtype bfloat16"}
+USERS=${USERS:-64}; TURNS=${TURNS:-4}; W1_PROMPTS=${W1_PROMPTS:-400}
+MT_KV=${MT_KV:-4G}; W1_KV=${W1_KV:-9G}; W1_IN=${W1_IN:-1024}  # W1 at 256 rows x 1152 tokens: 36G
+for step in ${STEPS:-multi-turn w1 gpu-tests}; do
+  case $step in
+    gpu-tests) timeout 120 python3 -m pytest -q -x -m gpu tests/test_host_tier_engine.py \
+        -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu-tests.txt" ;;
+    multi-turn)
+      for tier in off on; do
+        flags=""; [ $tier = on ] && flags="--kv-offloading-size ${TIER_GIB:-64}"
+        $PS launch $COMMON --kv-cache-memory $MT_KV $flags --port 8041 --host 127.0.0.1 \
+          --disable-log-requests --enable-prompt-tokens-details > "$OUT/mt-$tier-server.log" 2>&1 &
+        srv=$!
+        for _ in $(seq 900); do curl -sf localhost:8041/health >/dev/null && break; sleep 0.2; done
+        timeout 120 $PS bench serve --base-url http://127.0.0.1:8041 --endpoint /v1/chat/completions \
+          --dataset-name multi-turn --tokenizer $M --num-users $USERS --num-turns $TURNS \
+          --system-prompt-len 32 --user-turn-len 256 --turn-output-len 64 --think-time 1.0 \
+          --output-json "$OUT/mt-$tier.json" > "$OUT/mt-$tier.txt" 2>&1
+        curl -s localhost:8041/metrics | grep -E '^(pagedserve|vllm):(prefix_cache|host_cache|kv_swap|num_requests_swapped|num_preemptions)' \
+          > "$OUT/mt-$tier-metrics.txt"
+        kill -TERM $srv; wait $srv
+      done ;;
+    w1)
+      for mode in recompute swap; do
+        flags=""; [ $mode = swap ] && flags="--kv-offloading-size ${W1_TIER_GIB:-16} --preemption-mode swap"
+        timeout 150 $PS bench throughput $COMMON --kv-cache-memory $W1_KV $flags --input-len $W1_IN \
+          --output-len 128 --num-prompts $W1_PROMPTS --output-json "$OUT/w1-$mode.json" \
+          > "$OUT/w1-$mode.txt" 2>&1
+      done ;;
+  esac
+done
+grep -h "host KV tier" "$OUT"/*.log "$OUT"/*.txt 2>/dev/null | sort -u | head -4
+python3 - "$OUT" <<'PY'
+import json, os, sys
+def get(name):
+    path = os.path.join(sys.argv[1], name + ".json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+for tier in ("off", "on"):
+    r = get(f"mt-{tier}")
+    if r:
+        print(f"multi-turn tier {tier:<3}: cached share {r.get('cached_share', 0):.3f}, TTFT p50 "
+              f"{r.get('median_ttft_ms', 0):.1f} ms, {r.get('request_throughput', 0):.2f} req/s, "
+              f"{r.get('output_throughput', 0):.0f} out tok/s, completed {r.get('completed')}")
+for mode in ("recompute", "swap"):
+    r = get(f"w1-{mode}")
+    if r:
+        print(f"W1 quarter KV {mode:<9}: {r.get('requests_per_s', 0):.2f} req/s, "
+              f"{r.get('output_tokens_per_s', 0):.0f} out tok/s")
+PY
