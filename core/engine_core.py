@@ -19,6 +19,7 @@ in a step never reports anything by itself).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
@@ -82,9 +83,13 @@ class EngineCore:
         # first ends, while this loop digests the first's result (the GPU never waits for it).
         pp = config.parallel.pipeline_parallel_size
         async_scheduling = config.scheduler.async_scheduling and pp == 1
+        pooling = config.model.pooling
+        cache = config.cache
+        if pooling is not None and pooling.pooling_type != "LAST":  # a hit would skip positions
+            cache = dataclasses.replace(cache, enable_prefix_caching=False)
         self.scheduler = Scheduler(
             config.scheduler,
-            config.cache,
+            cache,
             config.max_model_len,
             num_blocks,
             async_scheduling=async_scheduling,
@@ -102,7 +107,12 @@ class EngineCore:
             in_use=self.scheduler.grammar_users.__contains__,
         )
         self.limits = ModelLimits(
-            config.model.vocab_size, config.max_model_len, lora=config.lora is not None
+            config.model.vocab_size,
+            config.max_model_len,
+            lora=config.lora is not None,
+            pooling_task=None if pooling is None else pooling.task,
+            pooling_dim=0 if pooling is None else pooling.out_dim,
+            matryoshka=pooling is not None and pooling.is_matryoshka,
         )
         self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()

@@ -397,6 +397,10 @@ class Scheduler:
         for i, (req, num_preemptions) in enumerate(record):
             token_ids = result.sampled_token_ids[i]
             current = self._is_current(req, num_preemptions)
+            if result.pooled and current and result.pooled[i] is not None:
+                outputs.append(self._finish_pooled(req, result.pooled[i]))
+                finished.append(req)
+                continue
             if result.prompt_logprobs and current and req.scores_prompt:
                 req.prompt_logprobs.extend(result.prompt_logprobs[i])
             if not token_ids or not current:
@@ -420,6 +424,15 @@ class Scheduler:
         if self.debug:
             check_invariants(self)
         return outputs
+
+    def _finish_pooled(self, req: Request, pooled: bytes) -> tuple[int, RequestDelta]:
+        """A pooling request ends with its prompt: its vector goes to its client."""
+        assert req.pooling is not None and req.num_placeholders == 1, f"{req} pooled mid-prompt"
+        req.num_placeholders = 0
+        req.pooled = pooled
+        del self.requests[req.req_id]
+        self._release(req, RequestStatus.FINISHED_STOPPED)
+        return req.client_index, request_delta(req, [], None)
 
     def check_result(self, plan: StepPlan, result: StepResult, vocab_size: int) -> str | None:
         """Why `result` cannot be applied as the answer to `plan` (None: it can)."""

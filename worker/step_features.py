@@ -53,6 +53,7 @@ def step_features(
         and not model_config.enforce_eager
         and len(kv_cache_groups(model_config.hf)) == 1
         and not has_recurrent_state(model_config.hf)
+        and model_config.pooling is None  # prefill only: the pooler reads the eager hidden
         and all(c.cuda_graphs for c in caps)
     )
     return StepFeatures(

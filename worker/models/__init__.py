@@ -21,6 +21,7 @@ from pagedserve.worker.loader import (
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
+from pagedserve.worker.pooler import pooling_weights, prepare_model
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -38,6 +39,12 @@ ARCHITECTURES = {
     # the multimodal checkpoints' language model, served text-only
     "Qwen3_5ForConditionalGeneration": Qwen3NextForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3NextForCausalLM,
+    # pooling models (pooling_config.py): base models (embedders) and sequence classifiers
+    **{
+        f"{family}{kind}": LlamaForCausalLM
+        for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+        for kind in ("Model", "ForSequenceClassification")
+    },
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -104,12 +111,14 @@ def build_model(
     with _default_dtype(dtype), torch.device(device):
         backend = select_backend(device, config.attention_backend, kv_fp8, dtype)
         model = cls(config.hf, backend, layer_range, opts)
+        prepare_model(model, config.pooling)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif config.gguf_file is not None:
         weights = gguf_weights(config.gguf_file, config.hf_dir, dtype)
         load_weights(model, weights, config.gguf_file)
     else:
-        load_weights(model, iter_checkpoint(config.model, show_progress), config.model)
+        weights = pooling_weights(iter_checkpoint(config.model, show_progress), config.pooling)
+        load_weights(model, weights, config.model)
     after_loading(model)
     return model.eval()
