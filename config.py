@@ -15,7 +15,7 @@ from typing import Any
 
 from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
 from pagedserve.kernels.attention.registry import check_requested
-from pagedserve.pooling_config import PoolingConfig, resolve_pooling
+from pagedserve.pooling_config import PoolingConfig, position_offset, resolve_pooling
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
 from pagedserve.speculative_config import SpeculativeConfig
@@ -217,7 +217,7 @@ class ModelConfig:
             raise ValueError(f"--load-format gguf: --model {self.model!r} is no GGUF file")
         if self.load_format == "safetensors" and gguf_file is not None:
             raise ValueError(f"--load-format safetensors: --model {self.model!r} is a GGUF file")
-        limit = self.hf.get("max_position_embeddings") or 2048
+        limit = (self.hf.get("max_position_embeddings") or 2048) - position_offset(self.hf)
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", int(limit))
         elif self.max_model_len < 1:

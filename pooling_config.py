@@ -28,6 +28,19 @@ POOLER_KEYS = ("pooling_type", "normalize", "classifier_from_token", "is_matryos
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
              "pooling_mode_cls_token": "CLS"}  # fmt: skip
 _CLASSIFIER_SUFFIX = "ForSequenceClassification"
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")  # worker/models/bert.py
+
+
+def is_encoder(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") in ENCODER_TYPES
+
+
+def position_offset(hf: dict[str, Any]) -> int:
+    """Where positions start: RoBERTa's after its padding id (so max_model_len is that much
+    below max_position_embeddings)."""
+    if hf.get("model_type") not in ("roberta", "xlm-roberta"):
+        return 0
+    return int(hf.get("pad_token_id") or 1) + 1
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,13 @@ class PoolingConfig:
     num_labels: int = 0  # classify from a `score` head: its rows
     classifier_from_token: tuple[str, ...] = ()  # classify from these tokens' logits (no, yes)
     is_matryoshka: bool = False  # embed: `dimensions` may cut the vector
+    encoder: bool = False  # bidirectional attention, no KV cache (worker/models/bert.py)
+
+    @property
+    def chunkable(self) -> bool:
+        """A long prompt may run over several steps (a decoder attends causally; MEAN and CLS
+        gather their part of each chunk). An encoder's prompt runs whole in one step."""
+        return not self.encoder
 
     @property
     def uses_lm_head(self) -> bool:
@@ -71,12 +91,15 @@ def resolve_pooling(
                          f"(supported: {', '.join(POOLER_KEYS)})")  # fmt: skip
     architectures = hf.get("architectures") or []
     classifier = any(a.endswith(_CLASSIFIER_SUFFIX) for a in architectures)
-    base = any(a.endswith("Model") for a in architectures)  # no LM head: it cannot generate
+    # no LM head: it cannot generate
+    base = is_encoder(hf) or any(a.endswith("Model") for a in architectures)
     st = _sentence_transformers(hf_dir)
     if runner == "auto":
         pools = classifier or base or st is not None or convert in ("embed", "classify")
         runner = "pooling" if pools else "generate"
     if runner == "generate":
+        if is_encoder(hf):
+            raise ValueError(f"{hf.get('model_type')} is an encoder: it runs --runner pooling")
         if convert not in ("auto", "none") or overrides:
             raise ValueError("--convert and --pooler-config need --runner pooling")
         return None
@@ -88,7 +111,8 @@ def resolve_pooling(
 def _build(
     hf: dict[str, Any], task: str, st: dict[str, Any], overrides: dict[str, Any], classifier: bool
 ) -> PoolingConfig:
-    pooling_type = str(overrides.get("pooling_type") or st.get("pooling_type") or "LAST").upper()
+    default = "CLS" if is_encoder(hf) else "LAST"
+    pooling_type = str(overrides.get("pooling_type") or st.get("pooling_type") or default).upper()
     if pooling_type not in POOLING_TYPES:
         raise ValueError(f"--pooler-config pooling_type {pooling_type!r}: choose "
                          f"{', '.join(POOLING_TYPES)}")  # fmt: skip
@@ -96,6 +120,8 @@ def _build(
     if normalize is None:  # sentence-transformers say; decoder embedders normalize (vLLM)
         normalize = st.get("normalize", True)
     tokens = tuple(overrides.get("classifier_from_token") or ())
+    if tokens and is_encoder(hf):
+        raise ValueError("--pooler-config classifier_from_token needs a decoder (an LM head)")
     if tokens and (len(tokens) != 2 or not all(isinstance(t, str) for t in tokens)):
         raise ValueError("--pooler-config classifier_from_token: two token strings (no, yes)")
     num_labels = 0
@@ -115,6 +141,7 @@ def _build(
         num_labels=num_labels,
         classifier_from_token=tokens,
         is_matryoshka=matryoshka or bool(hf.get("matryoshka_dimensions")),
+        encoder=is_encoder(hf),
     )
 
 

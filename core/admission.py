@@ -40,6 +40,8 @@ class ModelLimits:
     pooling_task: str | None = None
     pooling_dim: int = 0
     matryoshka: bool = False
+    # an encoder's prompt runs whole in one step: at most this many tokens (None: chunked)
+    whole_prompt_limit: int | None = None
 
 
 def check_request(msg: AddRequest, limits: ModelLimits) -> None:
@@ -76,6 +78,12 @@ def _check_pooling(msg: AddRequest, limits: ModelLimits) -> None:
     _require(pooling is not None, "this model runs the pooling runner: it does not generate text")
     _require(pooling.task == task, f"this model's pooling task is {task}, not {pooling.task}")
     _require(msg.sampling.max_tokens == 1, "a pooling request runs its prompt only (max_tokens 1)")
+    limit = limits.whole_prompt_limit
+    _require(
+        limit is None or len(msg.prompt_token_ids) <= limit,
+        f"the prompt has {len(msg.prompt_token_ids)} tokens; this encoder runs a prompt whole in "
+        f"one step of at most --max-num-batched-tokens {limit} tokens",
+    )
     if pooling.dimensions is not None:
         _require(limits.matryoshka, "this model does not support matryoshka representation "
                  "(dimensions): its config.json sets no is_matryoshka")  # fmt: skip

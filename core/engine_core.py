@@ -85,8 +85,8 @@ class EngineCore:
         async_scheduling = config.scheduler.async_scheduling and pp == 1
         pooling = config.model.pooling
         cache = config.cache
-        if pooling is not None and pooling.pooling_type != "LAST":  # a hit would skip positions
-            cache = dataclasses.replace(cache, enable_prefix_caching=False)
+        if pooling is not None and (pooling.pooling_type != "LAST" or not pooling.chunkable):
+            cache = dataclasses.replace(cache, enable_prefix_caching=False)  # no position skipped
         self.scheduler = Scheduler(
             config.scheduler,
             cache,
@@ -99,6 +99,7 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora is not None else None,
             num_state_slots=config.num_state_slots,
             speculative=config.speculative,
+            whole_prompts=pooling is not None and not pooling.chunkable,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size
@@ -113,6 +114,11 @@ class EngineCore:
             pooling_task=None if pooling is None else pooling.task,
             pooling_dim=0 if pooling is None else pooling.out_dim,
             matryoshka=pooling is not None and pooling.is_matryoshka,
+            whole_prompt_limit=(
+                config.scheduler.max_num_batched_tokens
+                if pooling is not None and not pooling.chunkable
+                else None
+            ),
         )
         self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()

@@ -98,6 +98,7 @@ class Scheduler:
         max_loras: int | None = None,
         num_state_slots: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
         absent, one global group. `num_microbatches`: plans in flight over disjoint requests
@@ -105,7 +106,8 @@ class Scheduler:
         step (None: LoRA is off, and a request with an adapter never runs: the core refuses it
         first). `num_state_slots`: models with recurrent state (linear attention) get that many
         state slots (core/state_pool.py), one per running request. `speculative`: speculative
-        decoding's config (None: off)."""
+        decoding's config (None: off). `whole_prompts`: a prompt is never chunked (encoders:
+        it waits for a step with room for all of it)."""
         caching = cache_config.enable_prefix_caching
         if caching and num_state_slots is not None:
             # A hit would have to restore every linear layer's state at the hit's boundary, and
@@ -156,6 +158,7 @@ class Scheduler:
         self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
         self.lora_pool_counts = (0, 0)  # the workers' adapter loads and evictions (cumulative)
         self.spec = None if speculative is None else SpecDecoder(speculative, max_model_len)
+        self.whole_prompts = whole_prompts
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -325,6 +328,8 @@ class Scheduler:
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, step.budget)
+            if self.whole_prompts and num_new < req.num_tokens - num_hit:
+                break  # (the core refused prompts longer than the whole budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.policy.pop()

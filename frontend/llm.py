@@ -162,9 +162,7 @@ class LLM:
                     for i in range(n)]  # fmt: skip
         if self.tokenizer is None:
             raise ValueError("score needs a tokenizer (skip_tokenizer_init is set)")
-        prompts = score_prompts(
-            lambda text, special: encode_prompt(self.tokenizer, text, special), queries, documents
-        )
+        prompts = score_prompts(self.tokenizer, queries, documents)
         outs = self.classify([{"prompt_token_ids": p} for p in prompts], truncate_prompt_tokens,
                              use_tqdm)  # fmt: skip
         return [_pooled(o, ScoringOutput(o.outputs.probs[-1])) for o in outs]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import sys
 from array import array
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +59,14 @@ def truncate(ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
     return ids[-truncate_prompt_tokens:]
 
 
-def score_prompts(
-    encode: Callable[[str, bool], list[int]], queries: list[str], documents: list[str]
-) -> list[list[int]]:
-    """A cross-encoder's (classify model's) prompt per (query, document): the query's tokens,
-    then the document's without special tokens (a decoder tokenizer's pair encoding, as vLLM
-    runs it; Qwen3-Reranker's template is applied by the client, as in vLLM's example)."""
-    return [encode(q, True) + encode(d, False) for q, d in zip(queries, documents, strict=True)]
+def score_prompts(tokenizer: Any, queries: list[str], documents: list[str]) -> list[list[int]]:
+    """A cross-encoder's (classify model's) prompt per (query, document): the tokenizer's pair
+    encoding, as vLLM runs it (BERT: [CLS] q [SEP] d [SEP]; a decoder's tokenizer without a pair
+    template: the two concatenated; Qwen3-Reranker's prompt template is the client's to apply,
+    as in vLLM's example)."""
+    if hasattr(tokenizer, "encode_pair"):  # frontend/tokenizer.py's FastTokenizer
+        return [tokenizer.encode_pair(q, d) for q, d in zip(queries, documents, strict=True)]
+    return [tokenizer(q, d)["input_ids"] for q, d in zip(queries, documents, strict=True)]
 
 
 def pair_up(data_1: Any, data_2: Any) -> tuple[list[str], list[str]]:

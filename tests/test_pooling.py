@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from pooling_models import make_classifier, make_embedder
+from pooling_models import make_bert_embedder, make_classifier, make_embedder, make_xlmr_reranker
 from test_server import Launched, launch_args
 
 from pagedserve import LLM
@@ -131,8 +131,7 @@ def test_classifier_and_rerank(tmp_path_factory: pytest.TempPathFactory) -> None
 
     with LLM(path, **CPU) as llm:
         outs = llm.classify(TEXTS)
-        pairs = [tok("a query")["input_ids"] + tok(d, add_special_tokens=False)["input_ids"]
-                 for d in DOCS]  # fmt: skip
+        pairs = [tok("a query", d)["input_ids"] for d in DOCS]  # the pair encoding
         scores = [s.outputs.score for s in llm.score("a query", DOCS)]
     for text, out in zip(TEXTS, outs, strict=True):
         assert torch.allclose(torch.tensor(out.outputs.probs), probs(tok(text)["input_ids"]),
@@ -166,7 +165,36 @@ def test_mean_pooling_and_yes_no_reranker(
     with LLM(causal, runner="pooling", pooler_config=config, **CPU) as llm:
         scores = [s.outputs.score for s in llm.score("a query", DOCS)]
     for doc, score in zip(DOCS, scores, strict=True):
-        ids = tok("a query")["input_ids"] + tok(doc, add_special_tokens=False)["input_ids"]
+        ids = tok("a query", doc)["input_ids"]
         with torch.no_grad():
             logits = lm(torch.tensor([ids])).logits[0, -1]
         assert abs(score - torch.sigmoid(logits[301] - logits[300]).item()) < 1e-5
+
+
+def test_encoders(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """BERT (all-MiniLM's shape: mean pooling, normalized) against sentence-transformers, and an
+    XLM-RoBERTa cross-encoder (bge-reranker's shape, one label: sigmoid) against transformers:
+    bidirectional attention over whole prompts of mixed lengths, no KV cache."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = tmp_path_factory.getbasetemp()
+    bert = make_bert_embedder(str(base / "tiny-bert-st"))
+    ref = SentenceTransformer(bert, device="cpu").encode(TEXTS, convert_to_tensor=True)
+    with LLM(bert, **CPU) as llm:
+        outs = llm.embed(TEXTS[:1] + TEXTS[2:])
+        with pytest.raises(ValueError, match="whole in one step"):
+            llm.embed(TEXTS[1])  # longer than the token budget: an encoder does not chunk
+    for want, out in zip([ref[0], *ref[2:]], outs, strict=True):
+        assert _cos(out.outputs.embedding, want) >= 0.9999
+
+    xlmr = make_xlmr_reranker(str(base / "tiny-xlmr-reranker"))
+    model = AutoModelForSequenceClassification.from_pretrained(xlmr, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(xlmr)
+    with torch.no_grad():
+        want = [torch.sigmoid(model(**tok("a query", d, return_tensors="pt")).logits[0, 0]).item()
+                for d in DOCS]  # fmt: skip
+    with LLM(xlmr, **CPU) as llm:
+        scores = [s.outputs.score for s in llm.score("a query", DOCS)]
+    assert all(abs(s - w) < 1e-5 for s, w in zip(scores, want, strict=True)), (scores, want)
+    assert sorted(range(4), key=lambda i: -scores[i]) == sorted(range(4), key=lambda i: -want[i])

@@ -205,6 +205,9 @@ class ModelRunner:
             budget = DEFAULT_CPU_KV_BYTES
         if self.device.type != "cuda" or cache.kv_cache_memory is not None:
             self._check_state_memory(budget)
+        if self.pooler is not None and not self.pooler.config.chunkable:  # an encoder: no KV
+            max_blocks = -(-self.config.max_model_len // self.block_size)
+            return self.config.scheduler.max_num_seqs * max_blocks
         if not self._block_bytes():  # a pipeline stage of linear-attention layers only
             return NO_KV_LIMIT
         return max(int(budget // self._block_bytes()), 0)
@@ -273,7 +276,7 @@ class ModelRunner:
             timings["CPU kernels"] = time.perf_counter() - t1
         if self.features.cpu_compile:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
-        if self.device.type == "cuda" and any(c is not None for c in self.kv_caches):
+        if self.device.type == "cuda" and self._block_bytes():
             t1 = time.perf_counter()
             layers = attention_layers(self.model)
             kv_cache = next(c for c in self.kv_caches if c is not None)

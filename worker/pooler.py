@@ -155,7 +155,10 @@ class Pooler:
             if self.token_ids is not None:  # LM-head logits of (no, yes): one score
                 logits = self.model.compute_logits(pooled.to(self._dtype()))[:, self.token_ids]
                 return list(torch.sigmoid(logits[:, 1:] - logits[:, :1]))
-            logits = F.linear(pooled, self.model.score.weight.float())  # [S, L]
+            if hasattr(self.model, "classify"):  # an encoder's own head (worker/models/bert.py)
+                logits = self.model.classify(pooled.to(self._dtype())).float()  # [S, L]
+            else:
+                logits = F.linear(pooled, self.model.score.weight.float())  # [S, L]
             probs = torch.sigmoid(logits) if c.num_labels == 1 else logits.softmax(dim=-1)
             return list(probs)
         if all(p.dimensions is None and p.normalize is None for p in params):

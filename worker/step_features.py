@@ -17,6 +17,7 @@ from pagedserve.kernels.attention.registry import backend_caps
 from pagedserve.kernels.attention.selection import attention_backend_name
 from pagedserve.kernels.backend import fusion_enabled
 from pagedserve.parallel.groups import RankInfo
+from pagedserve.pooling_config import is_encoder
 from pagedserve.worker.cpu_compile import eligible
 
 
@@ -65,5 +66,9 @@ def step_features(
             and info.tp_size == 1
             and info.is_last_stage
         ),
-        cpu_compile=eligible(config, device, model) and config.lora is None,  # no LoRA inside
+        cpu_compile=(
+            not is_encoder(model_config.hf)  # (encoders: plain torch, per-prompt attention)
+            and eligible(config, device, model)
+            and config.lora is None  # no LoRA inside
+        ),
     )

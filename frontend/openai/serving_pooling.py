@@ -245,8 +245,8 @@ async def _scores(
         return [cosine(vecs[i], vecs[n + i]) for i in range(n)], prompts
     for text in queries + documents:
         s.check_text(text, "documents")
-    encode = s.tokenizer.encode
-    prompts = [s._truncated(req, ids) for ids in score_prompts(encode, queries, documents)]
+    pairs = score_prompts(s.tokenizer, queries, documents)
+    prompts = [s._truncated(req, ids) for ids in pairs]
     outs = await s.encode(prompts, PoolingParams(task="classify"), req, raw)
     return [decode_vector(o.pooled)[-1] for o in outs], prompts
 

@@ -18,6 +18,7 @@ from pagedserve.worker.loader import (
     iter_checkpoint,
     load_weights,
 )
+from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
@@ -45,6 +46,11 @@ ARCHITECTURES = {
         for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
         for kind in ("Model", "ForSequenceClassification")
     },
+    **{
+        f"{family}{kind}": BertModel
+        for family in ("Bert", "Roberta", "XLMRoberta")
+        for kind in ("Model", "ForSequenceClassification")
+    },
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -59,6 +65,9 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 
