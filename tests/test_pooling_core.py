@@ -74,3 +74,44 @@ def test_gate_names_the_runner() -> None:
     with pytest.raises(ValueError, match="whole in one step"):
         check_request(AddRequest("a", list(range(3, 20)), ONE, pooling=PoolingParams()), embed)
     check_request(AddRequest("a", [3, 4], ONE, pooling=PoolingParams()), embed)
+
+
+@pytest.mark.parametrize("kind", ["MEAN", "CLS", "LAST"])
+def test_pooler_gathers_over_chunks(kind: str) -> None:
+    """The worker's pooler over a prompt split across steps (beside one that ends in the first
+    step): the vector of the whole prompt's hidden states, however it was chunked."""
+    import torch
+
+    from pagedserve.ipc.messages import CachedDelta, NewRequest, StepPlan
+    from pagedserve.pooling_config import PoolingConfig
+    from pagedserve.worker.input_batch import InputBatch
+    from pagedserve.worker.pooler import Pooler
+
+    config = PoolingConfig("embed", kind, normalize=False, hidden_size=8)
+    pooler = Pooler(config, None, torch.device("cpu"), "")
+    batch = InputBatch(4, 64, 4, 1)
+    new = [NewRequest(r, list(range(3, 3 + n)), list(range(i * 4, i * 4 + 4)), ONE, 0,
+                      pooling=PoolingParams())
+           for i, (r, n) in enumerate([("a", 10), ("b", 3)])]  # fmt: skip
+    steps = [
+        StepPlan(0, ["a", "b"], [6, 3], new_requests=new),
+        StepPlan(1, ["a"], [4], cached=[CachedDelta("a", [], [], 6)]),
+    ]
+    hidden = {"a": torch.randn(10, 8), "b": torch.randn(3, 8)}
+    got = {}
+    for plan in steps:
+        batch.apply(plan)
+        pooler.track(plan)
+        inputs = batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        starts = inputs.positions[inputs.query_start_loc[:-1]]  # each row's first position
+        rows = [
+            hidden[r][s : s + n]
+            for r, s, n in zip(plan.scheduled_ids, starts, plan.num_scheduled_tokens, strict=True)
+        ]
+        pooled = pooler.pool(torch.cat(rows), plan, inputs)
+        for i, vec in zip(pooled.rows, pooled.vectors, strict=True):
+            got[plan.scheduled_ids[i]] = vec
+    for req_id, h in hidden.items():
+        want = {"MEAN": h.mean(0), "CLS": h[0], "LAST": h[-1]}[kind]
+        assert torch.allclose(got[req_id], want, atol=1e-6), req_id
+    assert not pooler.sums and not pooler.firsts  # nothing kept after the vectors
