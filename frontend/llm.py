@@ -155,11 +155,14 @@ class LLM:
         prompt (cross-encoder); an embed model gives the cosine of the two embeddings."""
         queries, documents = pair_up(data_1, data_2)
         if self.config.model.pooling is not None and self.config.model.pooling.task == "embed":
-            embedded = self.embed(queries + documents, None, truncate_prompt_tokens, use_tqdm)
-            vecs = [e.outputs.embedding for e in embedded]
-            n = len(queries)
-            return [_pooled(embedded[n + i], ScoringOutput(cosine(vecs[i], vecs[n + i])))
-                    for i in range(n)]  # fmt: skip
+            texts = list(dict.fromkeys(queries + documents))  # each distinct text once
+            embedded = dict(zip(texts, self.embed(texts, None, truncate_prompt_tokens, use_tqdm),
+                                strict=True))  # fmt: skip
+            return [
+                _pooled(embedded[d], ScoringOutput(cosine(embedded[q].outputs.embedding,
+                                                          embedded[d].outputs.embedding)))
+                for q, d in zip(queries, documents, strict=True)
+            ]  # fmt: skip
         if self.tokenizer is None:
             raise ValueError("score needs a tokenizer (skip_tokenizer_init is set)")
         prompts = score_prompts(self.tokenizer, queries, documents)

@@ -237,12 +237,12 @@ async def _scores(
     if pooling is None:
         s.check_task(req, "classify", "scoring")  # raises: the generate runner
     s.check_task(req, pooling.task, "scoring")
-    if pooling.task == "embed":
-        prompts = await s.prompts(req, queries + documents, "documents")
+    if pooling.task == "embed":  # each distinct text embedded once
+        texts = list(dict.fromkeys(queries + documents))
+        prompts = await s.prompts(req, texts, "documents")
         outs = await s.encode(prompts, PoolingParams(task="embed"), req, raw)
-        vecs = [decode_vector(o.pooled) for o in outs]
-        n = len(queries)
-        return [cosine(vecs[i], vecs[n + i]) for i in range(n)], prompts
+        vecs = {t: decode_vector(o.pooled) for t, o in zip(texts, outs, strict=True)}
+        return [cosine(vecs[q], vecs[d]) for q, d in zip(queries, documents, strict=True)], prompts
     for text in queries + documents:
         s.check_text(text, "documents")
     pairs = score_prompts(s.tokenizer, queries, documents)
