@@ -23,6 +23,8 @@ from pagedserve.parallel.state import tp_size
 from pagedserve.pooling_config import position_offset
 
 _PREFIXES = ("bert.", "roberta.", "model.")
+_BUFFERS = ("position_ids", "token_type_ids")  # saved buffers, not weights
+_OTHER_HEADS = ("lm_head", "cls.")  # pre-training heads (masked LM, next sentence)
 
 
 class _Layer(nn.Module):
@@ -129,7 +131,7 @@ class BertModel(nn.Module):
     # ------------------------------------------------------------------ checkpoint names
     def checkpoint_name_wanted(self, name: str) -> bool:
         name = _strip(name)
-        if name.endswith("position_ids") or name.startswith("lm_head"):
+        if name.endswith(_BUFFERS) or name.startswith(_OTHER_HEADS):
             return False
         return not name.startswith("pooler.") or (self.num_labels and self.kind == "bert")
 
