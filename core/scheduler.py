@@ -234,7 +234,8 @@ class Scheduler:
            waits for a later step.
         2. Unless step 1 preempted, waiting requests in policy order while budget, max_num_seqs,
            state slots (models with recurrent state) and blocks allow: reuse the longest cached
-           prefix, take a chunk, allocate, run. Stop at the first that does not fit (no skipping
+           prefix, take a chunk (with `whole_prompts`, encoders: all of it, or stop), allocate,
+           run. Stop at the first that does not fit (no skipping
            ahead), except that a request whose adapter finds no slot left in the step is passed
            over (up to MAX_LORA_SKIPS per step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
