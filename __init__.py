@@ -10,7 +10,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputs", "StructuredOutputsParams", "RequestOutput",
-    "CompletionOutput", "AsyncEngine", "LoRARequest",
+    "CompletionOutput", "AsyncEngine", "LoRARequest", "PoolingParams",
 ]  # fmt: skip
 
 _LAZY = {
@@ -21,6 +21,7 @@ _LAZY = {
     "SamplingParams": "pagedserve.ipc.messages",
     "StructuredOutputs": "pagedserve.ipc.messages",
     "LoRARequest": "pagedserve.ipc.messages",
+    "PoolingParams": "pagedserve.ipc.messages",
 }
 
 

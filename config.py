@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.gguf_checkpoint import find_gguf_file, gguf_metadata_dir
 from pagedserve.kernels.attention.registry import check_requested
+from pagedserve.pooling_config import PoolingConfig, position_offset, resolve_pooling
 from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
 from pagedserve.speculative_config import SpeculativeConfig
@@ -170,6 +171,10 @@ class ModelConfig:
     trust_remote_code: bool = False  # the tokenizer may run the checkpoint's own Python code
     quantization: str | None = None  # "fp8": quantize a plain checkpoint's weights at load time
     attention_backend: str = "auto"  # REQUESTABLE_BACKENDS (kernels/attention/registry.py)
+    # pooling models (pooling_config.py): vLLM's --runner, --convert and --pooler-config
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict[str, Any] | None = None
     # Derived from config.json in __post_init__:
     # Derived in __post_init__: the GGUF file `model` names (None: an HF directory), the directory
     # holding config.json and the tokenizer (`model`, or the GGUF file's converted metadata), and
@@ -178,6 +183,7 @@ class ModelConfig:
     hf_dir: str = field(init=False, repr=False, compare=False)
     hf: dict[str, Any] = field(init=False, repr=False, compare=False)
     quant: Fp8Scheme | None = field(init=False, repr=False, compare=False)
+    pooling: PoolingConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         gguf_file = find_gguf_file(self.model)
@@ -191,6 +197,8 @@ class ModelConfig:
         object.__setattr__(self, "dtype", dtype)
         check_requested(self.attention_backend)  # one of kernels/attention/registry.py's
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
+        pooling = resolve_pooling(hf_dir, self.hf, self.runner, self.convert, self.pooler_config)
+        object.__setattr__(self, "pooling", pooling)
         if self.quant is not None and self.hf.get("model_type") in MOE_MODEL_TYPES:
             source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
             raise ValueError(
@@ -209,7 +217,7 @@ class ModelConfig:
             raise ValueError(f"--load-format gguf: --model {self.model!r} is no GGUF file")
         if self.load_format == "safetensors" and gguf_file is not None:
             raise ValueError(f"--load-format safetensors: --model {self.model!r} is a GGUF file")
-        limit = self.hf.get("max_position_embeddings") or 2048
+        limit = (self.hf.get("max_position_embeddings") or 2048) - position_offset(self.hf)
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", int(limit))
         elif self.max_model_len < 1:

@@ -9,6 +9,7 @@ import argparse
 from typing import Any
 
 from pagedserve.benchmarks.common import add_engine_flags, report
+from pagedserve.benchmarks.embed import add_embed_parser, bench_embed
 from pagedserve.benchmarks.lora import add_lora_flags
 from pagedserve.benchmarks.offline import bench_latency, bench_startup, bench_throughput
 from pagedserve.benchmarks.serve import add_serve_parser, bench_serve
@@ -44,13 +45,15 @@ def add_bench_parser(sub: Any) -> None:
     add_serve_parser(kinds)
     so = add_structured_parser(kinds)
     sd = add_spec_parser(kinds)
-    for p in (tp, lat, st, so, sd):
+    em = add_embed_parser(kinds)
+    for p in (tp, lat, st, so, sd, em):
         p.add_argument("--output-json", default=None)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     fn = {"throughput": bench_throughput, "latency": bench_latency, "startup": bench_startup,
-          "serve": bench_serve, "structured": bench_structured, "spec": bench_spec}  # fmt: skip
+          "serve": bench_serve, "structured": bench_structured, "spec": bench_spec,
+          "embed": bench_embed}  # fmt: skip
     result = fn[args.bench_kind](args)
     report(args.bench_kind, result, getattr(args, "output_json", None))
     return 0

@@ -36,6 +36,12 @@ class ModelLimits:
     max_model_len: int
     max_logprobs: int = MAX_LOGPROBS
     lora: bool = False  # the engine serves LoRA adapters (--enable-lora)
+    # a pooling engine (--runner pooling): its task, the floats of its result, Matryoshka
+    pooling_task: str | None = None
+    pooling_dim: int = 0
+    matryoshka: bool = False
+    # an encoder's prompt runs whole in one step: at most this many tokens (None: chunked)
+    whole_prompt_limit: int | None = None
 
 
 def check_request(msg: AddRequest, limits: ModelLimits) -> None:
@@ -59,6 +65,30 @@ def check_request(msg: AddRequest, limits: ModelLimits) -> None:
         "a LoRA adapter was requested but the engine runs without --enable-lora",
     )
     _check_sampling(msg, limits)
+    _check_pooling(msg, limits)
+
+
+def _check_pooling(msg: AddRequest, limits: ModelLimits) -> None:
+    """A pooling engine runs pooling requests of its task only, a generating one none."""
+    pooling, task = msg.pooling, limits.pooling_task
+    if task is None:
+        _require(pooling is None, "this model runs the generate runner: pooling requests "
+                 "(embeddings, classification, scores) need --runner pooling")  # fmt: skip
+        return
+    _require(pooling is not None, "this model runs the pooling runner: it does not generate text")
+    _require(pooling.task == task, f"this model's pooling task is {task}, not {pooling.task}")
+    _require(msg.sampling.max_tokens == 1, "a pooling request runs its prompt only (max_tokens 1)")
+    limit = limits.whole_prompt_limit
+    _require(
+        limit is None or len(msg.prompt_token_ids) <= limit,
+        f"the prompt has {len(msg.prompt_token_ids)} tokens; this encoder runs a prompt whole in "
+        f"one step of at most --max-num-batched-tokens {limit} tokens",
+    )
+    if pooling.dimensions is not None:
+        _require(limits.matryoshka, "this model does not support matryoshka representation "
+                 "(dimensions): its config.json sets no is_matryoshka")  # fmt: skip
+        _require(pooling.dimensions <= limits.pooling_dim,
+                 f"dimensions must be at most {limits.pooling_dim}")  # fmt: skip
 
 
 def _check_sampling(msg: AddRequest, limits: ModelLimits) -> None:
@@ -111,6 +141,12 @@ def check_result(
         for lps, token_ids in zip(result.logprobs, sampled, strict=True):
             if lps is not None and (len(lps) != len(token_ids) or not all(map(_aligned, lps))):
                 return "logprob entries not one per sampled id, or of unequal lengths"
+    if result.pooled is not None:
+        if len(result.pooled) != len(record):
+            return f"{len(result.pooled)} pooled entries for {len(record)} requests"
+        for (req, current), pooled in zip(record, result.pooled, strict=True):
+            if pooled is not None and current and (req.pooling is None or len(pooled) % 4):
+                return f"request {req.req_id!r}: a pooled vector it did not ask for"
     if result.prompt_logprobs is not None:
         if len(result.prompt_logprobs) != len(record):
             return f"{len(result.prompt_logprobs)} prompt logprob lists for {len(record)} requests"

@@ -27,6 +27,7 @@ def new_request(req: Request) -> NewRequest:
         eos_token_ids=req.eos_token_ids,
         lora=req.lora,
         state_slot=req.state_slot,
+        pooling=req.pooling,
     )
 
 
@@ -66,4 +67,5 @@ def request_delta(
         num_cached_tokens=req.num_cached_tokens,
         first_scheduled_time=req.first_scheduled_time or 0.0,
         prompt_logprobs=prompt_logprobs,
+        pooled=req.pooled,
     )

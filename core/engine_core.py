@@ -19,6 +19,7 @@ in a step never reports anything by itself).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
@@ -85,9 +86,13 @@ class EngineCore:
         # first ends, while this loop digests the first's result (the GPU never waits for it).
         pp = config.parallel.pipeline_parallel_size
         async_scheduling = config.scheduler.async_scheduling and pp == 1
+        pooling = config.model.pooling
+        cache = config.cache
+        if pooling is not None and (pooling.pooling_type != "LAST" or not pooling.chunkable):
+            cache = dataclasses.replace(cache, enable_prefix_caching=False)  # no position skipped
         self.scheduler = Scheduler(
             config.scheduler,
-            config.cache,
+            cache,
             config.max_model_len,
             num_blocks,
             async_scheduling=async_scheduling,
@@ -98,6 +103,7 @@ class EngineCore:
             num_state_slots=config.num_state_slots,
             speculative=config.speculative,
             host_tier=host_tier,
+            whole_prompts=pooling is not None and not pooling.chunkable,
         )
         self.max_inflight = 2 if async_scheduling else pp
         tp = config.parallel.tensor_parallel_size
@@ -106,7 +112,17 @@ class EngineCore:
             in_use=self.scheduler.grammar_users.__contains__,
         )
         self.limits = ModelLimits(
-            config.model.vocab_size, config.max_model_len, lora=config.lora is not None
+            config.model.vocab_size,
+            config.max_model_len,
+            lora=config.lora is not None,
+            pooling_task=None if pooling is None else pooling.task,
+            pooling_dim=0 if pooling is None else pooling.out_dim,
+            matryoshka=pooling is not None and pooling.is_matryoshka,
+            whole_prompt_limit=(
+                config.scheduler.max_num_batched_tokens
+                if pooling is not None and not pooling.chunkable
+                else None
+            ),
         )
         self.world_size = config.parallel.world_size
         self.inflight: deque[StepPlan] = deque()

@@ -22,7 +22,13 @@ import enum
 from typing import TYPE_CHECKING
 
 from pagedserve.core.block_pool import KVBlock
-from pagedserve.ipc.messages import AddRequest, LoRARequest, SamplingParams, TokenLogprobs
+from pagedserve.ipc.messages import (
+    AddRequest,
+    LoRARequest,
+    PoolingParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 if TYPE_CHECKING:
     from pagedserve.core.spec_decode.decoder import RowSpec
@@ -59,6 +65,7 @@ class Request:
         client_index: int = 0,
         seq: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,6 +97,9 @@ class Request:
         self.spec: RowSpec | None = None  # speculative decoding state, once it was considered
         # prompt_logprobs: the entries the workers scored so far (sent with the first token)
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # a pooling request (prefill only): its vector, once the workers pooled its prompt
+        self.pooling = pooling
+        self.pooled: bytes | None = None
 
     @classmethod
     def from_add(cls, msg: AddRequest, seq: int = 0) -> Request:
@@ -103,6 +113,7 @@ class Request:
             client_index=msg.client_index,
             seq=seq,
             lora=msg.lora,
+            pooling=msg.pooling,
         )
 
     @property

@@ -101,6 +101,7 @@ class Scheduler:
         num_state_slots: int | None = None,
         speculative: SpeculativeConfig | None = None,
         host_tier: TierSpec | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         """`group_windows`: each KV cache group's sliding window (None: global attention);
         absent, one global group. `num_microbatches`: plans in flight over disjoint requests
@@ -109,7 +110,8 @@ class Scheduler:
         first). `num_state_slots`: models with recurrent state (linear attention) get that many
         state slots (core/state_pool.py), one per running request. `speculative`: speculative
         decoding's config (None: off). `host_tier`: the KV cache's host-memory tier
-        (core/kv_tier.py; None: off)."""
+        (core/kv_tier.py; None: off). `whole_prompts`: a prompt is never chunked (encoders:
+        it waits for a step with room for all of it)."""
         caching = cache_config.enable_prefix_caching
         if caching and num_state_slots is not None:
             # A hit would have to restore every linear layer's state at the hit's boundary, and
@@ -167,6 +169,7 @@ class Scheduler:
         self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
         self.lora_pool_counts = (0, 0)  # the workers' adapter loads and evictions (cumulative)
         self.spec = None if speculative is None else SpecDecoder(speculative, max_model_len)
+        self.whole_prompts = whole_prompts
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, msg: AddRequest) -> None:
@@ -248,7 +251,8 @@ class Scheduler:
            while the same limits allow (core/swapping.py); then, once none is left swapped,
            waiting requests in policy order while budget, max_num_seqs,
            state slots (models with recurrent state) and blocks allow: reuse the longest cached
-           prefix, take a chunk, allocate, run. Stop at the first that does not fit (no skipping
+           prefix, take a chunk (with `whole_prompts`, encoders: all of it, or stop), allocate,
+           run. Stop at the first that does not fit (no skipping
            ahead), except that a request whose adapter finds no slot left in the step is passed
            over (up to MAX_LORA_SKIPS per step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
@@ -348,6 +352,8 @@ class Scheduler:
             host_hits = self.kv.host_hits(req, num_hit // self.block_size)
             num_hit += len(host_hits) * self.block_size
             num_new = min(req.num_tokens - num_hit, step.budget)
+            if self.whole_prompts and num_new < req.num_tokens - num_hit:
+                break  # (the core refused prompts longer than the whole budget)
             if not self.kv.allocate_slots(req, num_new, hits, host_hits):
                 break
             if host_hits:
@@ -425,6 +431,10 @@ class Scheduler:
         for i, (req, num_preemptions) in enumerate(record):
             token_ids = result.sampled_token_ids[i]
             current = self._is_current(req, num_preemptions)
+            if result.pooled and current and result.pooled[i] is not None:
+                outputs.append(self._finish_pooled(req, result.pooled[i]))
+                finished.append(req)
+                continue
             if result.prompt_logprobs and current and req.scores_prompt:
                 req.prompt_logprobs.extend(result.prompt_logprobs[i])
             if not token_ids or not current:
@@ -448,6 +458,15 @@ class Scheduler:
         if self.debug:
             check_invariants(self)
         return outputs
+
+    def _finish_pooled(self, req: Request, pooled: bytes) -> tuple[int, RequestDelta]:
+        """A pooling request ends with its prompt: its vector goes to its client."""
+        assert req.pooling is not None and req.num_placeholders == 1, f"{req} pooled mid-prompt"
+        req.num_placeholders = 0
+        req.pooled = pooled
+        del self.requests[req.req_id]
+        self._release(req, RequestStatus.FINISHED_STOPPED)
+        return req.client_index, request_delta(req, [], None)
 
     def check_result(self, plan: StepPlan, result: StepResult, vocab_size: int) -> str | None:
         """Why `result` cannot be applied as the answer to `plan` (None: it can)."""

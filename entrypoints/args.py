@@ -85,6 +85,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
       "(FP8 checkpoints are detected from their config)")  # fmt: skip
     a("--kv-cache-dtype", default="auto", help="auto (model dtype) or fp8 (e4m3)")
     a("--seed", type=int, default=0, help="seed of requests that bring none")
+    a("--runner", default="auto", help="auto, generate or pooling (embeddings, classification, "
+      "scores: docs/pooling.md); auto: pooling for sentence-transformers and "
+      "*ForSequenceClassification checkpoints")  # fmt: skip
+    a("--convert", default="auto", help="pooling task: embed or classify (auto: from the model)")
+    a("--pooler-config", help="JSON: pooling_type (LAST, MEAN, CLS), normalize, "
+      "classifier_from_token, is_matryoshka")  # fmt: skip
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -294,6 +300,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
+        runner=args.runner,
+        convert=args.convert,
+        pooler_config=args.pooler_config,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         pp_layer_partition=args.pp_layer_partition,

@@ -27,6 +27,7 @@ from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_id
 from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.output_processor import OutputProcessor, ParentRequest
 from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.pooling import POOLING_SAMPLING
 from pagedserve.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from pagedserve.ipc.messages import (
     AbortRequests,
@@ -34,6 +35,7 @@ from pagedserve.ipc.messages import (
     EngineDead,
     EngineOutputs,
     LoRARequest,
+    PoolingParams,
     ResetPrefixCache,
     SamplingParams,
     SchedulerStats,
@@ -195,6 +197,7 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output whenever engine steps touched it since the last
         one (one output for many steps when the caller is slower than the engine)."""
@@ -202,7 +205,7 @@ class AsyncEngine:
         request_id = request_id or self.new_request_id()
         messages = self.processor.add(
             request_id, prompt, prompt_token_ids, sampling_params, priority,
-            self.cores.client_index, lora_request,
+            self.cores.client_index, lora_request, pooling,
         )  # fmt: skip
         collector = self._collectors[request_id] = Collector(self.processor.parents[request_id])
         lora_id = lora_request.lora_int_id if lora_request is not None else 0
@@ -229,6 +232,19 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
             self.cores.release(request_id)
+
+    async def encode(
+        self, prompt_token_ids: list[int], pooling: PoolingParams, priority: int = 0
+    ) -> RequestOutput:
+        """A pooling request (`--runner pooling`): its final output, the vector in `pooled`."""
+        outputs = [
+            out
+            async for out in self.generate(
+                prompt_token_ids, POOLING_SAMPLING, priority=priority, pooling=pooling
+            )
+        ]
+        assert outputs and outputs[-1].finished
+        return outputs[-1]
 
     def abort(self, request_id: str) -> None:
         self.cores.abort((request_id, cid) for cid in self.processor.abort(request_id))

@@ -8,6 +8,7 @@ later only ever see directories; the served name stays what the user typed.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pagedserve.config import (
@@ -28,6 +29,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "trust_remote_code": False, "generation_config": "auto", "dtype": "auto",
     "max_model_len": None, "load_format": "auto", "seed": 0, "enforce_eager": False,
     "quantization": None, "attention_backend": "auto",
+    "runner": "auto", "convert": "auto", "pooler_config": None,
     # KV cache
     "block_size": 16, "enable_prefix_caching": True, "gpu_memory_utilization": 0.9,
     "kv_cache_memory": None, "num_gpu_blocks_override": None, "kv_cache_dtype": "auto",
@@ -82,6 +84,9 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             trust_remote_code=a["trust_remote_code"],
             quantization=a["quantization"],
             attention_backend=a["attention_backend"] or "auto",
+            runner=a["runner"],
+            convert=a["convert"],
+            pooler_config=_json_dict(a["pooler_config"], "--pooler-config"),
         ),
         cache=CacheConfig(
             block_size=a["block_size"],
@@ -169,3 +174,16 @@ def _lora_module(item: Any) -> tuple[str, str, str | None]:
         return str(item["name"]), str(item["path"]), item.get("base_model_name")
     name, path = item
     return str(name), str(path), None
+
+
+def _json_dict(value: Any, flag: str) -> dict[str, Any] | None:
+    """A dict, or its JSON text (a CLI flag's value)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        value = json.loads(value)
+    except (TypeError, json.JSONDecodeError):
+        raise ValueError(f"{flag}: {value!r} is not a JSON object") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: {value!r} is not a JSON object")
+    return value

@@ -22,6 +22,20 @@ from pagedserve.frontend.engine_cores import EngineCores
 from pagedserve.frontend.generation_config import default_params, describe_defaults, stop_eos_ids
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.pooling import (
+    POOLING_SAMPLING,
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    cosine,
+    decode_vector,
+    pair_up,
+    runner_error,
+    score_prompts,
+    task_error,
+    truncate,
+)
 from pagedserve.frontend.tokenizer import encode_prompt, load_tokenizer, render_chat
 from pagedserve.grammar_spec import build_grammar  # xgrammar loads on the first call
 from pagedserve.ipc.messages import (
@@ -29,6 +43,7 @@ from pagedserve.ipc.messages import (
     EngineDead,
     EngineOutputs,
     LoRARequest,
+    PoolingParams,
     SamplingParams,
     SchedulerStats,
 )
@@ -105,6 +120,76 @@ class LLM:
         params = _per_prompt(sampling_params or self._default_params, len(encoded))
         return self._run(encoded, params, [0] * len(encoded), use_tqdm)
 
+    # ------------------------------------------------------------------ pooling models
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (an embed model, `--runner pooling`), as vLLM's."""
+        params = pooling_params or PoolingParams(task="embed")
+        outs = self._pool(prompts, params, "embed", truncate_prompt_tokens, use_tqdm)
+        return [_pooled(o, EmbeddingOutput(decode_vector(o.pooled))) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's class probabilities (a classify model)."""
+        params = PoolingParams(task="classify")
+        outs = self._pool(prompts, params, "classify", truncate_prompt_tokens, use_tqdm)
+        return [_pooled(o, ClassificationOutput(decode_vector(o.pooled))) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """A relevance score per (query, document): a classify model reads the pair as one
+        prompt (cross-encoder); an embed model gives the cosine of the two embeddings."""
+        queries, documents = pair_up(data_1, data_2)
+        if self.config.model.pooling is not None and self.config.model.pooling.task == "embed":
+            texts = list(dict.fromkeys(queries + documents))  # each distinct text once
+            embedded = dict(zip(texts, self.embed(texts, None, truncate_prompt_tokens, use_tqdm),
+                                strict=True))  # fmt: skip
+            return [
+                _pooled(embedded[d], ScoringOutput(cosine(embedded[q].outputs.embedding,
+                                                          embedded[d].outputs.embedding)))
+                for q, d in zip(queries, documents, strict=True)
+            ]  # fmt: skip
+        if self.tokenizer is None:
+            raise ValueError("score needs a tokenizer (skip_tokenizer_init is set)")
+        prompts = score_prompts(self.tokenizer, queries, documents)
+        outs = self.classify([{"prompt_token_ids": p} for p in prompts], truncate_prompt_tokens,
+                             use_tqdm)  # fmt: skip
+        return [_pooled(o, ScoringOutput(o.outputs.probs[-1])) for o in outs]
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: PoolingParams,
+        task: str,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        error = task_error(self.config.model.pooling, task, f"LLM.{task}")
+        if error is not None:
+            raise ValueError(error)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [
+            (text, truncate(ids, truncate_prompt_tokens))
+            for text, ids in map(self._encode, prompts)
+        ]
+        sampling = [POOLING_SAMPLING] * len(encoded)
+        return self._run(encoded, sampling, [0] * len(encoded), use_tqdm, pooling=params)
+
     def close(self) -> None:
         if self._cores is not None:
             self._cores.close()
@@ -173,10 +258,14 @@ class LLM:
         priority: list[int],
         use_tqdm: bool = False,
         loras: list[LoRARequest | None] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         cores = self._cores
         if cores is None:
             raise RuntimeError("this LLM is closed")
+        error = runner_error(self.config.model.pooling, pooling is not None, "LLM.generate")
+        if error is not None:
+            raise ValueError(error)
         for _, ids in encoded:
             self._check_prompt(ids)
         for p in params:
@@ -189,7 +278,9 @@ class LLM:
             for (text, ids), p, prio, lora in zip(encoded, params, priority, loras, strict=True):
                 request_id = str(next(self._ids))
                 order.append(request_id)
-                messages = processor.add(request_id, text, ids, p, prio, cores.client_index, lora)
+                messages = processor.add(
+                    request_id, text, ids, p, prio, cores.client_index, lora, pooling
+                )
                 core = cores.route(request_id, ids, lora.lora_int_id if lora is not None else 0)
                 for msg in messages:
                     cores.send(core, msg)
@@ -233,6 +324,10 @@ class LLM:
         if progress is not None:
             progress.close()
         return results
+
+
+def _pooled(out: RequestOutput, result: Any) -> PoolingRequestOutput:
+    return PoolingRequestOutput(out.request_id, result, out.prompt_token_ids)
 
 
 def _raise_if_refused(parent: Any) -> None:

@@ -22,6 +22,7 @@ from pagedserve.frontend.outputs import CompletionOutput, Logprob, PromptLogprob
 from pagedserve.ipc.messages import (
     AddRequest,
     LoRARequest,
+    PoolingParams,
     RequestDelta,
     SamplingParams,
     TokenLogprobs,
@@ -41,6 +42,7 @@ class RequestState:
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.pooled: bytes | None = None  # a pooling request's vector (float32 bytes)
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -53,6 +55,8 @@ class RequestState:
         if self.finish_reason is not None:
             return False
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *map(self._logprob_dict, delta.prompt_logprobs)]
         # The EOS or stop token id that ended the request keeps its id but not its text (vLLM's
@@ -150,6 +154,7 @@ class ParentRequest:
             prompt_logprobs=next(
                 (c.prompt_logprobs for c in self.children if c.prompt_logprobs is not None), None
             ),
+            pooled=self.children[0].pooled if self.children else None,
         )
 
 
@@ -173,6 +178,7 @@ class OutputProcessor:
         priority: int = 0,
         client_index: int = 0,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[AddRequest]:
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -200,6 +206,7 @@ class OutputProcessor:
                     priority,
                     client_index,
                     lora,
+                    pooling,
                 )
             )
         self.parents[request_id] = parent

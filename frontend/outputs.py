@@ -42,6 +42,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
+    pooled: bytes | None = None  # a pooling request's vector, float32 (frontend/pooling.py)
     metrics: dict[str, float] = field(default_factory=dict)
     # seconds between the engine steps that brought tokens since the previous output (several
     # when the reader fell behind: one output then stands for many steps)

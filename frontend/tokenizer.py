@@ -88,6 +88,10 @@ class FastTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encode_batch([text], add_special_tokens)[0]
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A (query, document) pair as one prompt, with the tokenizer's pair template."""
+        return self._tk.encode(text, pair, add_special_tokens=True).ids
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`tokenizers` releases the GIL in encode_batch: a long text tokenized on another
         thread leaves the event loop free."""

@@ -181,6 +181,20 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
         _check(self.lora_path != "", f"LoRA adapter {self.lora_name!r}: lora_path is empty")
 
 
+class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """A pooling request (`--runner pooling`), shaped like vLLM's PoolingParams: the task it
+    runs (`embed` | `classify`, the engine's), `dimensions` (Matryoshka models: the vector's
+    first N floats, normalized after the cut), `normalize` (None: the model's choice)."""
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.task in ("embed", "classify"), f"pooling task {self.task!r}: embed or classify")
+        _check(self.dimensions is None or 0 < self.dimensions < _I32, "dimensions must be >= 1")
+
+
 class TokenLogprobs(msgspec.Struct, **_HOT):
     """Logprobs at one position: index 0 is the sampled token, then the top-N by logprob."""
 
@@ -206,6 +220,7 @@ class AddRequest(msgspec.Struct, tag=True, **_HOT):
     priority: int = 0  # lower runs first (vLLM's convention)
     client_index: int = 0
     lora: LoRARequest | None = None  # None: the base model
+    pooling: PoolingParams | None = None  # a pooling engine's request (its vector, no tokens)
 
 
 class AbortRequests(msgspec.Struct, tag=True, **_HOT):
@@ -260,6 +275,8 @@ class RequestDelta(msgspec.Struct, **_HOT):
     # With its first token, when it asked for prompt_logprobs: one entry per prompt token after
     # the first (the prompt token, then the top-N)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # A pooling request's result (it finishes with it): float32, little-endian
+    pooled: bytes | None = None
 
 
 class EngineReady(msgspec.Struct, tag=True, **_HOT):
@@ -298,6 +315,7 @@ class NewRequest(msgspec.Struct, **_HOT):
     lora: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
     # Models with recurrent state (linear attention): the request's state slot while it runs.
     state_slot: int | None = None
+    pooling: PoolingParams | None = None  # a pooling request: its vector when its prompt is done
 
 
 class CachedDelta(msgspec.Struct, **_HOT):
@@ -383,6 +401,9 @@ class StepResult(msgspec.Struct, tag=True, **_HOT):
     # Per scheduled request asking for prompt_logprobs: an entry per prompt token this step
     # scored (those after the step's prompt positions, in order; an empty list: none)
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
+    # Per scheduled request, a pooling request's vector once its prompt is done (float32,
+    # little-endian; None: not done or not pooling)
+    pooled: list[bytes | None] | None = None
     # LoRA (cumulative, this rank): adapters read into the host pool, evicted from device slots
     lora_loads: int = 0
     lora_evictions: int = 0

@@ -19,7 +19,13 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig, kv_cache_groups
-from pagedserve.ipc.messages import MAX_LOGPROBS, StepPlan, StepResult, TokenLogprobs
+from pagedserve.ipc.messages import (
+    MAX_LOGPROBS,
+    PoolingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.attention.cascade import cascade_len
 from pagedserve.kernels.attention.metadata import AttentionMetadata
@@ -39,6 +45,7 @@ from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
 from pagedserve.worker.models import build_model
+from pagedserve.worker.pooler import PooledRows, Pooler
 from pagedserve.worker.prompt_logprobs import (
     CHUNK,
     PromptRows,
@@ -75,6 +82,7 @@ class StartedStep:
     logits: torch.Tensor | None
     argmax: torch.Tensor | None = None
     prompt_scores: PromptScores | None = None  # prompt logprobs of the rows that asked
+    pooled: PooledRows | None = None  # pooling runner: vectors of the prompts that ended
 
 
 @dataclass
@@ -91,6 +99,7 @@ class PendingStep:
     logprobs: list[list[TokenLogprobs] | None] | None  # one per new token of each row
     accepted: list[list[int]] | None = None  # each row's new tokens, where drafts were verified
     prompt_scores: PromptScores | None = None
+    pooled: PooledRows | None = None
 
 
 class ModelRunner:
@@ -152,6 +161,12 @@ class ModelRunner:
         self.constrained = ConstrainedRows(
             self.grammars, config.scheduler.max_num_seqs, device, config.parallel.ranks_per_node
         )
+        pooling = config.model.pooling  # the pooling runner: vectors instead of samples
+        self.pooler = (
+            Pooler(pooling, self.model, device, config.model.tokenizer_path)
+            if pooling is not None and info.is_last_stage
+            else None
+        )
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
@@ -194,6 +209,9 @@ class ModelRunner:
             budget = DEFAULT_CPU_KV_BYTES
         if self.device.type != "cuda" or cache.kv_cache_memory is not None:
             self._check_state_memory(budget)
+        if self.pooler is not None and not self.pooler.config.chunkable:  # an encoder: no KV
+            max_blocks = -(-self.config.max_model_len // self.block_size)
+            return self.config.scheduler.max_num_seqs * max_blocks
         if not self._block_bytes():  # a pipeline stage of linear-attention layers only
             return NO_KV_LIMIT
         return max(int(budget // self._block_bytes()), 0)
@@ -234,7 +252,10 @@ class ModelRunner:
                 )
                 intermediate = (zeros, zeros)
             hidden = self._forward(inputs, caches, intermediate)
-            if self.info.is_last_stage:
+            if self.pooler is not None:
+                rows = to_device(inputs.logits_indices, self.device)
+                self.pooler.head(hidden[rows].float(), [PoolingParams()] * len(rows))
+            elif self.info.is_last_stage:
                 logits_idx = to_device(inputs.logits_indices, self.device)
                 logits = self.model.compute_logits(hidden[logits_idx])  # [R, V] float32
                 rows = worst_sampling_rows(inputs, logits.shape[1])
@@ -266,7 +287,7 @@ class ModelRunner:
             timings["CPU kernels"] = time.perf_counter() - t1
         if self.features.cpu_compile:
             self.cpu_compiler = CpuCompiler(self.config, self.model, self.kv_caches)
-        if self.device.type == "cuda" and any(c is not None for c in self.kv_caches):
+        if self.device.type == "cuda" and self._block_bytes():
             t1 = time.perf_counter()
             layers = attention_layers(self.model)
             kv_cache = next(c for c in self.kv_caches if c is not None)
@@ -290,7 +311,11 @@ class ModelRunner:
                 self.features.cascade, self.config.num_state_slots,
             )  # fmt: skip
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
-        if self.device.type == "cuda" and self.info.is_last_stage:
+        if (
+            self.device.type == "cuda"
+            and self.info.is_last_stage
+            and hasattr(self.model, "lm_head")
+        ):
             t1 = time.perf_counter()
             max_rows = self.config.scheduler.max_num_seqs
             warm_up_head(self.model, self.hidden_size, self.dtype, self.device, max_rows)
@@ -357,6 +382,8 @@ class ModelRunner:
             self._track_scoring(plan)
         if self.lora is not None:
             self.lora.track(plan)
+        if self.pooler is not None:
+            self.pooler.track(plan)
         if self.info.is_last_stage and (self.constrained or plan.new_requests):
             self.constrained.track(plan.finished_ids, plan.new_requests)
         if not plan.scheduled_ids:
@@ -388,6 +415,8 @@ class ModelRunner:
             send_intermediate(*outputs, self.info.next_rank)  # hidden, residual [T, H]
             return StartedStep(plan, inputs, None)
         hidden, *head = outputs  # head: a decode graph's logits [T, V] and ids [T]
+        if self.pooler is not None:
+            return StartedStep(plan, inputs, None, pooled=self.pooler.pool(hidden, plan, inputs))
         scores = None
         if scored is not None:
             scores = score_prompt(self.model.compute_logits, hidden, scored)
@@ -465,7 +494,7 @@ class ModelRunner:
         if step.logits is None:
             return PendingStep(
                 step.plan, step.inputs, [], {}, None, None, None, None,
-                prompt_scores=step.prompt_scores,
+                prompt_scores=step.prompt_scores, pooled=step.pooled,
             )  # fmt: skip
         plan, inputs = step.plan, step.inputs
         sample_ids = [plan.scheduled_ids[i] for i in inputs.sample_rows]
@@ -531,13 +560,16 @@ class ModelRunner:
             return None
         sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
         logprobs = [None] * len(sampled) if step.logprobs is not None else None
-        for j, i in enumerate(step.inputs.sample_rows if step.inputs is not None else []):
+        sampled_rows = step.inputs.sample_rows if step.host_ids is not None else []
+        for j, i in enumerate(sampled_rows):  # (none where the pooler took the rows)
             sampled[i] = new_ids[j]
             if logprobs is not None:
                 logprobs[i] = step.logprobs[j]
         result = StepResult(plan.step_id, sampled, logprobs)
         if step.prompt_scores is not None:
             result.prompt_logprobs = step.prompt_scores.to_messages(len(plan.scheduled_ids))
+        if step.pooled is not None:
+            result.pooled = step.pooled.to_messages(len(plan.scheduled_ids))
         if self.lora is not None:
             result.lora_loads, result.lora_evictions = self.lora.num_loads, self.lora.num_evictions
         return result

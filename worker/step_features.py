@@ -17,6 +17,7 @@ from pagedserve.kernels.attention.registry import backend_caps
 from pagedserve.kernels.attention.selection import attention_backend_name
 from pagedserve.kernels.backend import fusion_enabled
 from pagedserve.parallel.groups import RankInfo
+from pagedserve.pooling_config import is_encoder
 from pagedserve.worker.cpu_compile import eligible
 
 
@@ -52,6 +53,7 @@ def step_features(
         is_cuda
         and not model_config.enforce_eager
         and len(kv_cache_groups(model_config.hf)) == 1
+        and model_config.pooling is None  # prefill only: the pooler reads eager hidden states
         and all(c.cuda_graphs for c in caps)
     )
     return StepFeatures(
@@ -63,5 +65,9 @@ def step_features(
             and info.tp_size == 1
             and info.is_last_stage
         ),
-        cpu_compile=eligible(config, device, model) and config.lora is None,  # no LoRA inside
+        cpu_compile=(
+            not is_encoder(model_config.hf)  # (encoders: plain torch, per-prompt attention)
+            and eligible(config, device, model)
+            and config.lora is None  # no LoRA inside
+        ),
     )

@@ -55,6 +55,7 @@ from pagedserve.frontend.openai.response_store import ResponseStore
 from pagedserve.frontend.openai.serving import Serving, now_s
 from pagedserve.frontend.openai.serving_chat import ChatOptions, ChatServing
 from pagedserve.frontend.openai.serving_completions import CompletionServing
+from pagedserve.frontend.openai.serving_pooling import PoolingServing, add_pooling_routes
 from pagedserve.ipc.messages import MAX_CACHE_SALT, valid_cache_salt
 
 logger = logging.getLogger("pagedserve.api")
@@ -182,6 +183,7 @@ def build_app(
     base = Serving(engine, metrics, details)
     chat = ChatServing(engine, metrics, chat_options, details)
     add_openai_routes(app, engine, base, chat, tenancy.cache_salt_by)
+    add_pooling_routes(app, PoolingServing(engine, metrics, details), _json)
     salt = functools.partial(salt_by_tenant, tenancy.cache_salt_by)
     add_agent_routes(app, chat, response_store or ResponseStore(), salt)
     add_utility_routes(app, metrics, base, chat)

@@ -31,6 +31,7 @@ from pagedserve.frontend.openai.streams import (
 )
 from pagedserve.frontend.openai.structured import GrammarValidator, spec_from_request
 from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.frontend.pooling import runner_error
 from pagedserve.frontend.tokenizer import encode_prompts
 from pagedserve.ipc.messages import (
     MAX_LOGPROBS,
@@ -153,6 +154,9 @@ class Serving:
     def check_request(self, req: Any) -> LoRARequest | None:
         """Checks that do not depend on the prompt; the LoRA adapter `model` names, if any."""
         lora = self.check_model(req.model)
+        error = runner_error(self.config.model.pooling, False, "Text generation")
+        if error is not None:
+            raise APIError(400, error, param="model")
         if not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be between 1 and {MAX_N}.", param="n")
         if not -(2**31) <= req.priority < 2**31:

@@ -18,9 +18,11 @@ from pagedserve.worker.loader import (
     iter_checkpoint,
     load_weights,
 )
+from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
+from pagedserve.worker.pooler import pooling_weights, prepare_model
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -38,6 +40,17 @@ ARCHITECTURES = {
     # the multimodal checkpoints' language model, served text-only
     "Qwen3_5ForConditionalGeneration": Qwen3NextForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3NextForCausalLM,
+    # pooling models (pooling_config.py): base models (embedders) and sequence classifiers
+    **{
+        f"{family}{kind}": LlamaForCausalLM
+        for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+        for kind in ("Model", "ForSequenceClassification")
+    },
+    **{
+        f"{family}{kind}": BertModel
+        for family in ("Bert", "Roberta", "XLMRoberta")
+        for kind in ("Model", "ForSequenceClassification")
+    },
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -52,6 +65,9 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 
@@ -104,12 +120,14 @@ def build_model(
     with _default_dtype(dtype), torch.device(device):
         backend = select_backend(device, config.attention_backend, kv_fp8, dtype)
         model = cls(config.hf, backend, layer_range, opts)
+        prepare_model(model, config.pooling)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif config.gguf_file is not None:
         weights = gguf_weights(config.gguf_file, config.hf_dir, dtype)
         load_weights(model, weights, config.gguf_file)
     else:
-        load_weights(model, iter_checkpoint(config.model, show_progress), config.model)
+        weights = pooling_weights(iter_checkpoint(config.model, show_progress), config.pooling)
+        load_weights(model, weights, config.model)
     after_loading(model)
     return model.eval()
