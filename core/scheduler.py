@@ -21,7 +21,8 @@ listed once in `finished_ids`.
 
 With speculative decoding (core/spec_decode/) a decoding row may verify draft tokens: it is
 planned with `1 + k` tokens and its drafts travel in the plan; its result brings the accepted
-drafts plus one token, and `num_computed_tokens` moves back over the rejected ones.
+drafts plus one token, and `num_computed_tokens` moves back over the rejected ones. (With a
+draft model the plan carries only how many drafts a row verifies: the workers draft.)
 """
 
 from __future__ import annotations
@@ -373,8 +374,11 @@ class Scheduler:
             new_requests=new_requests,
             cached=cached,
             finished_ids=self._finished_ids,
-            draft_token_ids=step.drafts,
         )
+        if self.spec is not None and self.spec.config.in_workers:
+            plan.num_model_drafts = {r: len(d) for r, d in step.drafts.items()}
+        else:
+            plan.draft_token_ids = step.drafts
         self._finished_ids = []
         self._inflight[plan.step_id] = [(req, req.num_preemptions) for req, _ in step.scheduled]
         self._next_step_id += 1

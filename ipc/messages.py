@@ -322,6 +322,8 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     # Speculative decoding: draft tokens a scheduled request verifies this step; it runs
     # `1 + len(drafts)` tokens (its last known token, then the drafts)
     draft_token_ids: dict[str, list[int]] = {}
+    # ... or, with a draft model (the workers draft), how many drafts it proposes for a row
+    num_model_drafts: dict[str, int] = {}
 
 
 class InitCache(msgspec.Struct, tag=True, **_HOT):

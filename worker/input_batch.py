@@ -12,6 +12,8 @@ are written at the position the core counts from, so on a sampling rank they rew
 
 Speculative decoding: a plan's draft tokens are written after a row's known tokens for that step
 only (`num_drafts`); the row's sampled tokens (the accepted drafts and one more) overwrite them.
+A draft model's drafts (`num_model_drafts`) are not known to the host: the runner writes them
+into the step's input ids on the device.
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ class InputBatch:
             n = int(self.num_tokens[row])
             self.token_ids[row, n : n + len(drafts)] = drafts
             self.num_drafts[row] = len(drafts)
+            self._draft_rows.append(row)
+        for req_id, num in plan.num_model_drafts.items():  # the draft model fills them in
+            row = self.requests[req_id].row
+            self.num_drafts[row] = num
             self._draft_rows.append(row)
 
     def _add(self, new: NewRequest) -> None:

@@ -3,7 +3,8 @@
 The proposers (ngram, suffix) draft from token ids only, which the core holds, so they run here:
 the scheduler knows each row's drafts when it plans, budgets `1 + k` tokens and allocates their
 slots exactly, and the plan carries the drafts to every rank (a first pipeline stage embeds
-them). The workers verify all `k + 1` positions in one forward and return the accepted tokens
+them). A draft model runs in the workers (worker/draft_model.py): the core decides only how many
+drafts a row verifies (`StepPlan.num_model_drafts`) and keeps `k` placeholder drafts meanwhile. The workers verify all `k + 1` positions in one forward and return the accepted tokens
 plus one (worker/spec_verify.py); the core then moves `num_computed_tokens` back over the
 rejected drafts (their KV slots are rewritten by the next step).
 
@@ -39,7 +40,7 @@ MIN_BACKOFF, MAX_BACKOFF = 16, 256
 class RowSpec:
     """One request's speculation state (on `Request.spec`)."""
 
-    proposer: NgramProposer | SuffixProposer
+    proposer: NgramProposer | SuffixProposer | None  # None: the workers draft
     drafts: list[int] = field(default_factory=list)  # in flight (verified by a planned step)
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # accepted each
     misses: int = 0  # steps in a row planned without a draft
@@ -65,7 +66,9 @@ class SpecDecoder:
 
     def _new_row(self, req: Request) -> RowSpec:
         c = self.config
-        if c.method == "ngram":
+        if c.in_workers:
+            proposer = None
+        elif c.method == "ngram":
             proposer = NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
         else:
             proposer = SuffixProposer(
@@ -93,6 +96,8 @@ class SpecDecoder:
         k = min(self.config.num_speculative_tokens, budget - 1, self._room(req))
         if k <= 0:
             return []
+        if row.proposer is None:  # the workers' draft model fills them in
+            return [0] * k
         drafts = row.proposer.propose(req.all_token_ids, k)
         row.misses = 0 if drafts else row.misses + 1
         if row.misses >= MAX_MISSES:

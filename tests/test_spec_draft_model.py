@@ -1,0 +1,136 @@
+"""Speculative decoding with a draft model (issue 38): the config checks the draft against the
+engine by name, the rejection rule for sampled drafts keeps the target distribution (chi-square),
+and through the real engine greedy output is token for token the same with the draft on and off,
+seeded sampling reproduces, and drafts are both accepted and rejected."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaForCausalLM
+
+from pagedserve import LLM
+from pagedserve.config import ModelConfig
+from pagedserve.ipc.messages import SamplingParams
+from pagedserve.speculative_config import SpeculativeConfig
+from pagedserve.worker.sampler import Sampler, SamplingRow, target_probs
+from pagedserve.worker.spec_verify import verify
+
+from tiny_models import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The tiny Llama target, and a one-layer draft cut from it (its embedding, first layer,
+    norm and head, so it agrees with the target often but not always), same tokenizer."""
+    base = tmp_path_factory.getbasetemp()
+    target = tiny_model_dir("llama", str(base))
+    draft = os.path.join(str(base), "draft-1layer")
+    if not os.path.isdir(draft):
+        model = LlamaForCausalLM.from_pretrained(target)
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        model.save_pretrained(draft, safe_serialization=True)
+        for name in os.listdir(target):
+            if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(os.path.join(target, name), draft)
+    return target, draft
+
+
+def draft_spec(draft: str, k: int = 3, **extra) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **extra}
+
+
+# ---------------------------------------------------------------- config
+def test_config_checks_the_draft_by_name(dirs, tmp_path):
+    target, draft = dirs
+    mc = ModelConfig(target)
+    with pytest.raises(ValueError, match="'draft_model' needs 'model'"):
+        SpeculativeConfig.from_value({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="does not apply to 'draft_model'"):
+        SpeculativeConfig.from_value({**draft_spec(draft), "prompt_lookup_max": 3})
+    spec = SpeculativeConfig.from_value(draft_spec(draft))
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2 is not implemented"):
+        spec.check_engine(mc, 1, 2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 1 with --tp 2"):
+        SpeculativeConfig.from_value(draft_spec(draft, draft_tensor_parallel_size=1)).check_engine(
+            mc, 2, 1
+        )
+    other = shutil.copytree(draft, tmp_path / "other-vocab")
+    text = (other / "config.json").read_text().replace('"vocab_size": ', '"vocab_size": 1')
+    (other / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="vocabulary .* is not the target's"):
+        SpeculativeConfig.from_value(draft_spec(str(other))).check_engine(mc, 1, 1)
+    spec.check_engine(mc, 1, 1)
+
+
+# ---------------------------------------------------------------- the rejection rule
+def test_rejection_rule_keeps_the_target_distribution():
+    """Drafts sampled from a q unlike p, thousands of rows of two drafts: the first new token
+    follows p0 (penalties, temperature, top-k), after one accepted draft the second follows p1
+    (penalties counting the draft), and drafts are both accepted and rejected. Chi-square."""
+    vocab, n = 8, 6000
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, vocab, generator=gen) * 1.5  # the target's logits at 3 positions
+    q = torch.softmax(torch.randn(2, vocab, generator=gen), -1)  # the draft's, 2 positions
+    params = SamplingParams(temperature=1.0, top_k=6, repetition_penalty=1.3)
+    x = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in (0, 1)])
+    drafts = x.T.tolist()  # [n][2]
+    rows = [SamplingRow(params, [1, 2], [3]) for _ in range(n)]
+    v = verify(Sampler(seed=1), base.repeat(n, 1), rows, drafts, False, q.repeat(n, 1))
+    firsts = torch.tensor([a[0] for a in v.accepted])
+    seconds = torch.tensor([a[1] for a, d in zip(v.accepted, drafts) if len(a) >= 2])
+    for observed, position, outputs in [(firsts, 0, [3]), (seconds, 1, None)]:
+        if outputs is None:  # the second token follows the first, an accepted draft
+            firsts_kept = [a[0] for a in v.accepted if len(a) >= 2]
+            assert len(set(firsts_kept)) > 1
+            first = max(set(firsts_kept), key=firsts_kept.count)
+            observed = torch.tensor([a[1] for a in v.accepted if len(a) >= 2 and a[0] == first])
+            outputs = [3, first]
+        p = target_probs(base[position : position + 1], [SamplingRow(params, [1, 2], outputs)])[0]
+        counts = torch.bincount(observed, minlength=vocab).double()
+        keep = p > 0
+        assert counts[~keep].sum() == 0  # nothing outside top-k
+        expected = p[keep].double() / p[keep].double().sum() * len(observed)
+        assert chisquare(counts[keep], expected).pvalue > 1e-3
+    assert 0.1 * n < len(seconds) < 0.9 * n  # drafts were accepted and rejected
+
+
+# ---------------------------------------------------------------- the engine
+def generate(target, spec, prompts, params, **kwargs):
+    with LLM(target, device="cpu", dtype="float32", block_size=4, speculative_config=spec,
+             **kwargs) as llm:  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0] for o in outs], llm.last_stats
+
+
+def test_engine_greedy_same_tokens_and_seeded_reproducible(dirs):
+    """Greedy rows (one with logprobs, one with a long prompt in chunks) give the same tokens
+    with the draft on and off; a seeded random row gives the same tokens twice in one batch
+    with the draft on; drafts were accepted and rejected."""
+    target, draft = dirs
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(20)], list(range(40, 110)), [7, 8, 9] * 5]
+    greedy = [
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30),
+    ]
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=30, top_p=0.9)
+    params = [*greedy, seeded, seeded]
+    prompts.append(prompts[2])  # the seeded row twice: the same tokens (its own noise)
+    off, _ = generate(target, None, prompts, params, max_num_batched_tokens=32)
+    spec = draft_spec(draft)
+    on, stats = generate(target, spec, prompts, params, max_num_batched_tokens=32)
+    for a, b in zip(on[:2], off[:2], strict=True):
+        assert a.token_ids == b.token_ids
+    for x, y in zip(on[0].logprobs, off[0].logprobs, strict=True):
+        assert x.keys() == y.keys()
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert on[3].token_ids == on[2].token_ids
+    assert len(on[2].token_ids) == 30
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
