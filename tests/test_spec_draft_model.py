@@ -110,28 +110,43 @@ def generate(target, spec, prompts, params, **kwargs):
         return [o.outputs[0] for o in outs], llm.last_stats
 
 
-def test_engine_greedy_same_tokens_and_seeded_reproducible(dirs):
-    """Greedy rows (one with logprobs, one with a long prompt in chunks) give the same tokens
-    with the draft on and off; a seeded random row gives the same tokens twice in one batch
-    with the draft on; drafts were accepted and rejected."""
-    target, draft = dirs
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(20)], list(range(40, 110)), [7, 8, 9] * 5]
-    greedy = [
-        SamplingParams(temperature=0, max_tokens=40, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=30),
-    ]
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=30, top_p=0.9)
-    params = [*greedy, seeded, seeded]
-    prompts.append(prompts[2])  # the seeded row twice: the same tokens (its own noise)
-    off, _ = generate(target, None, prompts, params, max_num_batched_tokens=32)
-    spec = draft_spec(draft)
-    on, stats = generate(target, spec, prompts, params, max_num_batched_tokens=32)
+PROMPTS = [[random.Random(0).randrange(3, 500) for _ in range(20)], list(range(40, 110)),
+           [7, 8, 9] * 5, [7, 8, 9] * 5]  # fmt: skip
+SEEDED = SamplingParams(temperature=1.0, seed=7, max_tokens=30, top_p=0.9)
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=30),  # its 70-token prompt runs in chunks
+    SEEDED,
+    SEEDED,  # the seeded row twice: the same tokens (its own noise, whatever the batch)
+]
+
+
+@pytest.fixture(scope="module")
+def off(dirs):
+    return generate(dirs[0], None, PROMPTS, PARAMS, max_num_batched_tokens=32)[0]
+
+
+def check_on(on, stats, off):
     for a, b in zip(on[:2], off[:2], strict=True):
         assert a.token_ids == b.token_ids
     for x, y in zip(on[0].logprobs, off[0].logprobs, strict=True):
         assert x.keys() == y.keys()
         assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
-    assert on[3].token_ids == on[2].token_ids
-    assert len(on[2].token_ids) == 30
+    assert on[3].token_ids == on[2].token_ids and len(on[2].token_ids) == 30
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_engine_greedy_same_tokens_and_seeded_reproducible(dirs, off):
+    """Greedy rows (one with logprobs, one with a long prompt in chunks) give the same tokens
+    with the draft on and off; a seeded random row gives the same tokens twice in one batch
+    with the draft on; drafts were accepted and rejected."""
+    target, draft = dirs
+    check_on(*generate(target, draft_spec(draft), PROMPTS, PARAMS, max_num_batched_tokens=32), off)
+
+
+def test_engine_tp2_same_tokens(dirs, off):
+    """The same at --tp 2 (gloo): the draft is sharded like the target, every rank drafts alike."""
+    target, draft = dirs
+    spec = draft_spec(draft, 2, draft_tensor_parallel_size=2)
+    on = generate(target, spec, PROMPTS, PARAMS, max_num_batched_tokens=32, tensor_parallel_size=2)
+    check_on(*on, off)
