@@ -9,7 +9,8 @@
 #   verification step of k = 1..5 random drafts a row against a plain decode step, batch 1 and
 #   64 (tests/gpu/spec_verify_cost.py: the model runner alone);
 # - disable64: `bench latency` batch 64 on the 8B shape, speculation off, then ngram with
-#   `disable_by_batch_size` 32 (so never drafting), then off again (the A/B/A bounds the drift).
+#   `disable_by_batch_size` 32 (so never drafting); ARMS="off on off2" adds a second off arm (the
+#   A/B/A bounds the drift).
 # JSON results land in $OUT (or /tmp/out); a table last.
 #   STEPS="verify-cost disable64" bash tests/gpu/spec_decode_run.sh
 # (from a helper's worktree, as tests/gpu/device_run.sh says: copy the branch, carry it, cd there)
@@ -30,25 +31,25 @@ if has verify-cost || has disable64; then
 fi
 if has verify-cost; then
   python3 -m pagedserve.tests.gpu.spec_verify_cost $M --batch 1 64 --k 1 2 3 4 5 \
-    --output-json "$OUT/verify-cost.json" 2>&1 | tee "$OUT/verify-cost.log" | grep -v "^batch"
+    --output-json "$OUT/verify-cost.json" 2>&1 | tee "$OUT/verify-cost.log" | grep -v "^batch" || true
 fi
 if has disable64; then
   NEVER='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": 32}'
   LAT=(bench latency --model $M --load-format dummy --dtype bfloat16 --batch-size 64
        --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3)
-  for arm in off1 on off2; do
+  for arm in ${ARMS:-off on}; do
     spec=(); [ $arm = on ] && spec=(--speculative-config "$NEVER")
     python3 -m pagedserve.entrypoints.cli "${LAT[@]}" "${spec[@]}" \
-      --output-json "$OUT/disable64-$arm.json" > "$OUT/disable64-$arm.log" 2>&1
+      --output-json "$OUT/disable64-$arm.json" > "$OUT/disable64-$arm.log" 2>&1 || tail -5 "$OUT/disable64-$arm.log"
   done
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 d = pathlib.Path(sys.argv[1])
-r = {a: json.loads((d / f"disable64-{a}.json").read_text()) for a in ("off1", "on", "off2")}
-key = "avg_latency_s"
-off = (r["off1"][key] + r["off2"][key]) / 2
-print(f"batch 64, 256 tokens: off {r['off1'][key]:.3f} / {r['off2'][key]:.3f} s, "
-      f"on (disabled by batch size) {r['on'][key]:.3f} s: {100 * (r['on'][key] / off - 1):+.2f}%")
+r = {p.stem.split("-")[1]: json.loads(p.read_text())["avg_latency_s"]
+     for p in sorted(d.glob("disable64-*.json"))}
+off = [v for k, v in r.items() if k.startswith("off")]
+print(f"batch 64, 256 tokens: off {' / '.join(f'{v:.3f}' for v in off)} s, on (disabled by "
+      f"batch size) {r['on']:.3f} s: {100 * (r['on'] / (sum(off) / len(off)) - 1):+.2f}%")
 PY
 fi
 has tests && python -m pytest -q -x tests/test_spec_decode.py -p no:cacheprovider
