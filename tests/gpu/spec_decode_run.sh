@@ -38,7 +38,7 @@ if has disable64; then
   LAT=(bench latency --model $M --load-format dummy --dtype bfloat16 --batch-size 64
        --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3)
   for arm in ${ARMS:-off on}; do
-    spec=(); [ $arm = on ] && spec=(--speculative-config "$NEVER")
+    spec=(); [[ $arm == on* ]] && spec=(--speculative-config "$NEVER")
     python3 -m pagedserve.entrypoints.cli "${LAT[@]}" "${spec[@]}" \
       --output-json "$OUT/disable64-$arm.json" > "$OUT/disable64-$arm.log" 2>&1 || tail -5 "$OUT/disable64-$arm.log"
   done
