@@ -11,6 +11,9 @@
 # - disable64: `bench latency` batch 64 on the 8B shape, speculation off, then ngram with
 #   `disable_by_batch_size` 32 (so never drafting); ARMS="off on off2" adds a second off arm (the
 #   A/B/A bounds the drift).
+# - draft-smoke: method draft_model on the 8B shape with a one-layer draft of it (dummy
+#   weights): greedy on = off token for token on the GPU, ms/token at batch 1
+#   (tests/gpu/spec_draft_smoke.py).
 # JSON results land in $OUT (or /tmp/out); a table last.
 #   STEPS="verify-cost disable64" bash tests/gpu/spec_decode_run.sh
 # (from a helper's worktree, as tests/gpu/device_run.sh says: copy the branch, carry it, cd there)
@@ -26,7 +29,7 @@ fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 M=/tmp/m8b
-if has verify-cost || has disable64; then
+if has verify-cost || has disable64 || has draft-smoke; then
   [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
 fi
 if has verify-cost; then
@@ -51,6 +54,9 @@ off = [v for k, v in r.items() if k.startswith("off")]
 print(f"batch 64, 256 tokens: off {' / '.join(f'{v:.3f}' for v in off)} s, on (disabled by "
       f"batch size) {r['on']:.3f} s: {100 * (r['on'] / (sum(off) / len(off)) - 1):+.2f}%")
 PY
+fi
+if has draft-smoke; then
+  python3 -m pagedserve.tests.gpu.spec_draft_smoke $M 2>&1 | tee "$OUT/draft-smoke.log" | tail -1
 fi
 has tests && python -m pytest -q -x tests/test_spec_decode.py -p no:cacheprovider
 has smollm2 || exit 0
