@@ -83,6 +83,14 @@ class DraftRunner:
             for _ in range(self.mc.num_layers)
         ]
 
+    def profile(self, inputs: StepInputs, num_blocks: int) -> None:
+        """The memory profile's worst step through the draft too (its activations and a logits
+        row per sampling row), over a throwaway cache, so that the peak counts them."""
+        self.init_cache(num_blocks)
+        ids = to_device(inputs.input_ids, self.device)
+        self._forward(inputs, ids, inputs.logits_indices)
+        self.kv_caches = []
+
     def _forward(
         self, inputs: StepInputs, input_ids: torch.Tensor, logits_idx: np.ndarray
     ) -> torch.Tensor | None:  # [len(logits_idx), V] float32

@@ -250,6 +250,8 @@ class ModelRunner:
                 idx = torch.arange(n, device=self.device)
                 top_n = min(MAX_LOGPROBS, self.config.model.vocab_size)
                 score_positions(self.model.compute_logits, hidden, idx, idx * 0, top_n)
+            if self.drafter is not None:
+                self.drafter.profile(inputs, num_blocks)
         del caches
 
     def init_cache(self, num_blocks: int) -> dict[str, float]:
