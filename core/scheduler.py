@@ -407,13 +407,14 @@ class Scheduler:
                 continue
             assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
             req.num_placeholders -= 1
-            if self.spec is not None:
-                self.spec.verified(req, len(token_ids))
+            rejected = self.spec.verified(req, len(token_ids)) if self.spec is not None else 0
             new_ids, status = self._append_tokens(req, token_ids)
             if status is not None:
                 finished.append(req)
                 del self.requests[req.req_id]
                 self._release(req, status)
+            elif rejected:
+                self._free_rejected(req)
             logprobs = result.logprobs[i] if result.logprobs else None
             if logprobs is not None:
                 logprobs = logprobs[: len(new_ids)]
@@ -424,6 +425,14 @@ class Scheduler:
         if self.debug:
             check_invariants(self)
         return outputs
+
+    def _free_rejected(self, req: Request) -> None:
+        """Give back the blocks at `req`'s tail that only its rejected drafts used (no plan in
+        flight holds it: a speculating row waits for its result); the next plan tells the
+        workers where its new blocks start."""
+        if self.kv.free_tail(req, cdiv(req.num_computed_tokens, self.block_size)):
+            req.num_blocks_sent = min(req.num_blocks_sent, req.num_blocks)
+            req.spec.tail_freed = True
 
     def check_result(self, plan: StepPlan, result: StepResult, vocab_size: int) -> str | None:
         """Why `result` cannot be applied as the answer to `plan` (None: it can)."""

@@ -304,6 +304,9 @@ class CachedDelta(msgspec.Struct, **_HOT):
     new_block_ids: list[int]
     num_computed_tokens: int
     new_group_block_ids: list[list[int]] = []  # KV cache groups 1.., as in NewRequest
+    # the request's blocks that new_block_ids follow (None: all the workers hold); set once after
+    # the core freed blocks at its tail (the ones only rejected drafts had used)
+    num_blocks_before: int | None = None
 
 
 class StepPlan(msgspec.Struct, tag=True, **_HOT):

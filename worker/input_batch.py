@@ -138,8 +138,9 @@ class InputBatch:
             if end > known:  # tokens this rank did not sample itself
                 req.output_token_ids.extend(delta.new_token_ids[known - start :])
                 self.num_tokens[row] = end
-        if delta.new_block_ids:
-            b, n = int(self.num_blocks[row]), len(delta.new_block_ids)
+        if delta.new_block_ids or delta.num_blocks_before is not None:
+            b = delta.num_blocks_before
+            b, n = int(self.num_blocks[row]) if b is None else b, len(delta.new_block_ids)
             ids = self._per_group(delta.new_block_ids, delta.new_group_block_ids)
             for table, group_ids in zip(self.block_tables, ids, strict=True):
                 table[row, b : b + n] = group_ids

@@ -4,9 +4,11 @@ The proposers (ngram, suffix) draft from token ids only, which the core holds, s
 the scheduler knows each row's drafts when it plans, budgets `1 + k` tokens and allocates their
 slots exactly, and the plan carries the drafts to every rank (a first pipeline stage embeds
 them). A draft model runs in the workers (worker/draft_model.py): the core decides only how many
-drafts a row verifies (`StepPlan.num_model_drafts`) and keeps `k` placeholder drafts meanwhile. The workers verify all `k + 1` positions in one forward and return the accepted tokens
-plus one (worker/spec_verify.py); the core then moves `num_computed_tokens` back over the
-rejected drafts (their KV slots are rewritten by the next step).
+drafts a row verifies (`StepPlan.num_model_drafts`) and keeps `k` placeholder drafts meanwhile.
+The workers verify all `k + 1` positions in one forward and return the accepted tokens plus one
+(worker/spec_verify.py); the core then moves `num_computed_tokens` back over the rejected drafts
+(their KV slots are rewritten by the next step) and frees the blocks only they had spilled into
+(the scheduler's `_free_rejected`).
 
 A row drafts from its last known token, so it cannot also decode ahead of its results the way
 async scheduling does: a speculating row waits for its result before its next plan (the other
@@ -46,6 +48,7 @@ class RowSpec:
     misses: int = 0  # steps in a row planned without a draft
     off_until: int = 0  # output tokens before which the row does not speculate
     backoff: int = MIN_BACKOFF
+    tail_freed: bool = False  # blocks at its tail were freed since the last plan (deltas.py)
 
 
 @dataclass
@@ -119,12 +122,13 @@ class SpecDecoder:
         row.misses = 0
         row.recent.clear()
 
-    def verified(self, req: Request, num_sampled: int) -> None:
+    def verified(self, req: Request, num_sampled: int) -> int:
         """A current result brought `num_sampled` tokens for `req`: move its computed tokens
-        back over the rejected drafts, count, and apply the acceptance rule."""
+        back over the rejected drafts, count, and apply the acceptance rule. Returns how many
+        drafts were rejected."""
         row = req.spec
         if row is None or not row.drafts:
-            return
+            return 0
         k, accepted = len(row.drafts), num_sampled - 1
         assert 0 <= accepted <= k, (req, num_sampled, row.drafts)
         req.num_computed_tokens -= k - accepted
@@ -141,3 +145,4 @@ class SpecDecoder:
                 self._back_off(req, row)
             else:
                 row.backoff = MIN_BACKOFF
+        return k - accepted
