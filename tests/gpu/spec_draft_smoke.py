@@ -34,9 +34,9 @@ def draft_dir(model: str, num_layers: int) -> str:
     return path
 
 
-def run(model: str, spec: dict | None, prompts: list[list[int]], out_len: int) -> dict:
+def run(model: str, spec: dict | None, prompts: list[list[int]], out_len: int, **kw) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    with LLM(model, load_format="dummy", dtype="bfloat16", speculative_config=spec) as llm:
+    with LLM(model, load_format="dummy", speculative_config=spec, **kw) as llm:
         batch = [{"prompt_token_ids": p} for p in prompts]
         tokens = [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
         llm.generate(batch[:1], greedy)  # warm-up at batch 1
@@ -54,17 +54,30 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--method", choices=["draft_model", "ngram"], default="draft_model",
+                    help="ngram: the same check without a draft model (is a difference the "
+                    "draft's, or the verification kernels' numerics?)")  # fmt: skip
     args = ap.parse_args()
+    kw = {"dtype": args.dtype, "enforce_eager": args.enforce_eager}
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = min(5000, json.load(f)["vocab_size"])
     prompts = [[3 + (i * 31 + j * 17) % (vocab - 3) for j in range(100 + 20 * i)] for i in range(4)]
     spec = {"method": "draft_model", "model": draft_dir(args.model, args.draft_layers),
             "num_speculative_tokens": args.k}  # fmt: skip
-    off = run(args.model, None, prompts, args.output_len)
-    on = run(args.model, spec, prompts, args.output_len)
+    if args.method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3}  # fmt: skip
+    off = run(args.model, None, prompts, args.output_len, **kw)
+    on = run(args.model, spec, prompts, args.output_len, **kw)
     same = off["tokens"] == on["tokens"]
     b1 = f"off {off['ms_per_token_b1']:.2f} ms/token, on {on['ms_per_token_b1']:.2f} ms/token"
-    print(f"draft_model ({args.draft_layers} layer(s), k={args.k}): greedy same tokens: {same}; "
+    for i, (a, b) in enumerate(zip(off["tokens"], on["tokens"], strict=True)):
+        if a != b:
+            pos = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+            print(f"prompt {i} differs first at output token {pos}")
+    print(f"{args.method} ({args.draft_layers} layer(s), k={args.k}): greedy same tokens: {same}; "
           f"accepted {on['accepted']} of {on['drafted']} drafts; batch 1: {b1}")  # fmt: skip
 
 
