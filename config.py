@@ -509,6 +509,8 @@ class EngineConfig:
         pp = self.parallel.pipeline_parallel_size
         if pp > mc.num_layers:
             raise ValueError(f"--pp {pp} exceeds the model's {mc.num_layers} layers")
+        if self.speculative is not None:
+            self.speculative.check_engine(mc, tp, pp)
 
     @property
     def max_model_len(self) -> int:

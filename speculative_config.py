@@ -1,10 +1,11 @@
 """`--speculative-config JSON` / `LLM(speculative_config=...)`: vLLM's keys, checked by name.
 
 Pure Python (the core reads it). Methods built: `ngram` (prompt lookup) and `suffix` (a suffix
-automaton over the request's prompt and output); both propose from token ids alone, so they run
-in the core (core/spec_decode/) and need no weights. `draft_model`, `eagle`, `eagle3`, `mtp`,
-`medusa` and `mlp_speculator` are vLLM methods we do not build: refused by name, as is any key
-vLLM does not have or that does not apply to the method.
+automaton over the request's prompt and output) propose from token ids alone, so they run in the
+core (core/spec_decode/) and need no weights; `draft_model` (`model`: a smaller model with the
+target's vocabulary) runs in the workers beside the target (worker/draft_model.py). `eagle`,
+`eagle3`, `mtp`, `medusa` and `mlp_speculator` are vLLM methods we do not build: refused by name,
+as is any key vLLM does not have or that does not apply to the method.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+METHODS = ("ngram", "suffix", "draft_model")
+MODEL_METHODS = ("draft_model",)  # draft in the workers, with weights of their own
+NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 32
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 _SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor")
@@ -34,13 +36,14 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     # no speculation in a step while this many requests are running or waiting (vLLM's key)
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft models only (not built)
-    draft_tensor_parallel_size: int | None = None  # draft models only (not built)
+    model: str | None = None  # draft_model: the draft's directory (HF format)
+    # draft_model: the draft's tensor parallel size, 1 or the target's (None: the target's)
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method in NOT_BUILT or (self.model is not None and self.method not in METHODS):
+        if self.method in NOT_BUILT:
             raise ValueError(
-                f"--speculative-config: method {self.method!r} (a draft model) is not implemented; "
+                f"--speculative-config: method {self.method!r} is not implemented; "
                 f"choose one of {', '.join(METHODS)}"
             )
         if self.method not in METHODS:
@@ -48,11 +51,16 @@ class SpeculativeConfig:
                 f"--speculative-config: unknown method {self.method!r}; choose one of "
                 f"{', '.join(METHODS)}"
             )
-        for key in ("model", "draft_tensor_parallel_size"):
-            if getattr(self, key) is not None:
-                raise ValueError(
-                    f"--speculative-config: {key!r} applies to draft models, not {self.method!r}"
-                )
+        if self.method in MODEL_METHODS:
+            if not self.model:
+                raise ValueError(f"--speculative-config: {self.method!r} needs 'model'")
+        else:
+            for key in ("model", "draft_tensor_parallel_size"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"--speculative-config: {key!r} applies to draft models, not "
+                        f"{self.method!r}"
+                    )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -63,7 +71,7 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: disable_by_batch_size must be at least 1")
         if self.method == "ngram":
             self._check_ngram()
-        elif not (
+        elif self.method == "suffix" and not (
             self.suffix_decoding_max_tree_depth >= 1 and self.suffix_decoding_max_spec_factor > 0
         ):
             raise ValueError(
@@ -85,6 +93,54 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    @property
+    def in_workers(self) -> bool:
+        """Whether the workers draft (a model of their own), not the core (from token ids)."""
+        return self.method in MODEL_METHODS
+
+    def check_engine(self, target: Any, tp: int, pp: int) -> None:
+        """What the draft model needs of the engine (`target`: its ModelConfig): refused by
+        name where not built (pipeline stages, a draft TP size that is neither 1 nor tp)."""
+        if not self.in_workers:
+            return
+        if pp > 1:
+            raise ValueError(
+                f"--speculative-config: {self.method!r} with --pipeline-parallel-size {pp} is "
+                "not implemented (the draft runs beside the whole target model)"
+            )
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and dtp != tp:
+            raise ValueError(
+                f"--speculative-config: draft_tensor_parallel_size {dtp} with --tp {tp} is not "
+                f"implemented: the draft is sharded like the target (leave it out, or {tp})"
+            )
+        from pagedserve.config import has_recurrent_state, kv_cache_groups
+
+        draft = self.draft_model_config(target)
+        for what, mc in (("target", target), ("draft", draft)):
+            groups = kv_cache_groups(mc.hf)
+            if len(groups) > 1 or groups[0].window is not None or has_recurrent_state(mc.hf):
+                raise ValueError(
+                    f"--speculative-config: {self.method!r} with a {what} model of sliding-window "
+                    "or linear-attention layers is not implemented (the draft's KV cache "
+                    "mirrors one global block table)"
+                )
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"--speculative-config: the draft model's vocabulary ({draft.vocab_size}) is "
+                f"not the target's ({target.vocab_size}); a draft needs the same tokenizer"
+            )
+
+    def draft_model_config(self, target: Any) -> Any:
+        """The draft's ModelConfig: the target's dtype, max_model_len, load format and seed."""
+        from pagedserve.config import ModelConfig  # config.py imports this module
+
+        return ModelConfig(
+            self.model, dtype=target.resolved_dtype, max_model_len=target.max_model_len,
+            load_format=target.load_format, seed=target.seed,
+            attention_backend=target.attention_backend, enforce_eager=True,
+        )  # fmt: skip
+
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None):
         """From a dict or JSON text (the CLI's); None stays None. Unknown keys, and keys of the
@@ -104,8 +160,12 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}")
         method = value.get("method")
         if method is None:
-            raise ValueError("--speculative-config: 'method' is required (ngram or suffix)")
-        other = {"ngram": _SUFFIX_KEYS, "suffix": _NGRAM_KEYS}.get(method, ())
+            raise ValueError(f"--speculative-config: 'method' is required ({', '.join(METHODS)})")
+        other = {
+            "ngram": _SUFFIX_KEYS,
+            "suffix": _NGRAM_KEYS,
+            "draft_model": _NGRAM_KEYS + _SUFFIX_KEYS,
+        }.get(method, ())
         wrong = sorted(set(value) & set(other))
         if wrong:
             raise ValueError(f"--speculative-config: {wrong[0]!r} does not apply to {method!r}")

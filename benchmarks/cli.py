@@ -37,6 +37,7 @@ def add_bench_parser(sub: Any) -> None:
     lat.add_argument("--num-iters", type=int, default=5)
     for p in (tp, lat):
         add_lora_flags(p)
+        p.add_argument("--speculative-config", default=None, help="JSON, as `launch` takes it")
     st = kinds.add_parser("startup", help="launch to first 200 on /health")
     st.add_argument("--port", type=int, default=8011)
     st.add_argument("--num-iters", type=int, default=2)

@@ -41,7 +41,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     # warm-up, so its first request computes the shared prefix too.
     warm_up = random_prompts(in_lens[:8], vocab, np.random.default_rng(args.seed + 1))
     loras = lora_requests(args, len(prompts))  # --num-loras: adapters spread uniformly
-    with LLM(args.model, **engine_kwargs(args), **lora_engine_kwargs(args)) as llm:
+    with LLM(args.model, **engine_kwargs(args), **lora_engine_kwargs(args),
+             speculative_config=args.speculative_config) as llm:  # fmt: skip
         warm = [{"prompt_token_ids": p} for p in warm_up]
         llm.generate(warm, params[: len(warm_up)], lora_request=loras and loras[: len(warm)])
         start = time.perf_counter()
@@ -67,7 +68,8 @@ def bench_latency(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     times = []
     loras = lora_requests(args, len(batch))
-    with LLM(args.model, **engine_kwargs(args), **lora_engine_kwargs(args)) as llm:
+    with LLM(args.model, **engine_kwargs(args), **lora_engine_kwargs(args),
+             speculative_config=args.speculative_config) as llm:  # fmt: skip
         for i in range(args.num_iters_warmup + args.num_iters):
             start = time.perf_counter()
             llm.generate(batch, params, lora_request=loras)

@@ -37,13 +37,17 @@ def cached_delta(req: Request, with_tokens: bool = True) -> CachedDelta:
     skipped behind the sliding window were sent before: the workers keep their (masked) ids."""
     assert all(n <= req.num_blocks_sent for n in req.num_skipped_blocks)
     new_ids = [[b.block_id for b in blocks[req.num_blocks_sent :]] for blocks in req.blocks]
-    return CachedDelta(
+    delta = CachedDelta(
         req_id=req.req_id,
         new_token_ids=req.all_token_ids[req.num_tokens_sent :] if with_tokens else [],
         new_block_ids=new_ids[0],
         num_computed_tokens=req.num_computed_tokens,
         new_group_block_ids=new_ids[1:] if any(new_ids[1:]) else [],
     )
+    if req.spec is not None and req.spec.tail_freed:  # the workers hold more blocks than it
+        delta.num_blocks_before = req.num_blocks_sent
+        req.spec.tail_freed = False
+    return delta
 
 
 def request_delta(

@@ -297,6 +297,19 @@ class KVCacheManager:
             req.num_skipped_blocks[g] = num_behind
             self.pool.free_blocks(reversed(behind))  # latest first: the prefix is evicted last
 
+    def free_tail(self, req: Request, num_keep: int) -> bool:
+        """Free `req`'s blocks past its first `num_keep`, which hold no token it keeps (the
+        rejected drafts' of speculative decoding), tail first; True if any were freed. None of
+        them is in the prefix cache: only blocks full of known tokens are."""
+        if req.num_blocks <= num_keep:
+            return False
+        assert req.num_hashed_blocks <= num_keep, req
+        for blocks in req.blocks:
+            tail = blocks[num_keep:]
+            del blocks[num_keep:]
+            self.pool.free_blocks(reversed(tail))
+        return True
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix.
 

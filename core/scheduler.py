@@ -21,7 +21,8 @@ listed once in `finished_ids`.
 
 With speculative decoding (core/spec_decode/) a decoding row may verify draft tokens: it is
 planned with `1 + k` tokens and its drafts travel in the plan; its result brings the accepted
-drafts plus one token, and `num_computed_tokens` moves back over the rejected ones.
+drafts plus one token, and `num_computed_tokens` moves back over the rejected ones. (With a
+draft model the plan carries only how many drafts a row verifies: the workers draft.)
 """
 
 from __future__ import annotations
@@ -407,8 +408,11 @@ class Scheduler:
             new_requests=new_requests,
             cached=cached,
             finished_ids=self._finished_ids,
-            draft_token_ids=step.drafts,
         )
+        if self.spec is not None and self.spec.config.in_workers:
+            plan.num_model_drafts = {r: len(d) for r, d in step.drafts.items()}
+        else:
+            plan.draft_token_ids = step.drafts
         self._finished_ids = []
         self._inflight[plan.step_id] = [(req, req.num_preemptions) for req, _ in step.scheduled]
         self._next_step_id += 1
@@ -441,13 +445,14 @@ class Scheduler:
                 continue
             assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
             req.num_placeholders -= 1
-            if self.spec is not None:
-                self.spec.verified(req, len(token_ids))
+            rejected = self.spec.verified(req, len(token_ids)) if self.spec is not None else 0
             new_ids, status = self._append_tokens(req, token_ids)
             if status is not None:
                 finished.append(req)
                 del self.requests[req.req_id]
                 self._release(req, status)
+            elif rejected:
+                self._free_rejected(req)
             logprobs = result.logprobs[i] if result.logprobs else None
             if logprobs is not None:
                 logprobs = logprobs[: len(new_ids)]
@@ -467,6 +472,14 @@ class Scheduler:
         del self.requests[req.req_id]
         self._release(req, RequestStatus.FINISHED_STOPPED)
         return req.client_index, request_delta(req, [], None)
+
+    def _free_rejected(self, req: Request) -> None:
+        """Give back the blocks at `req`'s tail that only its rejected drafts used (no plan in
+        flight holds it: a speculating row waits for its result); the next plan tells the
+        workers where its new blocks start."""
+        if self.kv.free_tail(req, cdiv(req.num_computed_tokens, self.block_size)):
+            req.num_blocks_sent = min(req.num_blocks_sent, req.num_blocks)
+            req.spec.tail_freed = True
 
     def check_result(self, plan: StepPlan, result: StepResult, vocab_size: int) -> str | None:
         """Why `result` cannot be applied as the answer to `plan` (None: it can)."""

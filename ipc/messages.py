@@ -326,6 +326,9 @@ class CachedDelta(msgspec.Struct, **_HOT):
     new_block_ids: list[int]
     num_computed_tokens: int
     new_group_block_ids: list[list[int]] = []  # KV cache groups 1.., as in NewRequest
+    # the request's blocks that new_block_ids follow (None: all the workers hold); set once after
+    # the core freed blocks at its tail (the ones only rejected drafts had used)
+    num_blocks_before: int | None = None
 
 
 class StepPlan(msgspec.Struct, tag=True, **_HOT):
@@ -348,6 +351,8 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     # order: (device block, host block) pairs out, then (host block, device block) pairs in.
     kv_to_host: list[tuple[int, int]] = []
     kv_from_host: list[tuple[int, int]] = []
+    # ... or, with a draft model (the workers draft), how many drafts it proposes for a row
+    num_model_drafts: dict[str, int] = {}
 
 
 class InitCache(msgspec.Struct, tag=True, **_HOT):

@@ -34,7 +34,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
     ("value", "words"),
     [
         ({"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}, "'eagle3'"),
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "not implemented"),
+        ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"}, "not implemented"),
         ({"model": "some/draft", "num_speculative_tokens": 3}, "'method' is required"),
         ({"method": "medusa2", "num_speculative_tokens": 3}, "unknown method 'medusa2'"),
         ({**NGRAM, "acceptance_method": "typical"}, "unknown key 'acceptance_method'"),
@@ -92,10 +92,16 @@ class FakeWorkers:
 
     def __init__(self) -> None:
         self.seqs: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}  # block tables, kept as the workers keep them
 
     def run(self, plan: StepPlan) -> StepResult:
         for new in plan.new_requests:
             self.seqs[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            self.tables[new.req_id] = list(new.block_ids)
+        for delta in plan.cached:  # worker/input_batch.py's rule
+            table = self.tables[delta.req_id]
+            start = len(table) if delta.num_blocks_before is None else delta.num_blocks_before
+            table[start:] = delta.new_block_ids
         computed = {d.req_id: d.num_computed_tokens for d in plan.cached}
         computed |= {n.req_id: n.num_computed_tokens for n in plan.new_requests}
         sampled = []
@@ -146,6 +152,9 @@ def run_scheduler(spec: SpeculativeConfig | None, num_blocks: int, async_schedul
                 assert req.num_blocks * 4 >= req.num_computed_tokens  # drafts' slots allocated
                 assert len(drafts) <= spec.num_speculative_tokens
             inflight.append((plan, workers.run(plan)))
+            for req_id in plan.scheduled_ids:  # the workers index the core's blocks
+                req = s.requests[req_id]
+                assert workers.tables[req_id][: req.num_blocks] == req.block_ids[0]
         plan, result = inflight.pop(0)
         assert s.check_result(plan, result, vocab_size=16) is None
         for _, delta in s.update_from_output(plan, result):
@@ -153,6 +162,8 @@ def run_scheduler(spec: SpeculativeConfig | None, num_blocks: int, async_schedul
             req = s.requests.get(delta.req_id)
             if req is not None and req.num_placeholders == 0:  # none in flight: exact count
                 assert req.num_computed_tokens == req.num_tokens - 1
+                # no block held only for rejected drafts
+                assert req.num_blocks == -(-req.num_computed_tokens // 4)
     assert s.kv.pool.num_free == num_blocks  # everything freed
     return outputs, s
 

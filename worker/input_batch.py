@@ -12,6 +12,8 @@ are written at the position the core counts from, so on a sampling rank they rew
 
 Speculative decoding: a plan's draft tokens are written after a row's known tokens for that step
 only (`num_drafts`); the row's sampled tokens (the accepted drafts and one more) overwrite them.
+A draft model's drafts (`num_model_drafts`) are not known to the host: the runner writes them
+into the step's input ids on the device.
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ class InputBatch:
             self.token_ids[row, n : n + len(drafts)] = drafts
             self.num_drafts[row] = len(drafts)
             self._draft_rows.append(row)
+        for req_id, num in plan.num_model_drafts.items():  # the draft model fills them in
+            row = self.requests[req_id].row
+            self.num_drafts[row] = num
+            self._draft_rows.append(row)
 
     def _add(self, new: NewRequest) -> None:
         assert new.req_id not in self.requests, f"{new.req_id} is already in the batch"
@@ -132,8 +138,9 @@ class InputBatch:
             if end > known:  # tokens this rank did not sample itself
                 req.output_token_ids.extend(delta.new_token_ids[known - start :])
                 self.num_tokens[row] = end
-        if delta.new_block_ids:
-            b, n = int(self.num_blocks[row]), len(delta.new_block_ids)
+        if delta.new_block_ids or delta.num_blocks_before is not None:
+            b = delta.num_blocks_before
+            b, n = int(self.num_blocks[row]) if b is None else b, len(delta.new_block_ids)
             ids = self._per_group(delta.new_block_ids, delta.new_group_block_ids)
             for table, group_ids in zip(self.block_tables, ids, strict=True):
                 table[row, b : b + n] = group_ids

@@ -38,6 +38,7 @@ from pagedserve.worker.cuda_graphs import (
     capture_graphs,
     max_graph_tokens,
 )
+from pagedserve.worker.draft_model import Drafted, DraftRunner, merge_fills
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.host_tier import HostKVTier, host_tier_blocks, measure_recompute
@@ -83,6 +84,7 @@ class StartedStep:
     argmax: torch.Tensor | None = None
     prompt_scores: PromptScores | None = None  # prompt logprobs of the rows that asked
     pooled: PooledRows | None = None  # pooling runner: vectors of the prompts that ended
+    drafted: Drafted | None = None  # the draft model's drafts for this step
 
 
 @dataclass
@@ -140,6 +142,12 @@ class ModelRunner:
             config.scheduler.max_num_seqs, config.max_model_len, self.block_size, len(groups)
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
+        spec = config.speculative
+        self.drafter = (  # a draft model's weights, before the memory profile counts them
+            DraftRunner(config, self.dtype, device, self.sampler)
+            if spec is not None and spec.in_workers
+            else None
+        )
         self.profiled_peak: int | None = None
         self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"
@@ -175,7 +183,8 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         per_layer = int(np.prod(self._kv_block_shape())) * self.kv_dtype.itemsize
-        return per_layer * len(set(self.kv_slots) - {None})
+        draft = self.drafter.block_bytes() if self.drafter is not None else 0
+        return per_layer * len(set(self.kv_slots) - {None}) + draft
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor | None]:
         """One cache per layer of this stage; layers of one slot share it (None: no KV)."""
@@ -266,6 +275,8 @@ class ModelRunner:
                 idx = torch.arange(n, device=self.device)
                 top_n = min(MAX_LOGPROBS, self.config.model.vocab_size)
                 score_positions(self.model.compute_logits, hidden, idx, idx * 0, top_n)
+            if self.drafter is not None:
+                self.drafter.profile(inputs, num_blocks)
         del caches
 
     def num_host_blocks(self) -> int:
@@ -276,6 +287,8 @@ class ModelRunner:
         on each."""
         t0 = time.perf_counter()
         self.kv_caches = self._new_kv_caches(num_blocks)
+        if self.drafter is not None:
+            self.drafter.init_cache(num_blocks)
         self._allocate_states()
         timings = {"KV cache": time.perf_counter() - t0}
         if num_host_blocks:
@@ -397,6 +410,10 @@ class ModelRunner:
                 inputs.block_tables, inputs.seq_lens, q_lens, self.block_size
             )
         fill = self._device_fill(inputs, prev)
+        drafted = None
+        if self.drafter is not None:
+            drafted = self.drafter.run(inputs, fill, self._step_rows(plan, inputs))
+            fill = merge_fills(fill, drafted.fill if drafted is not None else None)
         scored = self._prompt_rows(plan, inputs) if self.scoring else None
         bucket = self._graph_bucket(inputs) if scored is None else None  # graphs keep no hidden
         mixed = self._mixed_bucket(inputs) if bucket is None and scored is None else None
@@ -426,7 +443,15 @@ class ModelRunner:
             return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
         logits_idx = to_device(inputs.logits_indices, self.device)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
-        return StartedStep(plan, inputs, logits, prompt_scores=scores)
+        return StartedStep(plan, inputs, logits, prompt_scores=scores, drafted=drafted)
+
+    def _step_rows(self, plan: StepPlan, inputs: StepInputs) -> dict[int, SamplingRow]:
+        """The sampling row of each batch row that verifies drafts (for the draft model)."""
+        return {
+            i: self._sampling_row(plan.scheduled_ids[i])
+            for i, n in zip(inputs.sample_rows, inputs.num_drafts, strict=False)
+            if n
+        }
 
     def _prompt_rows(self, plan: StepPlan, inputs: StepInputs) -> PromptRows | None:
         """The rows of this step that score prompt tokens (every rank decides alike, so that
@@ -533,9 +558,13 @@ class ModelRunner:
             sub = step.logits[heads]  # [S, V], each row's first position
             self.constrained.mask(sub, sample_ids, [r.output_token_ids for r in rows])
             step.logits[heads] = sub
-        drafts = [plan.draft_token_ids.get(r, []) for r in sample_ids]
         want = self.info.is_driver and any(r.params.logprobs is not None for r in rows)
-        v = verify(self.sampler, step.logits, rows, drafts, want)
+        probs = None
+        if step.drafted is not None:  # the draft model's
+            drafts, probs = step.drafted.per_row(inputs.num_drafts), step.drafted.probs
+        else:
+            drafts = [plan.draft_token_ids.get(r, []) for r in sample_ids]
+        v = verify(self.sampler, step.logits, rows, drafts, want, probs)
         members = [self.batch.requests[r] for r in sample_ids]
         index = {r: j for j, r in enumerate(sample_ids)}
         host = v.token_ids.cpu()

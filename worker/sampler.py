@@ -111,25 +111,30 @@ class Sampler:
         every = len(random) == len(rows)
         index = None if every else to_device(random, logits.device)
         probs = filtered_probs(logits if every else logits[index], sub_rows)  # [R, V]
-        sampled = self._draw(probs, sub_rows)  # [R]
+        sampled = self.draw(probs, sub_rows)  # [R]
         if every:
             return sampled
         token_ids = argmax_rows(logits)  # [N]: the greedy rows'
         token_ids[index] = sampled
         return token_ids
 
-    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [R]
+    def draw(self, probs: torch.Tensor, rows: list[SamplingRow], salt: int = 0) -> torch.Tensor:
         """One token per row, drawn from `probs` [R, V] by an exponential race: over the whole
         vocabulary on CUDA (one noise tensor, no scan), in two rounds on a CPU (one exponential
-        per vocabulary entry costs 2.7 ms for 32 x 4096 there, more than the forward)."""
+        per vocabulary entry costs 2.7 ms for 32 x 4096 there, more than the forward). `salt`:
+        see `noise`."""
         if probs.device.type == "cuda":
-            return argmax_rows(probs / self._noise(rows, probs.shape[1], probs.device))
+            return argmax_rows(probs / self.noise(rows, probs.shape[1], probs.device, salt))
         block = race_block(probs.shape[1])
-        return block_race(probs, self._noise(rows, 2 * block, probs.device), block)
+        return block_race(probs, self.noise(rows, 2 * block, probs.device, salt), block)
 
-    def _noise(self, rows: list[SamplingRow], width: int, device: torch.device) -> torch.Tensor:
+    def noise(
+        self, rows: list[SamplingRow], width: int, device: torch.device, salt: int = 0
+    ) -> torch.Tensor:
         """`[R, width]` Exponential(1): a seeded row's from its (seed, step) generator, so the
-        same whatever the batch; the other rows' from this sampler's generator."""
+        same whatever the batch; the other rows' from this sampler's generator. A nonzero
+        `salt` gives a seeded row a stream of its own at the same step (speculative decoding
+        draws several independent values per position)."""
         noise = torch.empty(len(rows), width, device=device)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if len(unseeded) == len(rows):
@@ -141,7 +146,8 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 g = torch.Generator(device)
-                g.manual_seed(seed_for_step(row.params.seed, len(row.output_token_ids)))
+                step_seed = seed_for_step(row.params.seed, len(row.output_token_ids))
+                g.manual_seed((step_seed + salt * 0x632BE59BD9B4E019) % (2**63 - 1))
                 noise[i].exponential_(generator=g)
         return noise
 
@@ -267,6 +273,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits.copy_(torch.where(seen, penalized, logits))
     logits -= freq * out_counts + pres * (out_counts > 0)
+
+
+def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a random row samples from [R, V]: bias, min_tokens, penalties, then
+    `filtered_probs` (what `Sampler.sample_ids` draws from, for speculative verification)."""
+    logits = logits.clone()
+    apply_logit_bias(logits, rows)
+    apply_min_tokens(logits, rows)
+    apply_penalties(logits, rows)
+    return filtered_probs(logits, rows)
 
 
 def filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

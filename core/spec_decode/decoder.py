@@ -3,9 +3,12 @@
 The proposers (ngram, suffix) draft from token ids only, which the core holds, so they run here:
 the scheduler knows each row's drafts when it plans, budgets `1 + k` tokens and allocates their
 slots exactly, and the plan carries the drafts to every rank (a first pipeline stage embeds
-them). The workers verify all `k + 1` positions in one forward and return the accepted tokens
-plus one (worker/spec_verify.py); the core then moves `num_computed_tokens` back over the
-rejected drafts (their KV slots are rewritten by the next step).
+them). A draft model runs in the workers (worker/draft_model.py): the core decides only how many
+drafts a row verifies (`StepPlan.num_model_drafts`) and keeps `k` placeholder drafts meanwhile.
+The workers verify all `k + 1` positions in one forward and return the accepted tokens plus one
+(worker/spec_verify.py); the core then moves `num_computed_tokens` back over the rejected drafts
+(their KV slots are rewritten by the next step) and frees the blocks only they had spilled into
+(the scheduler's `_free_rejected`).
 
 A row drafts from its last known token, so it cannot also decode ahead of its results the way
 async scheduling does: a speculating row waits for its result before its next plan (the other
@@ -39,12 +42,13 @@ MIN_BACKOFF, MAX_BACKOFF = 16, 256
 class RowSpec:
     """One request's speculation state (on `Request.spec`)."""
 
-    proposer: NgramProposer | SuffixProposer
+    proposer: NgramProposer | SuffixProposer | None  # None: the workers draft
     drafts: list[int] = field(default_factory=list)  # in flight (verified by a planned step)
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # accepted each
     misses: int = 0  # steps in a row planned without a draft
     off_until: int = 0  # output tokens before which the row does not speculate
     backoff: int = MIN_BACKOFF
+    tail_freed: bool = False  # blocks at its tail were freed since the last plan (deltas.py)
 
 
 @dataclass
@@ -65,7 +69,9 @@ class SpecDecoder:
 
     def _new_row(self, req: Request) -> RowSpec:
         c = self.config
-        if c.method == "ngram":
+        if c.in_workers:
+            proposer = None
+        elif c.method == "ngram":
             proposer = NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
         else:
             proposer = SuffixProposer(
@@ -93,6 +99,8 @@ class SpecDecoder:
         k = min(self.config.num_speculative_tokens, budget - 1, self._room(req))
         if k <= 0:
             return []
+        if row.proposer is None:  # the workers' draft model fills them in
+            return [0] * k
         drafts = row.proposer.propose(req.all_token_ids, k)
         row.misses = 0 if drafts else row.misses + 1
         if row.misses >= MAX_MISSES:
@@ -114,12 +122,13 @@ class SpecDecoder:
         row.misses = 0
         row.recent.clear()
 
-    def verified(self, req: Request, num_sampled: int) -> None:
+    def verified(self, req: Request, num_sampled: int) -> int:
         """A current result brought `num_sampled` tokens for `req`: move its computed tokens
-        back over the rejected drafts, count, and apply the acceptance rule."""
+        back over the rejected drafts, count, and apply the acceptance rule. Returns how many
+        drafts were rejected."""
         row = req.spec
         if row is None or not row.drafts:
-            return
+            return 0
         k, accepted = len(row.drafts), num_sampled - 1
         assert 0 <= accepted <= k, (req, num_sampled, row.drafts)
         req.num_computed_tokens -= k - accepted
@@ -136,3 +145,4 @@ class SpecDecoder:
                 self._back_off(req, row)
             else:
                 row.backoff = MIN_BACKOFF
+        return k - accepted
