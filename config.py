@@ -19,8 +19,10 @@ from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
 from pagedserve.speculative_config import SpeculativeConfig
 
-# FP8 expert weights are not implemented
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = (
+    "mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "kimi_k2",
+)  # fmt: skip
+FP8_MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # FP8 block experts, dequantized at load
 LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
@@ -191,7 +193,12 @@ class ModelConfig:
         object.__setattr__(self, "dtype", dtype)
         check_requested(self.attention_backend)  # one of kernels/attention/registry.py's
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
-        if self.quant is not None and self.hf.get("model_type") in MOE_MODEL_TYPES:
+        model_type = self.hf.get("model_type")
+        if (
+            self.quant is not None
+            and model_type in MOE_MODEL_TYPES
+            and model_type not in FP8_MOE_MODEL_TYPES
+        ):
             source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
             raise ValueError(
                 f"{source}: FP8 weights are not supported for MoE models "

@@ -18,6 +18,7 @@ from pagedserve.worker.loader import (
     iter_checkpoint,
     load_weights,
 )
+from pagedserve.worker.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
@@ -38,6 +39,7 @@ ARCHITECTURES = {
     # the multimodal checkpoints' language model, served text-only
     "Qwen3_5ForConditionalGeneration": Qwen3NextForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3NextForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # and Kimi-K2 (model_type kimi_k2)
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -52,6 +54,7 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
