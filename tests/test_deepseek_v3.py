@@ -179,17 +179,20 @@ def test_refusals_by_name(path, tmp_path):
 
 
 def test_launch_serves_the_chat_template(path, launched):
-    """The chat answer is transformers' greedy continuation of the templated prompt."""
+    """The chat answer is transformers' greedy continuation of the templated prompt (the
+    template's `<s><|user|>...<|assistant|>` framing counted in the prompt tokens)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
     want = hf_greedy(path, [prompt], 6)[0][0]
     url = launched.wait_ready()
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     reply = client.chat.completions.create(
         model=path, messages=CHAT, temperature=0, max_tokens=6, extra_body={"min_tokens": 6}
     )
-    assert reply.usage.prompt_tokens == len(prompt)
-    assert reply.choices[0].message.content == tok.decode(want)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 6)
+    # (the stream holds back a trailing incomplete UTF-8 character: random weights' bytes)
+    content = reply.choices[0].message.content
+    assert len(content) >= 4 and tok.decode(want).startswith(content), (content, want)
