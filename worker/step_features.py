@@ -53,6 +53,7 @@ def step_features(
         and not model_config.enforce_eager
         and len(kv_cache_groups(model_config.hf)) == 1
         and not has_recurrent_state(model_config.hf)
+        and getattr(model, "cuda_graphs", True)  # False: its attention reads host metadata
         and all(c.cuda_graphs for c in caps)
     )
     return StepFeatures(

@@ -209,6 +209,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The Llama serving interface over MLA layers: the KV cache is latent (`kv_block_shape`)."""
 
     model_class = DeepseekV3Model
+    cuda_graphs = False  # kernels/mla.py groups rows on the host each step
 
     def __init__(self, hf: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         check_deepseek_config(hf)
