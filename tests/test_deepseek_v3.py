@@ -166,6 +166,22 @@ def test_fp8_block_checkpoint_experts_dequantized(path, tmp_path, monkeypatch):
     torch.testing.assert_close(got, hf_logits(theirs, seq[0]), atol=1e-4, rtol=0)
 
 
+def test_a_block_costs_one_latent_row_per_token_and_layer(path):
+    """The memory profile counts MLA blocks as vLLM does: `block_size x (kv_lora_rank +
+    qk_rope_head_dim)` values per layer (here 16 x 40 fp32 x 3 layers = 7680 bytes), a third
+    of what expanded K and V (2 x 4 heads x 24 wide, at least) would take."""
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    config = build_engine_config(path, device="cpu", dtype="float32", kv_cache_memory=1 << 20)
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    assert runner._block_bytes() == 3 * 16 * 40 * 4
+    assert runner.profile_num_blocks() == (1 << 20) // (3 * 16 * 40 * 4)
+    runner.init_cache(4)
+    assert [tuple(c.shape) for c in runner.kv_caches] == [(4, 1, 16, 1, 40)] * 3
+
+
 def test_refusals_by_name(path, tmp_path):
     """Routing other than noaux_tc with sigmoid scores is refused at start-up by name."""
     shutil.copytree(path, tmp_path / "m")
