@@ -212,3 +212,17 @@ def test_launch_serves_the_chat_template(path, launched):
     # (the stream holds back a trailing incomplete UTF-8 character: random weights' bytes)
     content = reply.choices[0].message.content
     assert len(content) >= 4 and tok.decode(want).startswith(content), (content, want)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_equals_transformers(path, oracle):
+    """On a GPU (float32): Triton rotary, norms, experts and FP8-free linears around the torch
+    MLA, chunked and preempted as on the CPU above."""
+    prompts, want = oracle
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    with LLM(
+        path, device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=32,
+        num_gpu_blocks_override=6, max_model_len=64,
+    ) as llm:  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    assert [o.outputs[0].token_ids for o in outs] == want
