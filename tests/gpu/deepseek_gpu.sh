@@ -10,6 +10,12 @@
 #   LAYERS=4 W1_PROMPTS=64 STEPS="w3 w1" bash tests/gpu/deepseek_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then  # the device machine: the wheels, and this tree as `pagedserve`
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+fi
+export PYTHONUNBUFFERED=1
 LAYERS=${LAYERS:-4}
 M=${M:-/tmp/deepseek-v3-shape-$LAYERS}
 PS="python3 -m pagedserve.entrypoints.cli"
