@@ -211,9 +211,19 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekV3Model
     cuda_graphs = False  # kernels/mla.py groups rows on the host each step
 
-    def __init__(self, hf: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        hf: dict[str, Any],
+        backend: Any,
+        layer_range: tuple[int, int] | None = None,
+        opts: ModelOptions | None = None,
+    ) -> None:
         check_deepseek_config(hf)
-        super().__init__(hf, *args, **kwargs)
+        if opts is not None and opts.kv_fp8:
+            raise ValueError(
+                "--kv-cache-dtype fp8 is not supported for DeepseekV3 (MLA's latent cache) yet"
+            )
+        super().__init__(hf, backend, layer_range, opts)
         self.latent_width = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
         self.num_layers_total = hf["num_hidden_layers"]
         self.num_mtp_layers = int(hf.get("num_nextn_predict_layers") or 0)
