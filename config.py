@@ -22,7 +22,7 @@ from pagedserve.speculative_config import SpeculativeConfig
 MOE_MODEL_TYPES = (
     "mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "kimi_k2",
 )  # fmt: skip
-FP8_MOE_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # FP8 block experts, dequantized at load
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # latent attention; FP8 experts dequantize at load
 LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
@@ -197,7 +197,7 @@ class ModelConfig:
         if (
             self.quant is not None
             and model_type in MOE_MODEL_TYPES
-            and model_type not in FP8_MOE_MODEL_TYPES
+            and model_type not in MLA_MODEL_TYPES
         ):
             source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
             raise ValueError(
@@ -485,6 +485,8 @@ class EngineConfig:
         mc, tp = self.model, self.parallel.tensor_parallel_size
         if self.lora is not None and mc.quant is not None:
             raise ValueError("--enable-lora: LoRA on FP8 weights is not supported yet")
+        if self.lora is not None and mc.hf.get("model_type") in MLA_MODEL_TYPES:
+            raise ValueError("--enable-lora: LoRA on DeepseekV3 (MLA) models is not supported yet")
         sizes = {
             "attention heads": mc.num_heads,
             "intermediate size": int(mc.hf.get("intermediate_size", tp)),

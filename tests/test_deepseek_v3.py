@@ -183,8 +183,12 @@ def test_a_block_costs_one_latent_row_per_token_and_layer(path):
 
 
 def test_refusals_by_name(path, tmp_path):
-    """Routing other than noaux_tc with sigmoid scores, and an FP8 KV cache, are refused at
-    start-up by name."""
+    """Routing other than noaux_tc with sigmoid scores, an FP8 KV cache and LoRA are refused
+    at start-up by name."""
+    from pagedserve.frontend.llm import build_engine_config
+
+    with pytest.raises(ValueError, match="--enable-lora: LoRA on DeepseekV3"):
+        build_engine_config(path, device="cpu", enable_lora=True)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported for DeepseekV3"):
         build_model(ModelConfig(model=path), torch.float32, "cpu", kv_fp8=True)
     shutil.copytree(path, tmp_path / "m")
