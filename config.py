@@ -20,8 +20,10 @@ from pagedserve.quant_config import Fp8Scheme, kv_cache_is_fp8, quant_scheme
 from pagedserve.settings import Settings
 from pagedserve.speculative_config import SpeculativeConfig
 
-# FP8 expert weights are not implemented
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = (
+    "mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "kimi_k2",
+)  # fmt: skip
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # latent attention; FP8 experts dequantize at load
 LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
@@ -199,7 +201,12 @@ class ModelConfig:
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
         pooling = resolve_pooling(hf_dir, self.hf, self.runner, self.convert, self.pooler_config)
         object.__setattr__(self, "pooling", pooling)
-        if self.quant is not None and self.hf.get("model_type") in MOE_MODEL_TYPES:
+        model_type = self.hf.get("model_type")
+        if (
+            self.quant is not None
+            and model_type in MOE_MODEL_TYPES
+            and model_type not in MLA_MODEL_TYPES
+        ):
             source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
             raise ValueError(
                 f"{source}: FP8 weights are not supported for MoE models "
@@ -492,6 +499,8 @@ class EngineConfig:
         mc, tp = self.model, self.parallel.tensor_parallel_size
         if self.lora is not None and mc.quant is not None:
             raise ValueError("--enable-lora: LoRA on FP8 weights is not supported yet")
+        if self.lora is not None and mc.hf.get("model_type") in MLA_MODEL_TYPES:
+            raise ValueError("--enable-lora: LoRA on DeepseekV3 (MLA) models is not supported yet")
         sizes = {
             "attention heads": mc.num_heads,
             "intermediate size": int(mc.hf.get("intermediate_size", tp)),

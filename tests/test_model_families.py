@@ -155,10 +155,10 @@ def test_sharded_moe_checkpoint_and_clear_errors(tmp_path):
     shutil.copytree(src, odd)
     with open(odd / "config.json") as f:
         config = json.load(f)
-    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    config["architectures"] = ["JambaForCausalLM"]
     with open(odd / "config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match=r"\['DeepseekV3ForCausalLM'\] is not supported"):
+    with pytest.raises(ValueError, match=r"\['JambaForCausalLM'\] is not supported"):
         build_model(ModelConfig(model=str(odd)), torch.float32, "cpu")
 
 

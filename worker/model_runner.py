@@ -178,7 +178,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
-        # [2, block_size, num_kv_heads_per_rank, head_dim] per layer and block
+        # [2, block_size, num_kv_heads_per_rank, head_dim] per layer and block; a model with
+        # its own layout says so (MLA's latent rows: worker/models/deepseek_v3.py)
+        if hasattr(self.model, "kv_block_shape"):
+            return self.model.kv_block_shape(self.block_size)
         return (2, self.block_size, self.model.num_kv_heads_per_rank, self.model.head_dim)
 
     def _block_bytes(self) -> int:

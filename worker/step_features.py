@@ -54,6 +54,7 @@ def step_features(
         and not model_config.enforce_eager
         and len(kv_cache_groups(model_config.hf)) == 1
         and model_config.pooling is None  # prefill only: the pooler reads eager hidden states
+        and getattr(model, "cuda_graphs", True)  # False: its attention reads host metadata
         and all(c.cuda_graphs for c in caps)
     )
     return StepFeatures(

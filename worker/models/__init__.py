@@ -19,6 +19,7 @@ from pagedserve.worker.loader import (
     load_weights,
 )
 from pagedserve.worker.models.bert import BertModel
+from pagedserve.worker.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedserve.worker.models.gemma import GemmaForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
@@ -51,6 +52,7 @@ ARCHITECTURES = {
         for family in ("Bert", "Roberta", "XLMRoberta")
         for kind in ("Model", "ForSequenceClassification")
     },
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # and Kimi-K2 (model_type kimi_k2)
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -68,6 +70,7 @@ MODEL_TYPES = {
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# DeepSeek-V3 on one GPU (issue 42): the tiny model on CUDA against transformers, then the
+# engine with dummy weights at DeepSeek-V3's shapes (hidden 7168, MLA with 128 heads, q_lora 1536,
+# kv_lora 512 + rope 64, 256 experts of 2048 top-8 in 8 groups, a shared expert, vocab 129280) cut
+# to LAYERS decoder layers of which 3 dense, in its FP8 block format (128 x 128): batch-1
+# ms/token (W3-shaped) and offline throughput (W1-shaped, W1_PROMPTS prompts), each beside the
+# weight-read floor. Routed experts are dequantized to bf16 at load (22.5 GB per MoE layer):
+# LAYERS=4 (3 dense + 1 MoE) is what fits an 80 GB card until the experts run FP8.
+#   bash tests/gpu/deepseek_gpu.sh                    # all steps; outputs in $OUT (or /tmp/out)
+#   LAYERS=4 W1_PROMPTS=64 STEPS="w3 w1" bash tests/gpu/deepseek_gpu.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then  # the device machine: the wheels, and this tree as `pagedserve`
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+fi
+export PYTHONUNBUFFERED=1
+LAYERS=${LAYERS:-4}
+M=${M:-/tmp/deepseek-v3-shape-$LAYERS}
+PS="python3 -m pagedserve.entrypoints.cli"
+COMMON="--model $M --load-format dummy --dtype bfloat16 --max-model-len 2048 ${EXTRA:-}"
+STEPS=${STEPS:-"gpu-test floor w3 w1"}
+T="timeout ${STEP_TIMEOUT:-300}"
+
+if [ ! -f $M/config.json ]; then
+  python3 - "$M" "$LAYERS" "${SHAPE:-v3}" <<'PY'
+import sys
+sys.path.insert(0, "tests")
+from tiny_models import make_tokenizer
+from transformers import DeepseekV3Config
+path, layers, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+yarn = dict(rope_type="yarn", rope_theta=1e4, factor=40.0, original_max_position_embeddings=4096,
+            mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+dims = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+            q_lora_rank=1536, kv_lora_rank=512, vocab_size=129280)
+if shape == "small":  # a CPU dry run of this script
+    dims = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16,
+                q_lora_rank=128, kv_lora_rank=64, vocab_size=4096)
+config = DeepseekV3Config(
+    **dims, num_hidden_layers=layers, first_k_dense_replace=3, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
+    rope_parameters=yarn, num_nextn_predict_layers=1, dtype="bfloat16",
+)
+config.architectures = ["DeepseekV3ForCausalLM"]
+config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+                              "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+config.save_pretrained(path)
+make_tokenizer().save_pretrained(path)  # ids < 512: enough for random prompts
+PY
+fi
+
+for step in $STEPS; do
+  echo "=== $step"
+  case $step in
+    gpu-test) $T python3 -m pytest -q tests/test_deepseek_v3.py -k gpu 2>&1 \
+        | tee "$OUT/deepseek-gpu-test.txt" | tail -3 ;;
+    floor) python3 - "$M" <<'PY' 2>&1 | tee "$OUT/deepseek-floor.txt"
+# Bytes one decode step must read at batch 1: every dense weight (fp8, 1 byte), the shared and
+# the 8 chosen experts of each MoE layer (bf16 here: dequantized at load), the LM head (bf16).
+import json, sys
+c = json.load(open(sys.argv[1] + "/config.json"))
+h, heads, r, p = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+attn = h * c["q_lora_rank"] + c["q_lora_rank"] * heads * (128 + p) + h * (r + p) \
+    + r * heads * 256 + heads * 128 * h
+dense, moe = 3, c["num_hidden_layers"] - 3
+expert = 3 * h * c["moe_intermediate_size"]
+fp8 = c["num_hidden_layers"] * attn + dense * 3 * h * c["intermediate_size"] + moe * expert
+bf16 = moe * 8 * expert * 2 + h * c["vocab_size"] * 2
+gb = (fp8 + bf16) / 1e9
+print(f"batch-1 weight read: {gb:.2f} GB per token -> floor {gb / 3.35:.3f} ms/token at 3.35 TB/s")
+PY
+    ;;
+    w3) $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 64 \
+          --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/deepseek-w3.json" 2>&1 | tail -6 ;;
+    w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
+          --num-prompts ${W1_PROMPTS:-64} --output-json "$OUT/deepseek-w1.json" 2>&1 | tail -6 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
