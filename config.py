@@ -20,7 +20,7 @@ from pagedserve.settings import Settings
 from pagedserve.speculative_config import SpeculativeConfig
 
 # FP8 expert weights are not implemented
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "gpt_oss")
 LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}

@@ -19,6 +19,7 @@ from pagedserve.worker.loader import (
     load_weights,
 )
 from pagedserve.worker.models.gemma import GemmaForCausalLM
+from pagedserve.worker.models.gpt_oss import GptOssForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
@@ -49,6 +51,7 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -102,7 +105,8 @@ def build_model(
         require_fp8_device(device, "--kv-cache-dtype fp8")
     opts = ModelOptions(quant=config.quant, kv_fp8=kv_fp8)
     with _default_dtype(dtype), torch.device(device):
-        backend = select_backend(device, config.attention_backend, kv_fp8, dtype)
+        sinks = getattr(cls, "attention_sinks", False)  # gpt-oss
+        backend = select_backend(device, config.attention_backend, kv_fp8, dtype, sinks)
         model = cls(config.hf, backend, layer_range, opts)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
