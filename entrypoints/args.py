@@ -170,9 +170,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--root-path", default="", help="the path prefix a proxy serves the API under")
     a("--enable-auto-tool-choice", action="store_true",
       help="tool_choice auto: parse tool calls (needs --tool-call-parser)")  # fmt: skip
-    a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+    a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "openai"],
       help="the model's tool-call format (hermes: Qwen2.5/Qwen3)")  # fmt: skip
-    a("--reasoning-parser", choices=["qwen3", "deepseek_r1"],
+    a("--reasoning-parser", choices=["qwen3", "deepseek_r1", "openai_gptoss"],
       help="move <think>...</think> into reasoning_content")  # fmt: skip
     a(
         "--drain-timeout",

@@ -6,7 +6,8 @@
 - llama3_json: Llama 3.1+, the whole reply a JSON object `{"name": ..., "parameters": {...}}`
   (several joined by `;`), optionally after `<|python_tag|>`;
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` and the newer
-  `[TOOL_CALLS]name[ARGS]{...}` (repeated).
+  `[TOOL_CALLS]name[ARGS]{...}` (repeated);
+- openai: gpt-oss's harmony messages to `functions.NAME` (frontend/openai/harmony.py).
 `extract` returns (content or None, [(name, arguments as JSON text)]); a reply that does not
 parse is plain content. `stream_cut(text)`: how much of a reply a stream may send as content now
 (up to where a call may start); the rest is held back and the calls are sent when the reply ends.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from pagedserve.frontend.openai.harmony import OpenAIToolParser
 
 ToolCalls = list[tuple[str, str]]
 
@@ -111,7 +114,10 @@ def _named_args(piece: str) -> tuple[str, str]:
     return name.strip(), json.dumps(json.loads(args), ensure_ascii=False)
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+PARSERS = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+    "openai": OpenAIToolParser,  # gpt-oss's harmony format (harmony.py)
+}  # fmt: skip
 
 
 def make_tool_parser(name: str) -> Any:
