@@ -7,9 +7,11 @@ released checkpoints store them: MXFP4 `*_blocks` / `*_scales` (random codes, ex
 plain float tensors. The oracle is transformers' own load of the same directory (its
 `Mxfp4Dequantize`: `load_oracle`). Sinks, biases and norms are randomized so none can be skipped.
 
-The tokenizer is a byte-level BPE (tests/tiny_models.py's) plus the harmony special tokens
+The tokenizer is a byte-level BPE (tests/tiny_models.py's text, and harmony's words) plus the
+harmony special tokens
 (`<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`, `<|call|>`,
-`<|constrain|>`), with `CHAT_TEMPLATE` below: the harmony format of gpt-oss's own template
+`<|constrain|>`; the model's vocabulary has one more, unused id, so --tp 2 divides it), with
+`CHAT_TEMPLATE` below: the harmony format of gpt-oss's own template
 (system and developer headers, tools as a TypeScript namespace, the analysis channel for
 reasoning and commentary-channel tool calls), shortened; openai_harmony's tokenizer needs a
 download this machine cannot make.
@@ -23,7 +25,12 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiny_models import SEED, VOCAB_SIZE, make_tokenizer
+from tiny_models import SEED, TEXT, VOCAB_SIZE
+
+HARMONY_WORDS = (
+    "analysis assistant commentary final functions.get_weather json city Paris weather Need "
+    'the Say hello Hello there developer system user to=functions {"city": "Paris"}'
+)
 
 HARMONY_TOKENS = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
@@ -69,7 +76,7 @@ def _config() -> object:
         beta_fast=32.0, beta_slow=1.0, truncate=False,
     )  # fmt: skip
     return GptOssConfig(
-        vocab_size=VOCAB_SIZE + len(HARMONY_TOKENS), hidden_size=64, intermediate_size=64,
+        vocab_size=VOCAB_SIZE + 8, hidden_size=64, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"],
@@ -101,7 +108,23 @@ def _to_mxfp4(path: str) -> None:
 
 
 def make_tokenizer_with_harmony() -> object:
-    tok = make_tokenizer()
+    """tests/tiny_models.py's BPE, trained with harmony's words too (so a reply is few tokens),
+    plus the harmony special tokens after its `VOCAB_SIZE` ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    harmony = HARMONY_WORDS.split() + [HARMONY_WORDS]  # each word bare (after a special token)
+    bpe.train_from_iterator(TEXT.splitlines() * 4 + harmony * 40, trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     tok.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
     assert len(tok) == VOCAB_SIZE + len(HARMONY_TOKENS)
     tok.eos_token = "<|return|>"
@@ -154,3 +177,38 @@ def load_oracle(path: str) -> torch.nn.Module:
     return GptOssForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", **extra
     ).eval()
+
+
+def teach_replies(path: str, conversations: list[tuple[list, list | None, str]]) -> None:
+    """Make greedy decoding of each `(messages, tools, reply)` conversation's rendered prompt
+    produce `reply` (harmony text): the LM head is solved in closed form so that at each reply
+    position the next reply token's logit is 10 and every other is 0. The decoder's hidden
+    states depend only on the tokens so far, so a greedy decode follows them token for token.
+    Cheap (two forwards), unlike training, and asserted with transformers' `generate`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = load_oracle(path)
+    hidden, targets, prompts = [], [], []
+    with torch.no_grad():
+        for messages, tools, reply in conversations:
+            text = tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            prompt = tok.encode(text, add_special_tokens=False)
+            answer = tok.encode(reply, add_special_tokens=False)
+            states = model.model(torch.tensor([prompt + answer])).last_hidden_state[0]
+            hidden.append(states[len(prompt) - 1 : -1])
+            targets += answer
+            prompts.append((prompt, answer))
+    h = torch.cat(hidden)  # [N, H]
+    assert h.shape[0] <= h.shape[1], "more reply tokens than hidden units: no exact solution"
+    want = torch.nn.functional.one_hot(torch.tensor(targets), model.config.vocab_size) * 10.0
+    head = torch.linalg.lstsq(h.double(), want.double()).solution.t().float()  # [V, H]
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    weights["lm_head.weight"] = head.contiguous()
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    model = load_oracle(path)
+    for prompt, answer in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(answer), do_sample=False)
+        assert out[0, len(prompt) :].tolist() == answer

@@ -50,21 +50,20 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-_ANYWHERE = dict(fp8_cache=True, soft_cap=True, sinks=False, multi_token_queries=True)
-_SINKS = {**_ANYWHERE, "sinks": True}  # the torch paths (sdpa takes the reference's for sinks)
+_ANYWHERE = dict(fp8_cache=True, soft_cap=True, sinks=True, multi_token_queries=True)
 BACKENDS: dict[str, BackendEntry] = {
     entry.name: entry
     for entry in (
         BackendEntry(  # the oracle: a Python loop over rows
             "torch",
-            BackendCaps(cuda_graphs=False, cascade=False, float32=True, **_SINKS),
+            BackendCaps(cuda_graphs=False, cascade=False, float32=True, **_ANYWHERE),
             "pagedserve.kernels.attention.reference:paged_attention_ref",
             cuda_only=False,
             requestable=False,
         ),
         BackendEntry(  # CPUs: batched SDPA, decode rows in C++ (soft-capping, sinks: the reference)
             "sdpa",
-            BackendCaps(cuda_graphs=False, cascade=False, float32=True, **_SINKS),
+            BackendCaps(cuda_graphs=False, cascade=False, float32=True, **_ANYWHERE),
             "pagedserve.kernels.attention.cpu:cpu_paged_attention",
             cuda_only=False,
             requestable=False,
