@@ -247,3 +247,37 @@ def test_refusals(gpt_oss_dir, tmp_path):
     hf = {**config, "hidden_size": 64, "intermediate_size": 80, "num_local_experts": 2}
     with pytest.raises(ValueError, match="80 intermediate units per rank is not a multiple of 32"):
         GptOssExperts(hf, mxfp4=True)
+
+
+def test_harmony_parsers_on_text():
+    """The parsers alone: a raw reply (no reasoning parser: analysis dropped), a preamble before
+    a call, a reply that ignores harmony, and every prefix of a streamed reply giving prefixes
+    of the final reasoning and content."""
+    import re
+
+    from pagedserve.frontend.openai.harmony import GptOssReasoningParser, OpenAIToolParser
+
+    reasoning, tools = GptOssReasoningParser(None), OpenAIToolParser()
+    assert tools.extract(CALL_REPLY.removesuffix("<|call|>")) == (
+        None, [("get_weather", '{"city": "Paris"}')],
+    )  # fmt: skip
+    preamble = (
+        "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f"
+        "<|channel|>commentary json<|message|>{}<|call|>"
+    )
+    assert tools.extract(reasoning.split(preamble, True)[1]) == ("Checking.", [("f", "{}")])
+    assert reasoning.split("plain words", True) == ("", "plain words")
+    assert tools.extract("plain words") == ("plain words", [])
+    final = reasoning.split(FINAL_REPLY, True)
+    assert final == ("Say hello.", "Hello there!")
+    pieces = re.split(
+        r"(<\|[a-z]+\|>|\s)",
+        FINAL_REPLY + CALL_REPLY.replace("<|channel|>", "<|start|>assistant<|channel|>", 1),
+    )
+    text, seen = "", []
+    for piece in pieces:
+        text += piece
+        seen.append(reasoning.split(text, False))
+    for (r, c), (r2, c2) in zip(seen, seen[1:], strict=False):
+        assert r2.startswith(r) and c2.startswith(c)
+    assert tools.stream_cut(seen[-1][1]) == len("Hello there!")
