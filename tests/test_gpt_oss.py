@@ -76,7 +76,7 @@ def test_triton_sinks_match_reference(num_splits, window):
     from pagedserve.kernels.attention.triton import triton_paged_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    computed, new = [0, 37, 70, 5], [9, 1, 1, 20]
+    computed, new = [0, 37, 70], [9, 1, 1]  # a prompt and two decodes, past the window
     q, kv, meta = random_batch(computed, new, 4, 2, 16, 16, torch.float32, device, seed=3)
     sinks = torch.tensor([2.0, -1.0, 0.5, 4.0], device=device)
     ref = paged_attention_ref(q, kv, meta, 0.25, window, sinks=sinks)
