@@ -256,6 +256,7 @@ def test_harmony_parsers_on_text():
     import re
 
     from pagedserve.frontend.openai.harmony import GptOssReasoningParser, OpenAIToolParser
+    from pagedserve.frontend.openai.protocol import APIError
 
     reasoning, tools = GptOssReasoningParser(None), OpenAIToolParser()
     assert tools.extract(CALL_REPLY.removesuffix("<|call|>")) == (
@@ -281,3 +282,5 @@ def test_harmony_parsers_on_text():
     for (r, c), (r2, c2) in zip(seen, seen[1:], strict=False):
         assert r2.startswith(r) and c2.startswith(c)
     assert tools.stream_cut(seen[-1][1]) == len("Hello there!")
+    with pytest.raises(APIError, match="not supported with --reasoning-parser openai_gptoss"):
+        reasoning.grammar_starts_after([])  # a grammar would bind the harmony header: a 400

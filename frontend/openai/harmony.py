@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.frontend.openai.protocol import APIError
+
 START, MESSAGE, CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _ENDS = re.compile("|".join(re.escape(e) for e in ENDS))
@@ -72,7 +74,7 @@ class GptOssReasoningParser:
 
     opens_in_prompt = False
     keeps_special_tokens = True
-    end_token_id: int | None = None  # no grammar waits on a token: one applies at once
+    end_token_id: int | None = None  # grammars are refused (grammar_starts_after)
 
     def __init__(self, tokenizer: Any) -> None:
         pass
@@ -90,7 +92,12 @@ class GptOssReasoningParser:
         return "".join(reasoning), "".join(content)
 
     def grammar_starts_after(self, prompt_ids: list[int]) -> int | None:
-        return None
+        """A grammar would bind the reply from its first token, the harmony header: refused."""
+        raise APIError(
+            400,
+            "response_format, structured_outputs and tool_choice required or named are not "
+            "supported with --reasoning-parser openai_gptoss yet (use tool_choice auto).",
+        )
 
 
 class OpenAIToolParser:
