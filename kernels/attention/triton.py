@@ -367,10 +367,10 @@ def triton_paged_attention(
         )
         part_ml = torch.empty(slots, num_tokens, num_q_heads, 2, **f32)
     args = (query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale)
-    bufs = (out, part_out, part_ml, slots > 1, launch)
-    _launch(*args, *bufs, block_m, num_splits, 0, cascade, False, sinks)
+    bufs = (out, part_out, part_ml, slots > 1, launch, sinks)
+    _launch(*args, *bufs, block_m, num_splits, 0, cascade, False)
     if cascade:
-        _launch(*args, *bufs, prefix_block_m, n_prefix, num_splits, False, True, sinks)
+        _launch(*args, *bufs, prefix_block_m, n_prefix, num_splits, False, True)
     if slots > 1:
         _reduce_kernel[(num_tokens, num_q_heads)](
             part_out, part_ml, out, out if sinks is None else sinks, num_tokens, num_q_heads,
@@ -383,8 +383,8 @@ def triton_paged_attention(
 
 def _launch(
     query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale,
-    out, part_out, part_ml, split, launch, block_m, num_splits, split_base, after_prefix, prefix,
-    sinks=None,
+    out, part_out, part_ml, split, launch, sinks, block_m, num_splits, split_base, after_prefix,
+    prefix,
 ) -> None:  # fmt: skip
     """One `_paged_attention_kernel` launch: the per-row pass (`after_prefix`: from the cascade's
     prefix on) or the cascade's prefix pass (`prefix`), its partials from slot `split_base` on."""
