@@ -21,7 +21,7 @@ from pagedserve.settings import Settings
 from pagedserve.speculative_config import SpeculativeConfig
 
 MOE_MODEL_TYPES = (
-    "mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "kimi_k2",
+    "mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "kimi_k2", "gpt_oss",
 )  # fmt: skip
 MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # latent attention; FP8 experts dequantize at load
 LINEAR_ATTENTION = "linear_attention"  # a `layer_types` entry: recurrent state, no KV cache

@@ -54,10 +54,22 @@ def quant_scheme(hf: dict[str, Any], requested: str | None) -> Fp8Scheme | None:
         return _hf_fp8(qc)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "mxfp4":  # gpt-oss's experts, dequantized at load (no FP8 scheme)
+        return _mxfp4(hf, requested)
     raise ValueError(
         f"the checkpoint's quantization method {method!r} is not supported "
-        "(supported: fp8, compressed-tensors float-quantized FP8)"
+        "(supported: fp8, compressed-tensors float-quantized FP8, mxfp4 for gpt-oss)"
     )
+
+
+def _mxfp4(hf: dict[str, Any], requested: str | None) -> None:
+    if hf.get("model_type") != "gpt_oss":
+        raise ValueError(
+            f"MXFP4 weights are supported for gpt-oss's experts only, not {hf.get('model_type')!r}"
+        )
+    if requested is not None:
+        raise ValueError(f"--quantization {requested} does not apply to an MXFP4 checkpoint")
+    return None
 
 
 def _hf_fp8(qc: dict[str, Any]) -> Fp8Scheme:

@@ -187,10 +187,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--enable-auto-tool-choice", action="store_true",
       help="tool_choice auto: parse tool calls (needs --tool-call-parser)")  # fmt: skip
     a("--tool-call-parser",
-      choices=["hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml"],
+      choices=["hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml", "openai"],
       help="the model's tool-call format (hermes: Qwen2.5/Qwen3/Qwen3-Next; qwen3_coder: "
-      "Qwen3-Coder/Qwen3.5)")  # fmt: skip
-    a("--reasoning-parser", choices=["qwen3", "deepseek_r1"],
+      "Qwen3-Coder/Qwen3.5; openai: gpt-oss's harmony)")  # fmt: skip
+    a("--reasoning-parser", choices=["qwen3", "deepseek_r1", "openai_gptoss"],
       help="move <think>...</think> into reasoning_content")  # fmt: skip
     a(
         "--drain-timeout",

@@ -18,9 +18,9 @@ from pagedserve.kernels.attention import registry
 from pagedserve.kernels.attention.interface import BackendCaps, PagedAttention
 
 CAPS = {  # name: (cuda_graphs, cascade, fp8_cache, soft_cap, sinks, multi_token_queries, float32)
-    "torch": (False, False, True, True, False, True, True),
-    "sdpa": (False, False, True, True, False, True, True),
-    "triton": (True, True, True, True, False, True, True),
+    "torch": (False, False, True, True, True, True, True),
+    "sdpa": (False, False, True, True, True, True, True),
+    "triton": (True, True, True, True, True, True, True),
     "flash": (True, False, False, True, False, True, False),
 }
 

@@ -45,8 +45,9 @@ def step_features(
     """The features of a worker on `device` running the loaded `model`."""
     model_config = config.model
     name = attention_backend_name(
-        device, model_config.attention_backend, config.cache.kv_fp8, dtype
-    )
+        device, model_config.attention_backend, config.cache.kv_fp8, dtype,
+        getattr(model, "attention_sinks", False),
+    )  # fmt: skip
     caps = backend_caps(name)
     is_cuda = device.type == "cuda"
     cuda_graphs = (

@@ -19,6 +19,7 @@ import copy
 import re
 from typing import Any
 
+from pagedserve.frontend.openai.harmony import GptOssReasoningParser
 from pagedserve.frontend.openai.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
@@ -94,7 +95,10 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     opens_in_prompt = True
 
 
-REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
+REASONING_PARSERS = {
+    "qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,  # harmony's analysis channel (harmony.py)
+}  # fmt: skip
 
 
 def make_reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser:

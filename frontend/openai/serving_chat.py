@@ -146,7 +146,9 @@ class ChatServing(Serving):
             raise APIError(400, "top_logprobs needs logprobs to be true.", param="top_logprobs")
         prompt_logprobs = check_prompt_logprobs(req)
         shape, spec = self._shape(req)
-        if getattr(shape.tool_parser, "keeps_special_tokens", False):
+        if any(
+            getattr(p, "keeps_special_tokens", False) for p in (shape.tool_parser, self.reasoning)
+        ):
             req.skip_special_tokens = False
         if spec is None:
             spec = await self.structured_outputs(req)

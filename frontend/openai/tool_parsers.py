@@ -10,6 +10,7 @@
 - qwen3_coder (alias qwen3_xml): Qwen3-Coder / Qwen3.5, `<tool_call>\n<function=NAME>\n
   <parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>`; values are text, read as
   the request's tool schema types them (`for_tools`): strings stay strings, the rest as JSON.
+- openai: gpt-oss's harmony messages to `functions.NAME` (frontend/openai/harmony.py).
 `extract` returns (content or None, [(name, arguments as JSON text)]); a reply that does not
 parse is plain content. `stream_cut(text)`: how much of a reply a stream may send as content now
 (up to where a call may start); the rest is held back and the calls are sent when the reply ends.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from pagedserve.frontend.openai.harmony import OpenAIToolParser
 
 ToolCalls = list[tuple[str, str]]
 
@@ -178,6 +181,7 @@ PARSERS = {
     "mistral": MistralParser,
     "qwen3_coder": Qwen3XMLParser,
     "qwen3_xml": Qwen3XMLParser,
+    "openai": OpenAIToolParser,  # gpt-oss's harmony format (harmony.py)
 }
 
 

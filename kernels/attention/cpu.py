@@ -156,13 +156,15 @@ def cpu_paged_attention(
     logit_softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
     """`paged_attention_ref`'s contract, batched: same inputs, same outputs (to rounding).
-    SDPA has no soft-capping, so Gemma 2's capped scores take the reference path. An FP8 cache's
-    scales are exact here: k_scale folds into the score scale, v_scale into the output."""
-    if logit_softcap is not None:
+    SDPA has neither soft-capping nor sinks, so Gemma 2's capped scores and gpt-oss's sinks take
+    the reference path. An FP8 cache's scales are exact here: k_scale folds into the score
+    scale, v_scale into the output."""
+    if logit_softcap is not None or sinks is not None:
         return paged_attention_ref(
-            query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale
+            query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale, sinks
         )
     scale = scale * k_scale
     groups = padded_groups(meta, query.shape[1] // kv_cache.shape[3])

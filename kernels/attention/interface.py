@@ -34,6 +34,7 @@ class PagedAttention(Protocol):
         *,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [Hq] (a backend whose caps.sinks is True)
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
 

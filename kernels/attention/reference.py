@@ -54,12 +54,15 @@ def paged_attention_ref(
     logit_softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [Hq]: a learned logit per head (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each row's new tokens over its whole cached context.
 
     Query token j of row i sits at absolute position `seq_len_i - q_len_i + j` and attends keys at
     positions <= its own (and, with a sliding window, > position - window). Softmax in float32;
-    `logit_softcap` c bounds the scaled scores to `c * tanh(s / c)` first (Gemma 2).
+    `logit_softcap` c bounds the scaled scores to `c * tanh(s / c)` first (Gemma 2). `sinks`
+    join each head's softmax as one more logit whose value row is zero (attention sinks): they
+    take a share of the weight and attend to nothing.
     """
     out = torch.empty_like(query)
     block_size = kv_cache.shape[2]
@@ -80,7 +83,7 @@ def paged_attention_ref(
             first_pos = seq_len - (end - q_start)
             q = query[q_start:q_end].float()  # [L, Hq, D]
             out[q_start:q_end] = _attend(
-                q, key, value, first_pos, scale, sliding_window, logit_softcap
+                q, key, value, first_pos, scale, sliding_window, logit_softcap, sinks
             )
     return out
 
@@ -93,6 +96,7 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [L, Hq, D]
     scores = torch.einsum("qhd,khd->hqk", q, key) * scale  # [Hq, L, S]
     if logit_softcap is not None:
@@ -103,4 +107,9 @@ def _attend(
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     scores.masked_fill_(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), value)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)  # [Hq, L, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, value)

@@ -50,7 +50,7 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-_ANYWHERE = dict(fp8_cache=True, soft_cap=True, sinks=False, multi_token_queries=True)
+_ANYWHERE = dict(fp8_cache=True, soft_cap=True, sinks=True, multi_token_queries=True)
 BACKENDS: dict[str, BackendEntry] = {
     entry.name: entry
     for entry in (
@@ -61,7 +61,7 @@ BACKENDS: dict[str, BackendEntry] = {
             cuda_only=False,
             requestable=False,
         ),
-        BackendEntry(  # CPUs: batched SDPA, decode rows in C++ (soft-capping: the reference)
+        BackendEntry(  # CPUs: batched SDPA, decode rows in C++ (soft-capping, sinks: the reference)
             "sdpa",
             BackendCaps(cuda_graphs=False, cascade=False, float32=True, **_ANYWHERE),
             "pagedserve.kernels.attention.cpu:cpu_paged_attention",

@@ -38,6 +38,10 @@ queries the tiles convert to float16 (`DOT_F16`), one instruction per pair of va
 bfloat16 takes several: attention over an FP8 cache is bound by that conversion, not by memory
 (`_launch_config` has the times). The query is multiplied by the score scale in float32 before
 its cast to float16, which keeps it far from float16's range limit; p is in [0, 1].
+
+Attention sinks (gpt-oss: one learned logit per query head whose value row is zero) join the
+softmax where it is normalized: in the epilogue of an unsplit launch, else once in
+`_reduce_kernel` (so split-K and the cascade's passes add each head's sink exactly once).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 )  # fmt: skip
 def _paged_attention_kernel(
     query_ptr, kv_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, prefix_len_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, prefix_len_ptr, sinks_ptr,
     num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, softcap, window, num_splits,
     split_base,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -98,7 +102,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PREFIX: tl.constexpr, AFTER_PREFIX: tl.constexpr,
-    DOT_F16: tl.constexpr, KV_EVICT: tl.constexpr = "",
+    DOT_F16: tl.constexpr, USE_SINKS: tl.constexpr = False, KV_EVICT: tl.constexpr = "",
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,6 +193,15 @@ def _paged_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     acc = acc * v_scale
     if not SPLIT:
+        if USE_SINKS:  # one more logit per head, with a zero value row (log2 domain)
+            sink = (
+                tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+                * 1.4426950408889634
+            )
+            m_fin = tl.maximum(m_i, sink)
+            rescale = tl.exp2(m_i - m_fin)
+            l_i = l_i * rescale + tl.exp2(sink - m_fin)
+            acc = acc * rescale[:, None]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -202,8 +215,9 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _reduce_kernel(
-    part_out_ptr, part_ml_ptr, out_ptr, num_tokens, num_q_heads, stride_ot, stride_oh,
+    part_out_ptr, part_ml_ptr, out_ptr, sinks_ptr, num_tokens, num_q_heads, stride_ot, stride_oh,
     num_splits, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -213,10 +227,16 @@ def _reduce_kernel(
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if USE_SINKS:  # the head's sink joins once, here, whatever the splits (and cascade passes)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [S]; empty splits weigh 0
     d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)  # [D]
+    denom = tl.sum(l * w, 0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_max)
+    out = tl.sum(acc * w[:, None], 0) / denom  # [D]
     o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -308,6 +328,7 @@ def triton_paged_attention(
     v_scale: float = 1.0,
     prefix_splits: int | None = None,  # cascade: None chooses (tests and benches force it)
     prefix_block_m: int = PREFIX_BLOCK_M,
+    sinks: torch.Tensor | None = None,  # [Hq]: attention sinks (gpt-oss)
 ) -> torch.Tensor:  # [T, Hq, D]
     """`paged_attention_ref`'s contract, from device tensors and host ints only; with
     `meta.cascade_len` set, as a cascade (the module docstring)."""
@@ -346,22 +367,24 @@ def triton_paged_attention(
         )
         part_ml = torch.empty(slots, num_tokens, num_q_heads, 2, **f32)
     args = (query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale)
-    bufs = (out, part_out, part_ml, slots > 1, launch)
+    bufs = (out, part_out, part_ml, slots > 1, launch, sinks)
     _launch(*args, *bufs, block_m, num_splits, 0, cascade, False)
     if cascade:
         _launch(*args, *bufs, prefix_block_m, n_prefix, num_splits, False, True)
     if slots > 1:
         _reduce_kernel[(num_tokens, num_q_heads)](
-            part_out, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
-            slots, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
-            BLOCK_D=part_out.shape[3], HEAD_DIM=head_dim, num_warps=4,
+            part_out, part_ml, out, out if sinks is None else sinks, num_tokens, num_q_heads,
+            out.stride(0), out.stride(1), slots, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
+            BLOCK_D=part_out.shape[3], HEAD_DIM=head_dim, USE_SINKS=sinks is not None,
+            num_warps=4,
         )  # fmt: skip
     return out
 
 
 def _launch(
     query, kv_cache, meta, scale, sliding_window, logit_softcap, k_scale, v_scale,
-    out, part_out, part_ml, split, launch, block_m, num_splits, split_base, after_prefix, prefix,
+    out, part_out, part_ml, split, launch, sinks, block_m, num_splits, split_base, after_prefix,
+    prefix,
 ) -> None:  # fmt: skip
     """One `_paged_attention_kernel` launch: the per-row pass (`after_prefix`: from the cascade's
     prefix on) or the cascade's prefix pass (`prefix`), its partials from slot `split_base` on."""
@@ -380,6 +403,7 @@ def _launch(
     _paged_attention_kernel[(tiles, num_kv_heads, num_splits)](
         query, kv_cache, out, part_out, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, prefix_len,
+        out if sinks is None else sinks,
         num_seqs, num_tokens, num_q_heads, qk_scale, v_scale, softcap, sliding_window or 0,
         num_splits, split_base,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -389,5 +413,6 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=logit_softcap is not None, PREFIX=prefix, AFTER_PREFIX=after_prefix,
+        USE_SINKS=sinks is not None and not split,
         **{"DOT_F16": False, **(launch or _launch_config(block_m, _f16_dots(query, kv_cache)))},
     )  # fmt: skip

@@ -21,6 +21,7 @@ from pagedserve.worker.loader import (
 from pagedserve.worker.models.bert import BertModel
 from pagedserve.worker.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedserve.worker.models.gemma import GemmaForCausalLM
+from pagedserve.worker.models.gpt_oss import GptOssForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, ModelOptions
 from pagedserve.worker.models.qwen3_next import Qwen3NextForCausalLM
 from pagedserve.worker.pooler import pooling_weights, prepare_model
@@ -35,6 +36,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
@@ -64,6 +66,7 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -121,7 +124,8 @@ def build_model(
         require_fp8_device(device, "--kv-cache-dtype fp8")
     opts = ModelOptions(quant=config.quant, kv_fp8=kv_fp8)
     with _default_dtype(dtype), torch.device(device):
-        backend = select_backend(device, config.attention_backend, kv_fp8, dtype)
+        sinks = getattr(cls, "attention_sinks", False)  # gpt-oss
+        backend = select_backend(device, config.attention_backend, kv_fp8, dtype, sinks)
         model = cls(config.hf, backend, layer_range, opts)
         prepare_model(model, config.pooling)
     if config.load_format == "dummy":

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# gpt-oss on one GPU (issue 42): Triton's attention sinks compiled (tests/test_gpt_oss.py -k
+# triton), then the engine at the gpt-oss-20b shape with dummy weights (the experts as the load
+# dequantizes MXFP4: bfloat16; 24 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts
+# top 4, vocab 201088, sliding window 128 on every other layer): batch-1 ms/token (W3-shaped,
+# 128 in / 128 out) and W1-shaped throughput (1024 in / 128 out), each beside its weight-read
+# floor. Outputs in $OUT (or /tmp/out). Through the device tool like tests/gpu/lora_run.sh:
+#   STEPS="sinks w3 w1 table" bash tests/gpu/gpt_oss_gpu.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+PS="python3 -m pagedserve.entrypoints.cli"
+M=${M:-/tmp/gpt-oss-20b-shape}
+if [ ! -f $M/config.json ]; then
+  python3 - "$M" <<'PY'
+import json, os, sys
+sys.path.insert(0, ".gpucarry")
+from make_model_dir import write_tokenizer
+from transformers import GptOssConfig
+path = sys.argv[1]
+config = GptOssConfig(num_hidden_layers=24, num_local_experts=32, dtype="bfloat16",
+                      layer_types=["sliding_attention", "full_attention"] * 12)
+config.architectures = ["GptOssForCausalLM"]
+config.save_pretrained(path)
+json.dump({"bos_token_id": 1, "eos_token_id": 2}, open(os.path.join(path, "generation_config.json"), "w"))
+write_tokenizer(path, 128000)
+PY
+fi
+COMMON="--model $M --load-format dummy --dtype bfloat16 --max-model-len 2048"
+T="timeout ${STEP_TIMEOUT:-240}"
+for step in ${STEPS:-sinks w3 w1 table}; do
+  echo "=== $step"
+  case $step in
+    sinks) $T python3 -m pytest -q tests/test_gpt_oss.py -k triton 2>&1 | tee "$OUT/gpt-oss-sinks.txt" | tail -3 ;;
+    w3) $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 128 \
+          --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/gpt-oss-w3.json" 2>&1 | tail -4 ;;
+    w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
+          --num-prompts ${W1_PROMPTS:-200} --output-json "$OUT/gpt-oss-w1.json" 2>&1 | tail -4 ;;
+    table) python3 - "$OUT" "$M" <<'PY'
+# Weight-read floor: the bytes a step must read once (bf16): attention, router, norms and the LM
+# head every step; experts: batch 1 reads its 4 of 32 per layer, a W1 decode step of 200 rows
+# touches every expert. H100 SXM HBM3: 3.35 TB/s.
+import json, os, sys
+out, model = sys.argv[1], sys.argv[2]
+c = json.load(open(os.path.join(model, "config.json")))
+h, L, E, I = c["hidden_size"], c["num_hidden_layers"], c["num_local_experts"], c["intermediate_size"]
+q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+attn = L * (h * (q + 2 * kv) + q * h + E * h)
+expert = 3 * h * I
+head = c["vocab_size"] * h
+bw = 3.35e12
+one = 2 * (attn + head + L * c["num_experts_per_tok"] * expert) / bw * 1e3
+every = 2 * (attn + head + L * E * expert) / bw * 1e3
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+w3, w1 = load("gpt-oss-w3.json"), load("gpt-oss-w1.json")
+print("| gpt-oss-20b shape, bf16 experts, H100 | measured | weight-read floor |")
+print("| --- | --- | --- |")
+if w3:
+    print(f"| batch 1 ms/token (128 in / 128 out) | {w3['ms_per_output_token']:.2f} | {one:.2f} ms (4 of 32 experts) |")
+if w1:
+    print(f"| W1-shaped ({w1.get('num_prompts', '?')} x 1024 in / 128 out) | "
+          f"{w1['requests_per_s']:.2f} req/s, {w1['output_tokens_per_s']:.0f} out tok/s | "
+          f"{every:.1f} ms per decode step reading every expert: <= "
+          f"{w1.get('num_prompts', 0) / every * 1e3:.0f} out tok/s with every row decoding |")
+PY
+    ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
