@@ -79,6 +79,10 @@ class GptOssReasoningParser:
     def __init__(self, tokenizer: Any) -> None:
         pass
 
+    def for_prompt(self, prompt_ids: list[int]) -> GptOssReasoningParser:
+        """The parser for one request: the same one (harmony replies name their channel)."""
+        return self
+
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) so far, each a prefix of what the next call returns."""
         reasoning, content = [], []
