@@ -21,7 +21,7 @@ from torch import nn
 from pagedserve.config import LoRAConfig
 from pagedserve.ipc.messages import LoRARequest, StepPlan
 from pagedserve.kernels.backend import triton_available
-from pagedserve.kernels.lora import SlotRows
+from pagedserve.kernels.lora import SlotRows, group_layout
 from pagedserve.lora_checkpoint import AdapterSpec, read_adapter
 from pagedserve.worker.layers.quant_linear import LinearBase
 from pagedserve.worker.lora.layer import LoRABatch, LoRASlots
@@ -53,11 +53,11 @@ class LoRAManager:
         hf: dict,
         device: torch.device,
         model_dtype: torch.dtype,
-        max_rows: int,  # the largest decode batch (max_num_seqs)
+        max_graph_tokens: int,  # the most tokens a CUDA graph runs
     ) -> None:
         self.config, self.hf, self.device = config, hf, device
         self.dtype = model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(device)
         self.layers: dict[tuple[int, str], LoRASlots] = {}
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
@@ -75,18 +75,21 @@ class LoRAManager:
         self.lora_of: dict[str, LoRARequest] = {}  # req_id -> its adapter, requests in the batch
         self.num_loads = 0
         self.num_evictions = 0
-        # Decode CUDA graphs hold the LoRA pair, reading each row's slot from `graph_slots`
-        # (-1: the base model, padding rows too), written before every replay (`stage_graph`);
-        # a decode row is one token, so the segment starts are fixed. Only where lora_apply
-        # takes the Triton pair: the reference's row groups are host data, baked into a graph.
+        # CUDA graphs (decode and mixed) hold the LoRA pair over one static buffer in
+        # `group_layout`'s form, written before every replay (`stage_graph`): the grid is the
+        # graph's token count over `max_loras` groups, unused groups at slot -1 (the kernels
+        # skip them). Only where lora_apply takes the Triton pair: the reference's row groups
+        # are host data, which a graph would bake in.
         self.in_graphs = (
             device.type == "cuda"
             and triton_available()
             and self.dtype in (torch.float16, torch.bfloat16)
         )
+        self.graph_rows = max_graph_tokens
         if self.in_graphs:
-            self.graph_starts = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
-            self.graph_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+            size = max_graph_tokens + 2 * config.max_loras + 1
+            self.graph_buf = torch.zeros(size, dtype=torch.int32, device=device)
+            self.graph_empty = False  # whether it holds no rows (every group at slot -1)
 
     def track(self, plan: StepPlan) -> None:
         """Follow the persistent batch: who leaves, who joins with which adapter."""
@@ -97,29 +100,31 @@ class LoRAManager:
                 self.lora_of[new.req_id] = new.lora
 
     def prepare(self, scheduled_ids: list[str], query_start_loc: np.ndarray) -> None:
-        """Slots for this step's adapters, and which rows use which (`batch.rows`)."""
+        """Slots for this step's adapters, and which rows use which (`batch`)."""
         loras = [self.lora_of.get(req_id) for req_id in scheduled_ids]
         needed = {lora.lora_int_id for lora in loras if lora is not None}
         if not needed:
-            self.batch.rows = None
+            self.batch.set()
             return
         assert len(needed) <= self.config.max_loras, "the core schedules within max_loras"
         seg_slots = [-1 if lora is None else self._slot(lora, needed) for lora in loras]
-        self.batch.rows = SlotRows(query_start_loc.tolist(), seg_slots, self.device)
+        self.batch.set(segments=(query_start_loc, seg_slots))
 
-    def capture_rows(self, num_tokens: int, decode: bool) -> None:
-        """Before a CUDA graph's capture: a decode graph reads the static slot table, a mixed
-        step's graph holds no LoRA (steps with adapter rows run those eagerly)."""
-        self.batch.rows = None
-        if decode and self.in_graphs:
-            starts, slots = self.graph_starts[: num_tokens + 1], self.graph_slots[:num_tokens]
-            self.batch.rows = SlotRows.static(starts, slots, 1)
+    def capture_rows(self, num_tokens: int) -> None:
+        """Before a CUDA graph's capture: its LoRA reads the static buffer (none without it)."""
+        self.batch.set()
+        if self.in_graphs:
+            rows = SlotRows(self.graph_buf, self.graph_rows, self.config.max_loras, num_tokens)
+            self.batch.set(static=rows)
 
-    def stage_graph(self, num_rows: int, bucket: int) -> None:
-        """Before a decode graph's replay: this step's slot per row, -1 past them."""
-        self.graph_slots[:bucket].fill_(-1)
-        if self.batch.rows is not None:
-            self.graph_slots[:num_rows].copy_(self.batch.rows.seg_slots, non_blocking=True)
+    def stage_graph(self) -> None:
+        """Before a graph's replay: this step's groups into the static buffer (one copy)."""
+        if self.batch.segments is None and self.graph_empty:
+            return
+        segments = self.batch.segments or ([0], [])
+        host, _, _ = group_layout(*segments, self.graph_rows, self.config.max_loras)
+        self.graph_buf.copy_(torch.from_numpy(host), non_blocking=True)
+        self.graph_empty = self.batch.segments is None
 
     def _slot(self, lora: LoRARequest, needed: set[int]) -> int:
         held = self.host.get(lora.lora_int_id)
