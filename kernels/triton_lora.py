@@ -10,7 +10,8 @@ or B tile once for all of them, and no two programs write one output element.
 fills the GPU (one program walking K = 14,336 alone would be the step's longest kernel). The
 partials need no zeroed buffer: every split writes its own. `gated`: x is `[T, 2K]` (gate | up)
 and `silu(gate) * up` is formed in the loads, so the base layer keeps its fused gated GEMV.
-`expand`: `y[rows] += (sum_split h[split, rows]) B_s^T`, `BLOCK_N` output features per program.
+`expand`: `y[rows] += (sum_split h[split, rows]) B_s^T`, `BLOCK_N` output features per program,
+all partials read in one load.
 The rank is padded to a power of two >= 16 (the smallest `tl.dot`); padding is masked.
 Rows of base-model tokens are in no group: their `h` is never written nor read.
 """
@@ -27,6 +28,7 @@ from pagedserve.kernels.triton_activation import silu_mul
 
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs)
 MIN_SPLIT_K = 256  # the fewest K columns a split walks (four BLOCK_K steps)
+MAX_PARTIALS = 8192  # float32 partial sums one expand program loads at once, [S, BM, BR]
 
 
 @triton.jit
@@ -80,7 +82,7 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr, b_ptr, y_ptr, order, group_starts, group_slots, N, R, num_splits, stride_hs,
     stride_hm, stride_bs, stride_bn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = tl.load(group_slots + tl.program_id(0))
     start = tl.load(group_starts + tl.program_id(0))
@@ -91,11 +93,11 @@ def _expand_kernel(
     rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R)
     n_ok = rn < N
-    h_mask = m_ok[:, None] & (rr < R)[None, :]
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + rr[None, :]
-    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for s in range(0, num_splits):
-        h += tl.load(h_ptrs + s * stride_hs, mask=h_mask, other=0.0)
+    # every split's partial sums in one load [S, BM, BR] (a loop over them would wait on each)
+    rs = tl.arange(0, BLOCK_S)
+    h_mask = (rs < num_splits)[:, None, None] & (m_ok[:, None] & (rr < R)[None, :])[None, :, :]
+    h_ptrs = h_ptr + rs[:, None, None] * stride_hs + (rows[:, None] * stride_hm + rr[None, :])[None]
+    h = tl.sum(tl.load(h_ptrs, mask=h_mask, other=0.0), axis=0)  # [BM, BR]
     b = tl.load(
         b_ptr + slot.to(tl.int64) * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rr[None, :],
         mask=n_ok[:, None] & (rr < R)[None, :], other=0.0,
@@ -115,14 +117,20 @@ def _block_m(rows: SlotRows) -> int:
     return 16 if rows.max_group_len <= 64 else 64
 
 
+def _block_n(rows: SlotRows) -> int:
+    return 64 if rows.max_group_len <= 64 else 128
+
+
 def _row_blocks(rows: SlotRows) -> int:
     return triton.cdiv(max(rows.max_group_len, 1), _block_m(rows))
 
 
-def num_splits(rows: SlotRows, k: int) -> int:
-    """Slices of K for the shrink: enough programs to fill the GPU, each walking >= 256 columns."""
+def num_splits(rows: SlotRows, k: int, rank: int) -> int:
+    """Slices of K for the shrink: enough programs to fill the GPU, each walking >= 256 columns,
+    no more than an expand program loads in one go."""
     programs = rows.group_slots.shape[0] * _row_blocks(rows)
-    return max(1, min(TARGET_PROGRAMS // max(programs, 1), k // MIN_SPLIT_K))
+    most = MAX_PARTIALS // (_block_m(rows) * _block_r(rank))
+    return max(1, min(TARGET_PROGRAMS // max(programs, 1), k // MIN_SPLIT_K, most))
 
 
 def triton_lora_shrink(
@@ -135,7 +143,7 @@ def triton_lora_shrink(
     k = x.shape[1] // 2 if gated else x.shape[1]
     assert lora_a.shape[2] == k and x.dtype == lora_a.dtype
     rank = lora_a.shape[1]
-    splits = num_splits(rows, k)
+    splits = num_splits(rows, k, rank)
     h = torch.empty(splits, x.shape[0], rank, dtype=torch.float32, device=x.device)
     num_groups = rows.group_slots.shape[0]
     if num_groups == 0 or rows.max_group_len == 0:
@@ -163,12 +171,12 @@ def triton_lora_expand(
     if num_groups == 0 or rows.max_group_len == 0:
         return y
     n, rank = y.shape[1], h.shape[2]
-    block_n = 64
+    block_n = _block_n(rows)
     grid = (num_groups, _row_blocks(rows), triton.cdiv(n, block_n))
     _expand_kernel[grid](
         h, lora_b, y, rows.order, rows.group_starts, rows.group_slots, n, rank, h.shape[0],
         h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         BLOCK_M=_block_m(rows), BLOCK_N=block_n, BLOCK_R=_block_r(rank),
-        PRECISION=dot_precision(lora_b.dtype),
+        BLOCK_S=max(2, triton.next_power_of_2(h.shape[0])), PRECISION=dot_precision(lora_b.dtype),
     )  # fmt: skip
     return y
