@@ -201,7 +201,7 @@ def test_triton_shrink_expand_equal_reference():
     device = "cuda" if HAS_CUDA else "cpu"
     x, a, b, starts, slots = (t.to(device) if torch.is_tensor(t) else t for t in _case())
     rows = SlotRows.from_segments(starts, slots, x.device)
-    assert num_splits(rows, 512, 16) == 2
+    assert num_splits(rows, 512) == 2
     h = triton_lora_shrink(x, a, rows)  # [2, T, R] partial sums, adapter rows only
     order = rows.order.long()
     torch.testing.assert_close(
