@@ -44,6 +44,7 @@ from pagedserve.ipc.messages import (
     GrammarCompiled,
     LoadLoRA,
     LoRALoaded,
+    LoRARequest,
     RequestDelta,
     ResetPrefixCache,
     ShutdownEngine,
@@ -104,12 +105,12 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size
         self.grammars = GrammarGate(
             sampling_ranks=range((pp - 1) * tp, pp * tp),
-            in_use=self.scheduler.grammar_users.__contains__,
+            in_use=self._grammar_in_use,
         )
         self.loras = LoRAGate(  # every rank holds its stage's layers of an adapter
             ranks=range(config.parallel.world_size),
             capacity=config.lora.max_cpu_loras if config.lora is not None else 1,
-            in_use=lambda lora: lora.lora_name in self.scheduler.lora_users,
+            in_use=self._lora_in_use,
         )
         self.limits = ModelLimits(
             config.model.vocab_size, config.max_model_len, lora=config.lora is not None
@@ -208,7 +209,7 @@ class EngineCore:
     def _through_gates(self, msg: AddRequest) -> RequestDelta | None:
         """Schedule the request, or None while it waits in a gate, outside the scheduler (its
         grammar compiling, its adapter loading). A request a gate releases passes every gate
-        again: the other's grammar or adapter may have been dropped while it waited."""
+        again (the first lets it on at once: what it waits for is never dropped)."""
         try:
             for gate in (self.grammars, self.loras):
                 go_on, order = gate.admit(msg)
@@ -220,6 +221,20 @@ class EngineCore:
             logger.warning("refused request %.64r: %s", msg.req_id, e)
             return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
         return self._schedule_request(msg)
+
+    def _grammar_in_use(self, key: str) -> bool:
+        """Whether an unfinished request has the grammar: the scheduler's or one that waits for
+        its adapter (the gates never drop what the other's requests will need)."""
+        if key in self.scheduler.grammar_users:
+            return True
+        return any(_grammar_key(r) == key for r in self.loras.waiting())
+
+    def _lora_in_use(self, lora: LoRARequest) -> bool:
+        """Whether an unfinished request has the adapter: the scheduler's (by name, as it counts
+        them) or one that waits for its grammar."""
+        if lora.lora_name in self.scheduler.lora_users:
+            return True
+        return any(r.lora == lora for r in self.grammars.waiting())
 
     def _schedule_request(self, msg: AddRequest) -> RequestDelta:
         try:
@@ -347,6 +362,11 @@ class EngineCore:
         for client_index in self.transport.client_indices():
             if client_index not in skip:
                 self.transport.send_outputs(client_index, EngineOutputs([], stats))
+
+
+def _grammar_key(req: AddRequest) -> str | None:
+    spec = req.sampling.structured_outputs
+    return None if spec is None else spec.key
 
 
 def _aborted(req: AddRequest) -> tuple[int, RequestDelta]:

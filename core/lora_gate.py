@@ -11,10 +11,10 @@ from a pool (a worker only copies it from the pool into a device slot, worker/lo
 Holding: the pools hold exactly the adapters this gate lists (workers never evict by themselves).
 At most `capacity`: a load order first drops the least recently used adapters that no unfinished
 request uses (waiting, running or preempted: the scheduler counts them), and the drop rides on
-that order, so workers apply it in plan order. An adapter in use is never dropped (past
-`capacity` adapters in use at once, the pools hold more until they finish), so unloading one
-from the API never breaks its running requests; a request whose adapter was dropped while it
-waited in another gate (its grammar compiling) waits here again for a reload.
+that order, so workers apply it in plan order. An adapter in use (`in_use`: the core also
+counts requests waiting for their grammar) is never dropped (past `capacity` adapters in use at
+once, the pools hold more until they finish), so unloading one from the API never breaks its
+running requests.
 
 One `lora_int_id` names one adapter while requests use it: a request that names a held or
 loading id with another adapter is refused while the first is in use (else the load replaces it).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.ipc.messages import AddRequest, LoadLoRA, LoRALoaded, LoRARequest
@@ -49,7 +49,8 @@ class LoRAGate:
         in_use: Callable[[LoRARequest], bool] = lambda lora: False,
     ) -> None:
         """`ranks`: every worker (each holds the adapter's layers of its stage); only their
-        answers count. `in_use(lora)`: whether an unfinished request of the scheduler has it."""
+        answers count. `in_use(lora)`: whether an unfinished request has it (the scheduler's, or
+        one waiting in another gate)."""
         assert capacity >= 1
         self.ranks = frozenset(ranks)
         self.capacity = capacity
@@ -67,6 +68,11 @@ class LoRAGate:
     def num_waiting(self) -> int:
         """Requests held here for their adapter (they count toward `max_waiting`)."""
         return len(self._id_of)
+
+    def waiting(self) -> Iterator[AddRequest]:
+        """The requests held here."""
+        for loading in self._loading.values():
+            yield from loading.waiting
 
     @property
     def held_ids(self) -> list[int]:
