@@ -1,5 +1,5 @@
 """Adapter loads off the step path (core/lora_gate.py, worker/lora/manager.py): through a real
-`pagedserve launch`, a large adapter (rank 1536 on all seven projections of a 1024-wide model,
+`pagedserve launch`, a large adapter (rank 2048 on all seven projections of a 1024-wide model,
 bf16 on disk: about a second to read) loads while a base-model request streams, and the stream's
 worst gap stays well below the load; a load that fails answers its request with a 400 naming the
 adapter, and the server keeps serving. Then the gate's pool decisions, in pure Python."""
@@ -21,7 +21,7 @@ from pagedserve.ipc.messages import AddRequest, LoRALoaded, LoRARequest, Samplin
 
 from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, make_tokenizer
 
-HIDDEN, INTERMEDIATE, LAYERS, RANK = 1024, 2816, 2, 1536
+HIDDEN, INTERMEDIATE, LAYERS, RANK = 1024, 2816, 2, 2048
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 MODULES = {
     "self_attn": {m: (HIDDEN, HIDDEN) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
@@ -111,7 +111,7 @@ def server(tmp_path_factory):
 
 def _complete(http: httpx.Client, model: str) -> httpx.Response:
     """One token after a one-token prompt: the adapter's first step is its slot copy and a
-    GEMV (a CPU's GEMM on a few rows of a rank-1536 adapter costs as much as reading it)."""
+    GEMV (a CPU's GEMM on a few rows of a rank-2048 adapter costs as much as reading it)."""
     body = {"model": model, "prompt": [5], "max_tokens": 1, "temperature": 0}
     return http.post("/v1/completions", json=body)
 
