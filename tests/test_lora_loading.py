@@ -17,7 +17,13 @@ import torch
 from test_server import Launched, assert_error
 
 from pagedserve.core.lora_gate import LoRAGate
-from pagedserve.ipc.messages import AddRequest, LoRALoaded, LoRARequest, SamplingParams
+from pagedserve.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    LoRALoaded,
+    LoRARequest,
+    SamplingParams,
+)
 
 from tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, make_tokenizer
 
@@ -196,3 +202,52 @@ def test_gate_keeps_adapters_in_use_and_drops_the_least_recent():
     assert error == "LoRA adapter 'c': gone" and 3 not in gate.held_ids
     _, order = gate.admit(_req("r3", b))
     assert order.drop_ids == [3]  # rank 1 read c: its copy leaves with the next order
+
+
+class _Transport:
+    """Just enough of the core's transport: what it broadcast, one client."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.outputs: list = []
+
+    def broadcast(self, msg) -> None:
+        self.sent.append(msg)
+
+    def send_outputs(self, client_index: int, outputs) -> None:
+        self.outputs += outputs.outputs
+
+    def client_indices(self) -> list[int]:
+        return [0]
+
+
+def test_neither_gate_drops_what_a_request_waiting_in_the_other_needs(tmp_path_factory):
+    from pagedserve.config import EngineConfig, LoRAConfig, ModelConfig
+    from pagedserve.core.engine_core import EngineCore
+    from pagedserve.ipc.messages import GrammarCompiled, LoadLoRA, StructuredOutputs
+
+    from tiny_models import tiny_model_dir
+
+    model = ModelConfig(tiny_model_dir("llama", tmp_path_factory.getbasetemp()))
+    config = EngineConfig(model, lora=LoRAConfig(max_loras=1, max_cpu_loras=1))
+    transport = _Transport()
+    core = EngineCore(config, transport, num_blocks=64)
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    spec = StructuredOutputs(regex="[a-z]+")
+    add = lambda req_id, lora, grammar=None: core._handle_client_message(  # noqa: E731
+        AddRequest(req_id, [5, 6], SamplingParams(structured_outputs=grammar), lora=lora)
+    )
+    assert add("plain-a", a) == []  # waits for `a`
+    core._handle_worker_message(LoRALoaded(0, 1))
+    assert [d.req_id for d in transport.outputs] == ["plain-a"]  # admitted
+    assert add("json-a", a, spec) == []  # waits for its grammar; `a` is held
+    core._handle_client_message(AbortRequests(["plain-a"]))  # no scheduled request uses `a`
+    assert add("plain-b", b) == []
+    load_b = transport.sent[-1]
+    assert isinstance(load_b, LoadLoRA) and load_b.lora == b
+    assert load_b.drop_ids == []  # `a` stays: json-a waits for its grammar with it
+    core._handle_worker_message(LoRALoaded(0, 2))
+    core._handle_worker_message(GrammarCompiled(0, spec.key))
+    admitted = [d.req_id for d in transport.outputs if d.finish_reason is None]
+    assert admitted == ["plain-a", "plain-b", "json-a"]  # json-a needed no second load of `a`
+    assert sum(isinstance(m, LoadLoRA) for m in transport.sent) == 2
