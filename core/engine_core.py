@@ -10,7 +10,9 @@ Every AddRequest is answered at once with an empty delta (admitted), a "rejected
 waiting queue is at `max_waiting`) or an "invalid" one with the reason (core/admission.py checks it
 against the model: the core is the gate, whoever sent it), so an API server knows before it sends
 a 200 whether the request will run; a request with a grammar not compiled yet is answered once
-it is (core/grammar_gate.py: admitted, or "invalid" if it did not compile). A message that makes
+it is (core/grammar_gate.py: admitted, or "invalid" if it did not compile), and one with a LoRA
+adapter the workers' host pools lack once every worker has read it on a thread
+(core/lora_gate.py; "invalid" if it could not be read). A message that makes
 no sense (from an unknown client, a result for no plan in flight or that does not fit its plan)
 is logged and dropped, never asserted on: no message can kill the loop. A watchdog declares the
 engine dead when the oldest plan in flight gets no result within `step_timeout` (a worker stuck
@@ -30,6 +32,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.admission import ModelLimits, check_request
 from pagedserve.core.grammar_gate import GrammarGate
 from pagedserve.core.kv_tier import TierSpec
+from pagedserve.core.lora_gate import LoRAGate
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats_log import StatsLog
 from pagedserve.errors import EngineDeadError, StepTimeoutError
@@ -41,6 +44,9 @@ from pagedserve.ipc.messages import (
     CompileGrammar,
     EngineOutputs,
     GrammarCompiled,
+    LoadLoRA,
+    LoRALoaded,
+    LoRARequest,
     RequestDelta,
     ResetPrefixCache,
     ShutdownEngine,
@@ -60,7 +66,7 @@ LIVENESS_INTERVAL_S = 0.2
 class Transport(Protocol):
     def next_client_message(self, timeout: float | None) -> ClientMessage | None: ...
     def next_worker_message(self, timeout: float) -> WorkerToCore | None: ...
-    def broadcast(self, plan: StepPlan | CompileGrammar) -> None: ...
+    def broadcast(self, plan: StepPlan | CompileGrammar | LoadLoRA) -> None: ...
     def send_outputs(self, client_index: int, outputs: EngineOutputs) -> None: ...
     def add_client(self, hello: ClientHello) -> None: ...
     def client_indices(self) -> list[int]: ...
@@ -109,7 +115,12 @@ class EngineCore:
         tp = config.parallel.tensor_parallel_size
         self.grammars = GrammarGate(
             sampling_ranks=range((pp - 1) * tp, pp * tp),
-            in_use=self.scheduler.grammar_users.__contains__,
+            in_use=self._grammar_in_use,
+        )
+        self.loras = LoRAGate(  # every rank holds its stage's layers of an adapter
+            ranks=range(config.parallel.world_size),
+            capacity=config.lora.max_cpu_loras if config.lora is not None else 1,
+            in_use=self._lora_in_use,
         )
         self.limits = ModelLimits(
             config.model.vocab_size,
@@ -149,12 +160,13 @@ class EngineCore:
     def _loop(self) -> None:
         while self.running:
             idle = not self.inflight and not self.scheduler.has_unfinished_requests()
-            self._drain_client_messages(block=idle and not self.grammars.pending)
+            gated = self.grammars.pending or self.loras.pending
+            self._drain_client_messages(block=idle and not gated)
             self._check_workers()
             self._schedule_steps()
             if self.inflight:
                 self._collect_one_result()
-            elif self.grammars.pending:
+            elif gated:  # a grammar compiles or an adapter loads: wait for the answer
                 self._handle_worker_message(self.transport.next_worker_message(GRAMMAR_POLL_S))
             elif idle:
                 self._maybe_send_stats(force=False)
@@ -190,6 +202,7 @@ class EngineCore:
             return [] if delta is None else [(msg.client_index, delta)]
         if isinstance(msg, AbortRequests):
             held = self.grammars.abort(msg.req_ids) if self.grammars.pending else []
+            held += self.loras.abort(msg.req_ids) if self.loras.pending else []
             return [_aborted(r) for r in held] + self.scheduler.abort_requests(msg.req_ids)
         if isinstance(msg, ClientHello):
             self.transport.add_client(msg)
@@ -201,7 +214,7 @@ class EngineCore:
 
     def _add_request(self, msg: AddRequest) -> RequestDelta | None:
         """The answer to an AddRequest: admitted (no tokens yet), rejected or invalid; None for
-        a request that waits for its grammar (answered once every sampling rank holds it)."""
+        a request that waits in a gate (answered once its grammar or adapter is ready)."""
         if self.stats_log is not None:
             self.stats_log.num_arrived += 1
         try:
@@ -209,14 +222,39 @@ class EngineCore:
         except ValueError as e:
             logger.warning("refused request %.64r: %s", msg.req_id, e)
             return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
-        if self.scheduler.is_full(num_held=self.grammars.num_waiting):
+        if self.scheduler.is_full(num_held=self.grammars.num_waiting + self.loras.num_waiting):
             return RequestDelta(msg.req_id, [], finish_reason="rejected")
-        schedulable, compile_order = self.grammars.admit(msg)
-        if compile_order is not None:
-            self.transport.broadcast(compile_order)
-        if not schedulable:  # it waits for its grammar, outside the scheduler
-            return None
+        return self._through_gates(msg)
+
+    def _through_gates(self, msg: AddRequest) -> RequestDelta | None:
+        """Schedule the request, or None while it waits in a gate, outside the scheduler (its
+        grammar compiling, its adapter loading). A request a gate releases passes every gate
+        again (the first lets it on at once: what it waits for is never dropped)."""
+        try:
+            for gate in (self.grammars, self.loras):
+                go_on, order = gate.admit(msg)
+                if order is not None:
+                    self.transport.broadcast(order)
+                if not go_on:
+                    return None
+        except ValueError as e:
+            logger.warning("refused request %.64r: %s", msg.req_id, e)
+            return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
         return self._schedule_request(msg)
+
+    def _grammar_in_use(self, key: str) -> bool:
+        """Whether an unfinished request has the grammar: the scheduler's or one that waits for
+        its adapter (the gates never drop what the other's requests will need)."""
+        if key in self.scheduler.grammar_users:
+            return True
+        return any(_grammar_key(r) == key for r in self.loras.waiting())
+
+    def _lora_in_use(self, lora: LoRARequest) -> bool:
+        """Whether an unfinished request has the adapter: the scheduler's (by name, as it counts
+        them) or one that waits for its grammar."""
+        if lora.lora_name in self.scheduler.lora_users:
+            return True
+        return any(r.lora == lora for r in self.grammars.waiting())
 
     def _schedule_request(self, msg: AddRequest) -> RequestDelta:
         try:
@@ -226,21 +264,21 @@ class EngineCore:
             return RequestDelta(msg.req_id, [], finish_reason="invalid", error=str(e))
         return RequestDelta(msg.req_id, [])
 
-    def _grammar_compiled(self, msg: GrammarCompiled) -> None:
-        """Answer the requests whose grammar every sampling rank has now compiled: admitted
-        (they join the scheduler), or refused with the reason it did not compile (over
-        --max-grammar-compile-seconds; or a grammar only a raw client could send, as API servers
-        check grammars first), which an API server returns as a 400."""
-        released, error = self.grammars.compiled(msg)
+    def _release(self, released: list[AddRequest], error: str | None) -> None:
+        """Answer the requests a gate let go: on to the next gate or the scheduler, or refused
+        with the reason their grammar did not compile (over --max-grammar-compile-seconds; or a
+        grammar only a raw client could send, as API servers check grammars first) or their
+        adapter could not be read, which an API server returns as a 400."""
         if error is not None and released:
-            logger.warning("%d requests: their grammar did not compile: %s", len(released), error)
+            logger.warning("%d requests refused: %s", len(released), error)
         deltas = []
         for req in released:
             if error is not None:
                 delta = RequestDelta(req.req_id, [], finish_reason="invalid", error=error)
             else:
-                delta = self._schedule_request(req)
-            deltas.append((req.client_index, delta))
+                delta = self._through_gates(req)
+            if delta is not None:
+                deltas.append((req.client_index, delta))
         self._emit(deltas)
 
     # ------------------------------------------------------------------ steps
@@ -283,7 +321,9 @@ class EngineCore:
             self._blame_dead_worker()
             raise EngineDeadError(f"worker {msg.rank} failed: {msg.message}")
         if isinstance(msg, GrammarCompiled):
-            self._grammar_compiled(msg)
+            self._release(*self.grammars.compiled(msg))
+        elif isinstance(msg, LoRALoaded):
+            self._release(*self.loras.loaded(msg))
 
     def _fits(self, result: StepResult) -> bool:
         """The result answers the oldest plan in flight (results come in plan order); else it is
@@ -342,6 +382,11 @@ class EngineCore:
         for client_index in self.transport.client_indices():
             if client_index not in skip:
                 self.transport.send_outputs(client_index, EngineOutputs([], stats))
+
+
+def _grammar_key(req: AddRequest) -> str | None:
+    spec = req.sampling.structured_outputs
+    return None if spec is None else spec.key
 
 
 def _aborted(req: AddRequest) -> tuple[int, RequestDelta]:

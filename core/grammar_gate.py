@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.ipc.messages import AddRequest, CompileGrammar, GrammarCompiled
@@ -66,6 +66,11 @@ class GrammarGate:
     def num_waiting(self) -> int:
         """Requests held here for their grammar (they count toward `max_waiting`)."""
         return len(self._key_of)
+
+    def waiting(self) -> Iterator[AddRequest]:
+        """The requests held here."""
+        for compiling in self._compiling.values():
+            yield from compiling.waiting
 
     @property
     def held_keys(self) -> list[str]:

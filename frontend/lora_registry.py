@@ -7,7 +7,7 @@ their name and path, so one load names one adapter everywhere in the engine (the
 and the workers' slots key on the id) and a reload from another path is another adapter. Loads
 are checked against the model here (lora_checkpoint.py), so a bad adapter is refused by name and
 never reaches a worker. Unloading only forgets the name: requests already running keep their
-adapter (the workers hold it while any request uses it).
+adapter (core/lora_gate.py keeps it in the workers' host pools while any request uses it).
 
 Each API server keeps its own registry: with `--api-servers N`, runtime loads reach only the
 server that took them (as in vLLM); `--lora-modules` reach all.

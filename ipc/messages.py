@@ -375,7 +375,16 @@ class CompileGrammar(msgspec.Struct, tag=True, **_HOT):
     drop_keys: list[str] = []
 
 
-CoreToWorker = StepPlan | InitCache | ShutdownWorkers | CompileGrammar
+class LoadLoRA(msgspec.Struct, tag=True, **_HOT):
+    """Every rank: drop the adapters `drop_ids` from the host pool, then read `lora` into it off
+    the step loop and answer with LoRALoaded. The core schedules no request of this adapter before
+    every rank has answered, and decides alone which adapters the pools hold (core/lora_gate.py)."""
+
+    lora: LoRARequest
+    drop_ids: list[int] = []
+
+
+CoreToWorker = StepPlan | InitCache | ShutdownWorkers | CompileGrammar | LoadLoRA
 
 
 # ---------------------------------------------------------------- workers -> core
@@ -427,4 +436,12 @@ class GrammarCompiled(msgspec.Struct, tag=True, **_HOT):
     error: str | None = None
 
 
-WorkerToCore = WorkerReady | StepResult | WorkerError | GrammarCompiled
+class LoRALoaded(msgspec.Struct, tag=True, **_HOT):
+    """One rank holds adapter `lora_int_id` in its host pool (or says why it could not)."""
+
+    rank: int
+    lora_int_id: int
+    error: str | None = None
+
+
+WorkerToCore = WorkerReady | StepResult | WorkerError | GrammarCompiled | LoRALoaded

@@ -1,61 +1,91 @@
 """Batched LoRA, punica style: one batch mixes rows of several adapters and of the base model.
 
-A step's tokens come in segments (one per request, contiguous in the batch), each with the
-device slot of its adapter or -1 (the base model). A layer with LoRA adds
-`expand(shrink(x))`: `shrink` is `h = x A_s^T` ([T, K] -> [T, R]) and `expand` is
-`y += h B_s^T` ([T, R] -> [T, N]), with `s` the row's slot and every adapter's scaling already
-folded into its B. Slots hold A `[S, R, K]` and B `[S, N, R]`, rank padded with zeros to R.
+A layer with LoRA adds `expand(shrink(x))` on the rows of adapters: `shrink` is `h = x A_s^T`
+([T, K] -> [T, R]) and `expand` is `y += h B_s^T` ([T, R] -> [T, N]), with `s` the row's device
+slot and every adapter's scaling already folded into its B. Slots hold A `[S, R, K]` and
+B `[S, N, R]`, rank padded with zeros to R.
 
-The torch reference groups rows by slot once per step (`SlotRows`, on the host: the segments
-are host data) and runs one gathered matmul per adapter in the step, so it is also the CPU path.
-On CUDA the Triton pair (kernels/triton_lora.py) runs straight over the segments.
+A step's rows are grouped by slot once per step (`SlotRows`): `order` lists the token indices of
+adapter rows, those of one slot contiguous, so a kernel program loads its slot's A or B tile once
+for a block of rows (vLLM's grouping, not a program per request: a decode row is a request).
+Base-model rows are in no group. The torch reference runs one gathered matmul per group, so it is
+also the CPU path; on CUDA the Triton pair (kernels/triton_lora.py) reads the groups directly.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import use_triton
 
 
-class SlotRows:
-    """One step's LoRA rows: `seg_starts` [num_seg + 1] / `seg_slots` [num_seg] (int32, on the
-    device) for the kernels, and `groups`, (slot, token indices [n]) per adapter in the step,
-    for the reference (built on first use: the Triton path never needs them)."""
+def group_layout(
+    seg_starts: list[int] | np.ndarray,  # [num_seg + 1] token offsets of the requests
+    seg_slots: list[int],  # [num_seg] slot per request, -1: the base model
+    num_rows: int | None = None,  # capacity of `order` (a CUDA graph's buffer); None: exact
+    num_groups: int | None = None,  # capacity of the groups; None: exact
+) -> tuple[np.ndarray, int, int]:
+    """`SlotRows`' packed host form, int32 `[order (rows) | group_starts (G + 1) | group_slots
+    (G)]` (one array: one host-to-device copy per step), with its rows and G. Padding: order
+    0, group starts repeat the end, group slots -1 (skipped)."""
+    starts = np.asarray(seg_starts, dtype=np.int64)
+    token_slot = np.repeat(np.asarray(seg_slots, dtype=np.int64), np.diff(starts))
+    idx = np.flatnonzero(token_slot >= 0)
+    order = idx[np.argsort(token_slot[idx], kind="stable")]
+    slots, counts = np.unique(token_slot[order], return_counts=True)
+    rows = len(order) if num_rows is None else num_rows
+    groups = len(slots) if num_groups is None else num_groups
+    assert len(order) <= rows and len(slots) <= groups, "more LoRA rows than the buffer holds"
+    out = np.zeros(rows + 2 * groups + 1, dtype=np.int32)
+    out[: len(order)] = order
+    ends = out[rows + 1 : rows + groups + 1]  # group_starts[1:]
+    ends[:] = len(order)
+    ends[: len(counts)] = np.cumsum(counts)
+    out[rows + groups + 1 :] = -1
+    out[rows + groups + 1 : rows + groups + 1 + len(slots)] = slots
+    return out, rows, groups
 
-    def __init__(self, seg_starts: list[int], seg_slots: list[int], device: torch.device) -> None:
-        assert len(seg_starts) == len(seg_slots) + 1
-        self._host: tuple[list[int], list[int]] | None = (seg_starts, seg_slots)
-        self.device = device
-        self.seg_starts = torch.tensor(seg_starts, dtype=torch.int32, device=device)
-        self.seg_slots = torch.tensor(seg_slots, dtype=torch.int32, device=device)
-        lengths = [b - a for a, b in zip(seg_starts, seg_starts[1:], strict=False)]
-        self.max_seg_len = max(lengths, default=0)
+
+class SlotRows:
+    """One step's LoRA rows on the device: `order` [rows] int32 token indices grouped by slot,
+    `group_starts` [G + 1] (offsets into `order`), `group_slots` [G] (-1: an empty group),
+    `max_group_len` (a host int, the kernels' grid). `groups`, (slot, token indices) per group,
+    serves the reference (only rows built from host data have it)."""
+
+    def __init__(
+        self, packed: torch.Tensor, num_rows: int, num_groups: int, max_group_len: int
+    ) -> None:
+        self.packed = packed  # int32 [rows + 2 G + 1], `group_layout`'s form
+        self.order = packed[:num_rows]
+        self.group_starts = packed[num_rows : num_rows + num_groups + 1]
+        self.group_slots = packed[num_rows + num_groups + 1 :]
+        self.max_group_len = max_group_len
+        self.host: np.ndarray | None = None
         self._groups: list[tuple[int, torch.Tensor]] | None = None
 
     @classmethod
-    def static(
-        cls, seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_seg_len: int
+    def from_segments(
+        cls, seg_starts: list[int] | np.ndarray, seg_slots: list[int], device: torch.device
     ) -> SlotRows:
-        """Rows over device buffers a CUDA graph reads (their values change per replay): for the
-        Triton pair only, which reads nothing on the host."""
-        rows = cls.__new__(cls)
-        rows._host, rows._groups, rows.device = None, None, seg_starts.device
-        rows.seg_starts, rows.seg_slots, rows.max_seg_len = seg_starts, seg_slots, max_seg_len
+        host, num_rows, num_groups = group_layout(seg_starts, seg_slots)
+        longest = int(np.diff(host[num_rows : num_rows + num_groups + 1]).max(initial=0))
+        rows = cls(torch.from_numpy(host).to(device), num_rows, num_groups, longest)
+        rows.host = host
         return rows
 
     @property
     def groups(self) -> list[tuple[int, torch.Tensor]]:
         if self._groups is None:
-            assert self._host is not None, "static rows serve the Triton pair only"
-            seg_starts, seg_slots = self._host
-            by_slot: dict[int, list[int]] = {}
-            for i, slot in enumerate(seg_slots):
-                if slot >= 0:
-                    by_slot.setdefault(slot, []).extend(range(seg_starts[i], seg_starts[i + 1]))
+            assert self.host is not None, "rows over a graph's buffer serve the Triton pair only"
+            n, g = len(self.order), len(self.group_slots)
+            order = torch.from_numpy(self.host[:n].astype(np.int64)).to(self.packed.device)
+            starts = self.host[n : n + g + 1]
             self._groups = [
-                (slot, torch.tensor(rows, dtype=torch.long, device=self.device))
-                for slot, rows in by_slot.items()
+                (int(slot), order[starts[i] : starts[i + 1]])
+                for i, slot in enumerate(self.host[n + g + 1 :])
+                if slot >= 0
             ]
         return self._groups
 
@@ -83,18 +113,26 @@ def lora_expand_ref(
     return y
 
 
+def lora_uses_triton(x: torch.Tensor) -> bool:
+    return use_triton(x) and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def lora_apply(
     y: torch.Tensor,  # [T, N]
-    x: torch.Tensor,  # [T, K]
+    x: torch.Tensor,  # [T, K], or [T, 2K] (gate | up) with `gated`
     lora_a: torch.Tensor,  # [S, R, K]
     lora_b: torch.Tensor,  # [S, N, R]
     rows: SlotRows,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """`y += B_s (A_s x)` per row of an adapter; the Triton pair on CUDA, else the reference.
-    (worker/lora/manager.py puts LoRA in decode CUDA graphs only where this takes Triton.)"""
-    if use_triton(x) and x.dtype in (torch.float16, torch.bfloat16):
+    """`y += B_s (A_s x)` per row of an adapter, x first through `silu_and_mul` if `gated`; the
+    Triton pair on CUDA (the activation inside the shrink's loads), else the reference.
+    (worker/lora/manager.py puts LoRA in CUDA graphs only where this takes Triton.)"""
+    x = x if gated else x.to(lora_a.dtype)  # (a gated x comes in lora_a's dtype: fuses_gate)
+    if lora_uses_triton(x) and x.dtype == lora_a.dtype:
         from pagedserve.kernels.triton_lora import triton_lora_expand, triton_lora_shrink
 
-        h = triton_lora_shrink(x, lora_a, rows.seg_starts, rows.seg_slots, rows.max_seg_len)
-        return triton_lora_expand(y, h, lora_b, rows.seg_starts, rows.seg_slots, rows.max_seg_len)
+        h = triton_lora_shrink(x, lora_a, rows, gated)
+        return triton_lora_expand(y, h, lora_b, rows)
+    x = (silu_and_mul(x) if gated else x).to(lora_a.dtype)
     return lora_expand_ref(y, lora_shrink_ref(x, lora_a, rows), lora_b, rows)

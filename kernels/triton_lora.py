@@ -1,11 +1,19 @@
-"""Segmented LoRA shrink and expand in Triton (punica's SGMV pair), reference in kernels/lora.py.
+"""Grouped LoRA shrink and expand in Triton (punica's pair), reference in kernels/lora.py.
 
-A batch's tokens come in segments `[seg_starts[i], seg_starts[i+1])`, each with the device slot
-of its adapter (`seg_slots[i]`, -1: the base model, skipped). Each program owns `BLOCK_M` rows
-of one segment (so no two programs write one output row) and, in `expand`, `BLOCK_N` output
-features. `shrink`: `h[rows] = x[rows] A_s^T` ([T, K] -> [T, R], float32); `expand`:
-`y[rows] += h[rows] B_s^T` ([T, R] -> [T, N]). The rank is padded to a power of two >= 16 (the
-smallest `tl.dot`); padding columns are masked, never loaded.
+A step's adapter rows come grouped by slot (`SlotRows`): group g covers
+`order[group_starts[g] : group_starts[g + 1]]`, token indices of slot `group_slots[g]` (-1: an
+empty group, skipped). Each program owns `BLOCK_M` rows of one group, so it loads its slot's A
+or B tile once for all of them, and no two programs write one output element.
+
+`shrink`: `h[split, rows] = x[rows, K_split] A_s[:, K_split]^T`, float32 partial sums over
+`num_splits` slices of K: a decode step has a few rows, and K split across programs is what
+fills the GPU (one program walking K = 14,336 alone would be the step's longest kernel). The
+partials need no zeroed buffer: every split writes its own. `gated`: x is `[T, 2K]` (gate | up)
+and `silu(gate) * up` is formed in the loads, so the base layer keeps its fused gated GEMV.
+`expand`: `y[rows] += (sum_split h[split, rows]) B_s^T`, `BLOCK_N` output features per program,
+the partials' loads unrolled.
+The rank is padded to a power of two >= 16 (the smallest `tl.dot`); padding is masked.
+Rows of base-model tokens are in no group: their `h` is never written nor read.
 """
 
 from __future__ import annotations
@@ -15,79 +23,92 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.backend import dot_precision
+from pagedserve.kernels.lora import SlotRows
+from pagedserve.kernels.triton_activation import silu_mul
 
-BLOCK_M = 16
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100 (132 SMs)
+MIN_SPLIT_K = 256  # the fewest K columns a split walks (four BLOCK_K steps)
+MAX_SPLITS = 16  # K splits of the shrink, each a load of the expand's
+
+
+@triton.jit
+def _group_rows(order, start, end, BLOCK_M: tl.constexpr):
+    """(token indices [BLOCK_M], valid [BLOCK_M]) of this program's block of its group."""
+    ri = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = ri < end
+    return tl.load(order + ri, mask=ok, other=0).to(tl.int64), ok
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, h_ptr, seg_starts, seg_slots, K, R, stride_xm, stride_as, stride_ar,
-    stride_hm, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    x_ptr, a_ptr, h_ptr, order, group_starts, group_slots, K, R, k_per_split, stride_xm,
+    stride_as, stride_ar, stride_hs, stride_hm, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    seg = tl.program_id(0)
-    slot = tl.load(seg_slots + seg)
-    if slot < 0:
+    slot = tl.load(group_slots + tl.program_id(0))
+    start = tl.load(group_starts + tl.program_id(0))
+    end = tl.load(group_starts + tl.program_id(0) + 1)
+    if (slot < 0) | (start + tl.program_id(1) * BLOCK_M >= end):
         return
-    start = tl.load(seg_starts + seg)
-    end = tl.load(seg_starts + seg + 1)
-    rm = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if start + tl.program_id(1) * BLOCK_M >= end:
-        return
+    rows, m_ok = _group_rows(order, start, end, BLOCK_M)
+    split = tl.program_id(2)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     rr = tl.arange(0, BLOCK_R)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < end
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        kk = k * BLOCK_K + rk
-        k_ok = kk < K
-        x = tl.load(
-            x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
-            mask=m_ok[:, None] & k_ok[None, :], other=0.0,
-        )  # fmt: skip
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    for k in range(k_lo, k_hi, BLOCK_K):
+        kk = k + rk
+        mask = m_ok[:, None] & (kk < k_hi)[None, :]
         a = tl.load(
             a_base + rr[:, None] * stride_ar + kk[None, :],
-            mask=r_ok[:, None] & k_ok[None, :], other=0.0,
+            mask=r_ok[:, None] & (kk < k_hi)[None, :], other=0.0,
         )  # fmt: skip
+        if GATED:  # x is gate | up: silu(gate) * up, rounded as silu_and_mul's output
+            gate = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
+            up = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
+            x = silu_mul(gate, up).to(a.dtype)
+        else:
+            x = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
         acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-    tl.store(
-        h_ptr + rm[:, None].to(tl.int64) * stride_hm + rr[None, :], acc,
-        mask=m_ok[:, None] & r_ok[None, :],
-    )  # fmt: skip
+    h_ptrs = h_ptr + split * stride_hs + rows[:, None] * stride_hm + rr[None, :]
+    tl.store(h_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def _expand_kernel(
-    h_ptr, b_ptr, y_ptr, seg_starts, seg_slots, N, R, stride_hm, stride_bs, stride_bn,
-    stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
+    h_ptr, b_ptr, y_ptr, order, group_starts, group_slots, N, R, num_splits, stride_hs,
+    stride_hm, stride_bs, stride_bn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    seg = tl.program_id(0)
-    slot = tl.load(seg_slots + seg)
-    if slot < 0:
+    slot = tl.load(group_slots + tl.program_id(0))
+    start = tl.load(group_starts + tl.program_id(0))
+    end = tl.load(group_starts + tl.program_id(0) + 1)
+    if (slot < 0) | (start + tl.program_id(1) * BLOCK_M >= end):
         return
-    start = tl.load(seg_starts + seg)
-    end = tl.load(seg_starts + seg + 1)
-    if start + tl.program_id(1) * BLOCK_M >= end:
-        return
-    rm = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows, m_ok = _group_rows(order, start, end, BLOCK_M)
     rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R)
-    m_ok = rm < end
     n_ok = rn < N
-    r_ok = rr < R
-    h = tl.load(
-        h_ptr + rm[:, None].to(tl.int64) * stride_hm + rr[None, :],
-        mask=m_ok[:, None] & r_ok[None, :], other=0.0,
-    )  # fmt: skip
+    # the splits' partial sums, unrolled: the loads go out together (a loop over a runtime
+    # count waited ~1 us on each: 67 us for down's 56 splits at batch 1 on an H100; one 3-D load
+    # [S, BM, BR] summed over S was slower still)
+    h_mask = m_ok[:, None] & (rr < R)[None, :]
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + rr[None, :]
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    zeros = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.int32)
+    for s in tl.static_range(BLOCK_S):
+        ok = h_mask & (zeros + s < num_splits)
+        h += tl.load(h_ptrs + s * stride_hs, mask=ok, other=0.0)
     b = tl.load(
         b_ptr + slot.to(tl.int64) * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rr[None, :],
-        mask=n_ok[:, None] & r_ok[None, :], other=0.0,
+        mask=n_ok[:, None] & (rr < R)[None, :], other=0.0,
     )  # fmt: skip
     delta = tl.dot(h.to(b.dtype), tl.trans(b), input_precision=PRECISION)  # [BM, BN] float32
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
@@ -97,24 +118,46 @@ def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
+def _block_m(rows: SlotRows) -> int:
+    return 16 if rows.max_group_len <= 64 else 64
+
+
+def _block_n(rows: SlotRows) -> int:
+    return 64 if rows.max_group_len <= 64 else 128
+
+
+def _row_blocks(rows: SlotRows) -> int:
+    return triton.cdiv(max(rows.max_group_len, 1), _block_m(rows))
+
+
+def num_splits(rows: SlotRows, k: int) -> int:
+    """Slices of K for the shrink: enough programs to fill the GPU, each walking >= 256 columns,
+    at most `MAX_SPLITS` (each is a load in every expand program)."""
+    programs = rows.group_slots.shape[0] * _row_blocks(rows)
+    return max(1, min(TARGET_PROGRAMS // max(programs, 1), k // MIN_SPLIT_K, MAX_SPLITS))
+
+
 def triton_lora_shrink(
-    x: torch.Tensor,  # [T, K]
+    x: torch.Tensor,  # [T, K], or [T, 2K] (gate | up) with `gated`
     lora_a: torch.Tensor,  # [S, R, K]
-    seg_starts: torch.Tensor,  # [num_seg + 1] int32
-    seg_slots: torch.Tensor,  # [num_seg] int32
-    max_seg_len: int,
-) -> torch.Tensor:  # [T, R] float32, zero on base-model rows
+    rows: SlotRows,
+    gated: bool = False,
+) -> torch.Tensor:  # [splits, T, R] float32 partial sums, rows of adapters only
     assert x.dim() == 2 and x.stride(1) == 1 and lora_a.is_contiguous()
-    assert lora_a.shape[2] == x.shape[1] and x.dtype == lora_a.dtype
-    num_seg = seg_slots.shape[0]
+    k = x.shape[1] // 2 if gated else x.shape[1]
+    assert lora_a.shape[2] == k and x.dtype == lora_a.dtype
     rank = lora_a.shape[1]
-    h = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
-    if num_seg == 0 or max_seg_len == 0:
+    splits = num_splits(rows, k)
+    h = torch.empty(splits, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    num_groups = rows.group_slots.shape[0]
+    if num_groups == 0 or rows.max_group_len == 0:
         return h
-    grid = (num_seg, triton.cdiv(max_seg_len, BLOCK_M))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
+    grid = (num_groups, _row_blocks(rows), splits)
     _shrink_kernel[grid](
-        x, lora_a, h, seg_starts, seg_slots, x.shape[1], rank, x.stride(0), lora_a.stride(0),
-        lora_a.stride(1), h.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_K=64,
+        x, lora_a, h, rows.order, rows.group_starts, rows.group_slots, k, rank, k_per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0), h.stride(1), GATED=gated,
+        BLOCK_M=_block_m(rows), BLOCK_R=_block_r(rank), BLOCK_K=64,
         PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     return h
@@ -122,23 +165,22 @@ def triton_lora_shrink(
 
 def triton_lora_expand(
     y: torch.Tensor,  # [T, N], added to in place
-    h: torch.Tensor,  # [T, R] float32
+    h: torch.Tensor,  # [splits, T, R] float32, the shrink's
     lora_b: torch.Tensor,  # [S, N, R]
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-    max_seg_len: int,
+    rows: SlotRows,
 ) -> torch.Tensor:
     assert y.dim() == 2 and y.stride(1) == 1 and h.is_contiguous() and lora_b.is_contiguous()
-    assert lora_b.shape[1] == y.shape[1] and lora_b.shape[2] == h.shape[1]
-    num_seg = seg_slots.shape[0]
-    if num_seg == 0 or max_seg_len == 0:
+    assert lora_b.shape[1] == y.shape[1] and lora_b.shape[2] == h.shape[2]
+    num_groups = rows.group_slots.shape[0]
+    if num_groups == 0 or rows.max_group_len == 0:
         return y
-    n, rank = y.shape[1], h.shape[1]
-    block_n = 64
-    grid = (num_seg, triton.cdiv(max_seg_len, BLOCK_M), triton.cdiv(n, block_n))
+    n, rank = y.shape[1], h.shape[2]
+    block_n = _block_n(rows)
+    grid = (num_groups, _row_blocks(rows), triton.cdiv(n, block_n))
     _expand_kernel[grid](
-        h, lora_b, y, seg_starts, seg_slots, n, rank, h.stride(0), lora_b.stride(0),
-        lora_b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
-        PRECISION=dot_precision(lora_b.dtype),
+        h, lora_b, y, rows.order, rows.group_starts, rows.group_slots, n, rank, h.shape[0],
+        h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=_block_m(rows), BLOCK_N=block_n, BLOCK_R=_block_r(rank),
+        BLOCK_S=triton.next_power_of_2(h.shape[0]), PRECISION=dot_precision(lora_b.dtype),
     )  # fmt: skip
     return y

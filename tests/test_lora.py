@@ -16,7 +16,7 @@ from test_scheduler import make, sched, step
 from triton_env import HAS_CUDA, needs_triton, tiny
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.kernels.lora import SlotRows, lora_expand_ref, lora_shrink_ref
+from pagedserve.kernels.lora import SlotRows, group_layout, lora_expand_ref, lora_shrink_ref
 from pagedserve.lora_checkpoint import LoRAAdapterError, read_adapter
 
 from tiny_models import make_tiny_model
@@ -173,45 +173,57 @@ def _loop_reference(x, a, b, starts, slots):
 
 
 def _case(dtype=torch.float32):
+    """Requests of slots 1, base, 0, 1, 2: slot 1's group is 71 rows (two 64-row blocks), and
+    K = 512 takes two K splits."""
     gen = torch.Generator().manual_seed(0)
-    starts, slots = [0, 5, 6, 26, 27, 40], [1, -1, 0, 1, 2]
-    x = torch.randn(40, 48, generator=gen).to(dtype)
-    a = torch.randn(3, 16, 48, generator=gen).to(dtype)
+    starts, slots = [0, 70, 71, 91, 92, 100], [1, -1, 0, 1, 2]
+    x = torch.randn(100, 512, generator=gen).to(dtype)
+    a = (torch.randn(3, 16, 512, generator=gen) / 8).to(dtype)
     b = torch.randn(3, 40, 16, generator=gen).to(dtype)
     return x, a, b, starts, slots
 
 
 def test_shrink_expand_reference_equals_row_loop():
     x, a, b, starts, slots = _case()
-    rows = SlotRows(starts, slots, x.device)
-    y = lora_expand_ref(torch.zeros(40, 40), lora_shrink_ref(x, a, rows), b, rows)
+    rows = SlotRows.from_segments(starts, slots, x.device)
+    assert rows.order.tolist() == [*range(71, 91), *range(70), 91, *range(92, 100)]
+    y = lora_expand_ref(torch.zeros(100, 40), lora_shrink_ref(x, a, rows), b, rows)
     torch.testing.assert_close(y, _loop_reference(x, a, b, starts, slots), rtol=1e-4, atol=1e-3)
-    assert y[5].abs().sum() == 0  # the base-model row
+    assert y[70].abs().sum() == 0  # the base-model row
 
 
 @needs_triton
 @tiny
 def test_triton_shrink_expand_equal_reference():
-    from pagedserve.kernels.triton_lora import triton_lora_expand, triton_lora_shrink
+    from pagedserve.kernels.activation import silu_and_mul_ref
+    from pagedserve.kernels.triton_lora import num_splits, triton_lora_expand, triton_lora_shrink
 
     device = "cuda" if HAS_CUDA else "cpu"
     x, a, b, starts, slots = (t.to(device) if torch.is_tensor(t) else t for t in _case())
-    rows = SlotRows(starts, slots, x.device)
-    h = triton_lora_shrink(x, a, rows.seg_starts, rows.seg_slots, rows.max_seg_len)
-    torch.testing.assert_close(h, lora_shrink_ref(x, a, rows), rtol=1e-3, atol=1e-2)
-    y = triton_lora_expand(torch.ones(40, 40, device=device), h, b, rows.seg_starts,
-                           rows.seg_slots, rows.max_seg_len)  # fmt: skip
+    rows = SlotRows.from_segments(starts, slots, x.device)
+    assert num_splits(rows, 512) == 2
+    h = triton_lora_shrink(x, a, rows)  # [2, T, R] partial sums, adapter rows only
+    order = rows.order.long()
+    torch.testing.assert_close(
+        h.sum(0)[order], lora_shrink_ref(x, a, rows)[order], rtol=1e-3, atol=1e-2
+    )
+    y = triton_lora_expand(torch.ones(100, 40, device=device), h, b, rows)
     want = 1 + _loop_reference(x.cpu(), a.cpu(), b.cpu(), starts, slots)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-3, atol=5e-2)
-    # a decode graph's rows: one token each over static buffers, padding rows at slot -1
+    # gated: x is gate | up, activated in the shrink's loads
+    gate_up = torch.cat([x, x.flip(0)], dim=1)
+    y = triton_lora_expand(
+        torch.zeros(100, 40, device=device), triton_lora_shrink(gate_up, a, rows, True), b, rows
+    )
+    want = _loop_reference(silu_and_mul_ref(gate_up).cpu(), a.cpu(), b.cpu(), starts, slots)
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-3, atol=5e-2)
+    # a CUDA graph's rows: a static buffer of 16 rows and 4 groups, 8 decode rows in it
     starts1, slots1 = list(range(9)), [2, -1, 0, 0, 1, -1, -1, -1]
-    static = SlotRows.static(
-        torch.arange(9, dtype=torch.int32, device=device),
-        torch.tensor(slots1, dtype=torch.int32, device=device), 1,
-    )  # fmt: skip
-    h = triton_lora_shrink(x[:8], a, static.seg_starts, static.seg_slots, 1)
-    y = triton_lora_expand(torch.zeros(8, 40, device=device), h, b, static.seg_starts,
-                           static.seg_slots, 1)  # fmt: skip
+    host, num_rows, num_groups = group_layout(starts1, slots1, 16, 4)
+    static = SlotRows(torch.from_numpy(host).to(device), num_rows, num_groups, 8)
+    assert static.group_slots.tolist() == [0, 1, 2, -1]
+    h = triton_lora_shrink(x[:8], a, static)
+    y = triton_lora_expand(torch.zeros(8, 40, device=device), h, b, static)
     want = _loop_reference(x[:8].cpu(), a.cpu(), b.cpu(), starts1, slots1)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-3, atol=5e-2)
 

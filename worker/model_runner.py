@@ -124,7 +124,7 @@ class ModelRunner:
                 config.model.hf,
                 device,
                 self.dtype,
-                config.scheduler.max_num_seqs,
+                max_graph_tokens(config),
             )  # fmt: skip
             if config.lora is not None
             else None
@@ -315,8 +315,8 @@ class ModelRunner:
                 self.stage_in = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
             def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
-                if self.lora is not None:  # decode graphs read the slot table (stage_graph)
-                    self.lora.capture_rows(len(ids), decode=meta.max_query_len == 1)
+                if self.lora is not None:  # graphs read the LoRA rows' buffer (stage_graph)
+                    self.lora.capture_rows(len(ids))
                 n = len(ids)
                 received = None if self.stage_in is None else tuple(self.stage_in[:, :n])
                 return self.model(ids, pos, self.kv_caches, meta, received)
@@ -405,7 +405,7 @@ class ModelRunner:
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
         inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
-        if self.lora is not None:  # which slot each row uses; decode graphs hold LoRA too
+        if self.lora is not None:  # which slot each row uses; graphs hold LoRA too
             self.lora.prepare(plan.scheduled_ids, inputs.query_start_loc)
         if self.features.cascade:
             q_lens = np.diff(inputs.query_start_loc)
@@ -422,9 +422,9 @@ class ModelRunner:
         mixed = self._mixed_bucket(inputs) if bucket is None and scored is None else None
         graph_size = bucket[0] if bucket is not None else mixed
         intermediate = None if self.info.is_first_stage else self._receive(inputs, graph_size)
+        if self.lora is not None and self.lora.in_graphs and graph_size is not None:
+            self.lora.stage_graph()  # this step's LoRA rows into the graphs' buffer
         if bucket is not None:
-            if self.lora is not None:
-                self.lora.stage_graph(len(inputs.seq_lens), bucket[0])
             outputs = self.graphs.run(inputs, bucket, fill)  # [T, H], then residual or head
         elif mixed is not None:
             outputs = self.mixed_graphs.run(inputs, mixed, fill)
@@ -626,7 +626,9 @@ class ModelRunner:
         return self.graphs is None or tokens != len(plan.scheduled_ids)
 
     def _mixed_bucket(self, inputs: StepInputs) -> int | None:
-        if self.mixed_graphs is None or (self.lora is not None and self.lora.batch.active):
+        if self.lora is not None and self.lora.batch.active and not self.lora.in_graphs:
+            return None
+        if self.mixed_graphs is None:
             return None
         return self.mixed_graphs.bucket(len(inputs.input_ids), len(inputs.seq_lens))
 

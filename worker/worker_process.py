@@ -29,6 +29,8 @@ from pagedserve.ipc.messages import (
     CoreToWorker,
     GrammarCompiled,
     InitCache,
+    LoadLoRA,
+    LoRALoaded,
     ShutdownWorkers,
     StepPlan,
     WorkerError,
@@ -40,7 +42,7 @@ from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender
 
 logger = logging.getLogger("pagedserve.worker")
 POLL_S = 50e-6  # while a step runs on the GPU: how often to look for the next plan
-GRAMMAR_POLL_S = 1e-3  # while idle and a grammar compiles: how often to look if it is done
+GRAMMAR_POLL_S = 1e-3  # while idle and a grammar compiles (an adapter loads): how often to look
 
 
 def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: int) -> None:
@@ -116,6 +118,9 @@ def run_loop(
         while True:
             if runner.grammars.pending:
                 _report_grammars(runner, rank, results)
+            if runner.lora is not None and runner.lora.loading:
+                for lora_id, error in runner.lora.poll():
+                    results.send(LoRALoaded(rank, lora_id, error))
             msg = _next_message(plans, runner, pending)
             if isinstance(msg, StepPlan) and lookahead:
                 pending = _step_ahead(runner, msg, pending, results, trace, report_first)
@@ -148,11 +153,15 @@ def run_loop(
             elif isinstance(msg, CompileGrammar):
                 if info.is_last_stage:  # only the sampling ranks need grammars
                     runner.grammars.submit(msg.key, msg.spec, msg.drop_keys)
+            elif isinstance(msg, LoadLoRA) and runner.lora is not None:
+                runner.lora.submit(msg.lora, msg.drop_ids)  # read on a thread: poll() reports
             elif isinstance(msg, ShutdownWorkers):
                 _memory_report(runner, rank)
                 return
     finally:
         runner.grammars.close()
+        if runner.lora is not None:
+            runner.lora.close()
         if trace is not None:
             trace.close()
 
@@ -272,9 +281,10 @@ def _report_grammars(runner, rank: int, results: StepSender) -> None:
 def _next_message(plans: StepReceiver, runner, pending):
     """The next message; while a step is on the device, poll for the next plan only until that
     step is done (then None: report it, the core may be waiting for it to plan more). While a
-    grammar compiles, wait briefly (then None: report it when done)."""
+    grammar compiles or an adapter loads, wait briefly (then None: report it when done)."""
     if pending is None:
-        return plans.get(timeout=GRAMMAR_POLL_S if runner.grammars.pending else 1.0)
+        loading = runner.lora is not None and runner.lora.loading
+        return plans.get(timeout=GRAMMAR_POLL_S if runner.grammars.pending or loading else 1.0)
     while True:
         msg = plans.get(timeout=0.0)
         if msg is not None or runner.is_done(pending):

@@ -49,12 +49,11 @@ def bench_row(n: int, k: int, parts: int, tokens: int, per_request: int) -> dict
     a = torch.randn(NUM_LORAS, parts * RANK, k, device=dev, dtype=dt) * 0.02
     b = torch.randn(NUM_LORAS, n, parts * RANK, device=dev, dtype=dt) * 0.02
     starts = list(range(0, tokens + 1, per_request))
-    rows = SlotRows(starts, [i % NUM_LORAS for i in range(len(starts) - 1)], x.device)
+    rows = SlotRows.from_segments(starts, [i % NUM_LORAS for i in range(len(starts) - 1)], dev)
     y = torch.zeros(tokens, n, device=dev, dtype=dt)
 
     def triton_pair() -> torch.Tensor:
-        h = triton_lora_shrink(x, a, rows.seg_starts, rows.seg_slots, rows.max_seg_len)
-        return triton_lora_expand(y, h, b, rows.seg_starts, rows.seg_slots, rows.max_seg_len)
+        return triton_lora_expand(y, triton_lora_shrink(x, a, rows), b, rows)
 
     def reference() -> torch.Tensor:
         return lora_expand_ref(y, lora_shrink_ref(x, a, rows), b, rows)

@@ -5,7 +5,7 @@
 # peft comparisons), outputs in $OUT (or /tmp/out):
 #   STEPS="lora-tests lora-kernels lora-w1 lora-w3 lora-table" bash tests/gpu/lora_run.sh
 # lora-tests:   tests/test_lora.py on the GPU (the Triton pair compiled; bf16 rows with adapters on
-#               the fused decode/prompt paths against peft)
+#               the fused decode/prompt paths against peft); LORA_TESTS_ARGS: more pytest arguments
 # lora-kernels: shrink + expand (Triton) against the torch reference and the base matmul at the
 #               8B shapes, 4 adapters rank 16 (python -m pagedserve.benchmarks.kernels.bench_lora)
 # lora-w1:      W1 (1,000 prompts, 1024 in / 128 out) base alone, then 4 random rank-16 adapters
@@ -30,7 +30,7 @@ T="timeout ${STEP_TIMEOUT:-540}"
 for name in ${STEPS:-lora-tests lora-kernels lora-w1 lora-w3 lora-table}; do
   echo "== $name =="
   case $name in
-    lora-tests) $T python3 -m pytest -q tests/test_lora.py 2>&1 | tee "$OUT/lora-tests.txt" | tail -8 ;;
+    lora-tests) $T python3 -m pytest -q tests/test_lora.py ${LORA_TESTS_ARGS:-} 2>&1 | tee "$OUT/lora-tests.txt" | tail -8 ;;
     lora-kernels) $T python3 -m pagedserve.benchmarks.kernels.bench_lora \
           --json "$OUT/lora-kernels.json" 2>&1 | tee "$OUT/lora-kernels.txt" ;;
     lora-w1) for n in 0 4; do

@@ -294,11 +294,12 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """[T, in / tp] -> [T, out]; `gated`: x is [T, 2 in / tp], gate | up, activated here
         (before the matmul when adapters need the activated rows too)."""
-        if self.lora is not None and self.lora.active:
-            x = silu_and_mul(x) if gated else x
-            y = self.lora.add(x, self.matmul(x, None))  # a partial sum, like x W^T
-        else:
-            y = self.matmul(x, None, gated)
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if lora is not None and gated and not lora.fuses_gate(x):
+            x, gated = silu_and_mul(x), False  # the adapters read the activated rows too
+        y = self.matmul(x, None, gated)
+        if lora is not None:
+            y = lora.add(x, y, gated)  # a partial sum, like x W^T
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -10,16 +10,17 @@ rank's columns of A and B whole, and its delta, a partial sum like `x W^T`, ride
 all-reduce.
 
 `LoRABatch` is one object shared by every wrapped layer: the model runner sets it before each
-forward (which slot each segment of the batch uses), so no layer signature changes.
+forward (which slot each request of the batch uses), so no layer signature changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagedserve.kernels.lora import SlotRows, lora_apply
+from pagedserve.kernels.lora import SlotRows, lora_apply, lora_uses_triton
 
 
 @dataclass(frozen=True)
@@ -35,15 +36,30 @@ class OutPart:
 
 
 class LoRABatch:
-    """Which rows of the current step use which slot; `rows` None: no adapter in this step (the
-    layers then skip LoRA entirely and the fused paths stay open)."""
+    """Which rows of the current step use which slot: the requests' token offsets and slots
+    (`segments`, host data), grouped on the device on first use (`rows`: a step that replays a
+    CUDA graph copies them into the graph's buffer instead), or rows over a graph's buffer
+    (`static`). Neither: no adapter in this step (the layers skip LoRA entirely)."""
 
-    def __init__(self) -> None:
-        self.rows: SlotRows | None = None
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.segments: tuple[np.ndarray, list[int]] | None = None  # query_start_loc, slots
+        self._rows: SlotRows | None = None
+
+    def set(
+        self, segments: tuple[np.ndarray, list[int]] | None = None, static: SlotRows | None = None
+    ) -> None:
+        self.segments, self._rows = segments, static
 
     @property
     def active(self) -> bool:
-        return self.rows is not None
+        return self._rows is not None or self.segments is not None
+
+    @property
+    def rows(self) -> SlotRows | None:
+        if self._rows is None and self.segments is not None:
+            self._rows = SlotRows.from_segments(*self.segments, self.device)
+        return self._rows
 
 
 class LoRASlots:
@@ -70,12 +86,18 @@ class LoRASlots:
     def active(self) -> bool:
         return self.batch.active
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y += B_s A_s x` on rows of adapters: x [T, in / tp], y [T, out]."""
+    def fuses_gate(self, x: torch.Tensor) -> bool:
+        """Whether `add(..., gated=True)` forms silu(gate) * up itself (in the Triton shrink's
+        loads), so the layer may keep its gated matmul; else it passes activated rows."""
+        return lora_uses_triton(x) and x.dtype == self.lora_a.dtype
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """`y += B_s A_s x` on rows of adapters: x [T, in / tp] (gated: [T, 2 in / tp], gate |
+        up, activated here), y [T, out]."""
         rows = self.batch.rows
         if rows is None:
             return y
-        return lora_apply(y, x.to(self.lora_a.dtype), self.lora_a, self.lora_b, rows)
+        return lora_apply(y, x, self.lora_a, self.lora_b, rows, gated)
 
     def clear(self, slot: int) -> None:
         self.lora_a[slot].zero_()
