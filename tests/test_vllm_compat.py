@@ -224,8 +224,8 @@ def test_generation_config_modes(hub, tmp_path) -> None:
 
 
 def test_llm_and_sampling_params_refuse_unknown_arguments(hub) -> None:
-    with pytest.raises(TypeError, match="swap_space"):
-        LLM(hub.snapshot, swap_space=4)
+    with pytest.raises(TypeError, match="kv_transfer_config"):  # (swap_space exists: issue 41)
+        LLM(hub.snapshot, kv_transfer_config={"kv_connector": "LMCacheConnectorV1"})
     with pytest.raises(TypeError, match="guided_decoding"):
         SamplingParams(guided_decoding={"json": {}})
 
