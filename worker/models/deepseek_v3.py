@@ -36,7 +36,7 @@ from pagedserve.worker.layers.mla import MLAttention
 from pagedserve.worker.layers.moe import PROJECTIONS, FusedMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.models.llama import (
-    HiddenAndResidual,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
@@ -172,9 +172,11 @@ class DeepseekV3MoE(FusedMoE):
         return out
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer (its forward) with latent attention and a dense or MoE block."""
+
     def __init__(self, hf: dict[str, Any], layer_idx: int, backend: Any, opts: ModelOptions):
-        super().__init__()
+        nn.Module.__init__(self)
         eps = hf.get("rms_norm_eps", 1e-6)
         self.self_attn = MLAttention(hf, opts.quant)
         dense = layer_idx < (hf.get("first_k_dense_replace") or 0) or not hf["n_routed_experts"]
@@ -183,22 +185,6 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         if opts.quant is not None and dense:  # the dense MLP may take FP8 rows from the norm
             self.post_attention_layernorm.fp8_consumer = self.mlp.gate_up_proj.takes_fp8_rows
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
-        residual: torch.Tensor | None,  # [T, H], None before the first layer
-        kv_cache: torch.Tensor,  # [num_blocks, 1, block_size, 1, R + P]
-        meta: Any,
-    ) -> HiddenAndResidual:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV3Model(LlamaModel):
