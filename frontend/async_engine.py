@@ -27,7 +27,6 @@ from pagedserve.frontend.generation_config import sampling_defaults, stop_eos_id
 from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.output_processor import OutputProcessor, ParentRequest
 from pagedserve.frontend.outputs import RequestOutput
-from pagedserve.frontend.pooling import POOLING_SAMPLING
 from pagedserve.frontend.tokenizer import load_tokenizer, max_chars_per_token
 from pagedserve.ipc.messages import (
     AbortRequests,
@@ -232,19 +231,6 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
             self.cores.release(request_id)
-
-    async def encode(
-        self, prompt_token_ids: list[int], pooling: PoolingParams, priority: int = 0
-    ) -> RequestOutput:
-        """A pooling request (`--runner pooling`): its final output, the vector in `pooled`."""
-        outputs = [
-            out
-            async for out in self.generate(
-                prompt_token_ids, POOLING_SAMPLING, priority=priority, pooling=pooling
-            )
-        ]
-        assert outputs and outputs[-1].finished
-        return outputs[-1]
 
     def abort(self, request_id: str) -> None:
         self.cores.abort((request_id, cid) for cid in self.processor.abort(request_id))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pooling_models import make_bert_embedder, make_classifier, make_embedder, make_xlmr_reranker
+from prometheus_client.parser import text_string_to_metric_families
 from test_server import Launched, launch_args
 
 from pagedserve import LLM
@@ -74,6 +75,33 @@ def test_openai_embeddings(server: str, st_reference) -> None:
     one = client.embeddings.create(model="emb", input=tok, encoding_format="float")
     assert _cos(one.data[0].embedding, ref[2]) >= 0.9999
     assert one.usage.prompt_tokens == len(tok) and ids.usage.prompt_tokens == 3
+
+
+def _counts(server: str) -> dict[str, float]:
+    """Counter and histogram-count samples of /metrics, by name and finished_reason."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(server + "/metrics").text):
+        for sample in family.samples:
+            key = sample.name + sample.labels.get("finished_reason", "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def test_embeddings_are_counted_in_metrics(server: str) -> None:
+    """Pooling requests count as vLLM counts them: prompt tokens, one success each, queue
+    and end-to-end latency; no generated tokens."""
+    before = _counts(server)
+    got = httpx.post(server + "/v1/embeddings", json={"model": "emb", "input": TEXTS}).json()
+    after = _counts(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("pagedserve:prompt_tokens_total") == got["usage"]["prompt_tokens"]
+    assert delta("pagedserve:generation_tokens_total") == 0
+    assert delta("pagedserve:request_success_totalstop") == len(TEXTS)
+    for hist in ("e2e_request_latency", "request_queue_time", "time_to_first_token"):
+        assert delta(f"pagedserve:{hist}_seconds_count") == len(TEXTS)
 
 
 def test_dimensions_truncate_base64(server: str) -> None:

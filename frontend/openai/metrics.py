@@ -244,14 +244,15 @@ class Metrics:
         now = time.time()
         arrival = out.metrics.get("arrival_time", now)
         total = sum(len(c.token_ids) for c in out.outputs)
-        if total > num_tokens:
-            if num_tokens == 0:
+        if total > num_tokens or (num_tokens == 0 and out.pooled is not None):
+            if num_tokens == 0:  # the first tokens, or a pooling request's vector
                 self.prompt_tokens.labels(*engine).inc(num_prompt_tokens)
                 first = out.metrics.get("first_token_time", now)
                 self.ttft.labels(*engine).observe(first - arrival)
                 if (scheduled := out.metrics.get("first_scheduled_time")) is not None:
                     self.queue.labels(*engine).observe(scheduled - arrival)
-            self.generation_tokens.labels(*engine).inc(total - num_tokens)
+            if total > num_tokens:
+                self.generation_tokens.labels(*engine).inc(total - num_tokens)
         for gap in out.inter_token_latencies:  # per engine step, as it came
             self.itl.labels(*engine).observe(gap)
         for c in out.outputs:

@@ -37,6 +37,7 @@ from pagedserve.ipc.messages import (
     MAX_LOGPROBS,
     MAX_N,
     LoRARequest,
+    PoolingParams,
     SamplingParams,
     StructuredOutputs,
 )
@@ -269,11 +270,13 @@ class Serving:
         prompt: str | None,
         priority: int,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request_id = self.engine.new_request_id()
         stream = self.engine.generate(
-            ids, params, request_id, prompt=prompt, priority=priority, lora_request=lora
-        )
+            ids, params, request_id, prompt=prompt, priority=priority, lora_request=lora,
+            pooling=pooling,
+        )  # fmt: skip
         if self.metrics is not None:
             core_of = self.engine.cores.core_of
             stream = self.metrics.track(stream, len(ids), lambda: core_of(request_id))

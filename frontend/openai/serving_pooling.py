@@ -25,6 +25,7 @@ from pagedserve.frontend.openai.serving import Serving, now_s
 from pagedserve.frontend.openai.streams import ClientDisconnected, run_until_disconnect
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.frontend.pooling import (
+    POOLING_SAMPLING,
     cosine,
     decode_vector,
     pair_up,
@@ -122,13 +123,17 @@ class PoolingServing(Serving):
     async def encode(
         self, prompts: list[list[int]], params: PoolingParams, req: _PoolingRequest, raw: Any
     ) -> list[RequestOutput]:
-        """Run every prompt; a client that leaves (or a refusal) aborts the others."""
+        """Run every prompt (counted in /metrics as generation requests are); a client that
+        leaves (or a refusal) aborts the others."""
+
+        async def one(ids: list[int]) -> RequestOutput:
+            stream = self.generate(ids, POOLING_SAMPLING, None, req.priority, pooling=params)
+            outputs = [out async for out in stream]
+            assert outputs and outputs[-1].finished
+            return outputs[-1]
 
         async def run_all() -> list[RequestOutput]:
-            tasks = [
-                asyncio.ensure_future(self.engine.encode(ids, params, req.priority))
-                for ids in prompts
-            ]
+            tasks = [asyncio.ensure_future(one(ids)) for ids in prompts]
             try:
                 return await asyncio.gather(*tasks)
             except BaseException:
