@@ -5,8 +5,9 @@ advances when a step is planned, so several plans can be in flight (async schedu
 parallelism). A request whose sampled token is still in flight is a *placeholder*: with
 `async_scheduling` the next plan already decodes it (the workers sample it, keep it in their
 batch and feed it in; the core learns it from the result), unless that token is bound to end the
-request by length; without it (pipeline stages, whose first stage never sees samples) the request
-is skipped until its token is back.
+request by length; without it, or with pipeline stages while at least as many requests run as
+there are stages (micro-batches fill them; the first stage never sees samples), the request is
+skipped until its token is back.
 
 Micro-batches (`num_microbatches` = pipeline stages): a plan takes at most 1/P of the running
 requests, so with P plans in flight over disjoint requests every stage has a share of the batch to

@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism on CPU with gloo: greedy outputs at tp/pp > 1 equal tp=1 pp=1
 token for token (fp32), including GQA with fewer KV heads than TP ranks (replicated KV heads),
 and grammar-constrained requests in the same batch (every sampling rank applies the same mask;
-pp > 1 also runs without async scheduling)."""
+pp > 1 plans ahead too, while fewer requests run than stages)."""
 
 from __future__ import annotations
 
