@@ -526,6 +526,19 @@ class EngineConfig:
         assert self.model.max_model_len is not None
         return self.model.max_model_len
 
+    @property
+    def pipelined_async(self) -> bool:
+        """Async scheduling with several pipeline stages: while fewer requests run than there are
+        stages, a plan may decode a token still in flight; the last stage sends each step's
+        sampled ids to the first on the device (worker/stage_tokens.py). Not with speculative
+        decoding or pooling models (their rows' tokens are not one sample per step)."""
+        return (
+            self.scheduler.async_scheduling
+            and self.parallel.pipeline_parallel_size > 1
+            and self.speculative is None
+            and self.model.pooling is None
+        )
+
     def core_configs(self) -> list[EngineConfig]:
         """One config per data parallel core: its `parallel.data_parallel_rank`, and with several
         cores, per-core files for the step trace and memory report (`FILE.dp1.worker0`)."""

@@ -90,8 +90,10 @@ class EngineCore:
         # One plan per pipeline stage keeps every stage busy. With one stage, async scheduling
         # keeps a second plan queued behind the running one: the workers start it the moment the
         # first ends, while this loop digests the first's result (the GPU never waits for it).
+        # With stages, while fewer requests run than stages, a request may be in several of the
+        # plans in flight (the last stage sends its tokens to the first: worker/stage_tokens.py).
         pp = config.parallel.pipeline_parallel_size
-        async_scheduling = config.scheduler.async_scheduling and pp == 1
+        async_scheduling = config.scheduler.async_scheduling and (pp == 1 or config.pipelined_async)
         pooling = config.model.pooling
         cache = config.cache
         if pooling is not None and (pooling.pooling_type != "LAST" or not pooling.chunkable):
@@ -111,7 +113,7 @@ class EngineCore:
             host_tier=host_tier,
             whole_prompts=pooling is not None and not pooling.chunkable,
         )
-        self.max_inflight = 2 if async_scheduling else pp
+        self.max_inflight = 2 if async_scheduling and pp == 1 else pp
         tp = config.parallel.tensor_parallel_size
         self.grammars = GrammarGate(
             sampling_ranks=range((pp - 1) * tp, pp * tp),

@@ -5,8 +5,9 @@ advances when a step is planned, so several plans can be in flight (async schedu
 parallelism). A request whose sampled token is still in flight is a *placeholder*: with
 `async_scheduling` the next plan already decodes it (the workers sample it, keep it in their
 batch and feed it in; the core learns it from the result), unless that token is bound to end the
-request by length; without it (pipeline stages, whose first stage never sees samples) the request
-is skipped until its token is back.
+request by length; without it, or with pipeline stages while at least as many requests run as
+there are stages (micro-batches fill them; the first stage never sees samples), the request is
+skipped until its token is back.
 
 Micro-batches (`num_microbatches` = pipeline stages): a plan takes at most 1/P of the running
 requests, so with P plans in flight over disjoint requests every stage has a share of the batch to
@@ -282,12 +283,33 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            num_new = min(self._num_feedable(req) - req.num_computed_tokens, step.budget)
+            ahead = self.num_microbatches == 1  # with stages: a second pass (below)
+            num_new = min(self._num_feedable(req, ahead) - req.num_computed_tokens, step.budget)
             if num_new > 0:
                 if not self._allocate_or_preempt(req, num_new, step):
-                    break  # it preempted itself: it was the tail, nothing follows it
+                    return  # it preempted itself: it was the tail, nothing follows it
                 step.add(req, num_new)
             i += 1
+        if self.async_scheduling and self.num_microbatches > 1:
+            self._schedule_ahead(step, max_rows)
+
+    def _schedule_ahead(self, step: _StepBuilder, max_rows: int) -> None:
+        """Pipeline stages under async scheduling: while fewer requests run than there are
+        stages (micro-batches cannot fill them), a request whose token is in flight is planned
+        again, fewest placeholders first (so every one gets its turn); no preemption for it
+        (its result will come back). With more, micro-batches over disjoint requests fill the
+        pipeline and each request waits for its token."""
+        if len(self.running) >= self.num_microbatches or self.spec is not None:
+            return
+        planned = {id(r) for r, _ in step.scheduled}
+        for req in sorted(self.running, key=lambda r: r.num_placeholders):
+            if len(step.scheduled) >= max_rows or step.budget <= 0:
+                return
+            if id(req) in planned or not req.num_placeholders or not step.fits_lora(req):
+                continue
+            num_new = min(self._num_feedable(req, True) - req.num_computed_tokens, step.budget)
+            if num_new > 0 and self.kv.allocate_slots(req, num_new):
+                step.add(req, num_new)
 
     def _schedule_speculative(self, req: Request, step: _StepBuilder, busy: bool) -> bool:
         """Plan `req` with drafts if it has some and their slots fit (then, or when it waits
@@ -300,10 +322,11 @@ class Scheduler:
         step.add(req, 1 + len(drafts), drafts)
         return False
 
-    def _num_feedable(self, req: Request) -> int:
-        """Tokens the workers can feed in: the known ones, and under async scheduling those in
-        flight too, unless they will end the request by length (then it just waits to finish)."""
-        if not (self.async_scheduling and req.num_placeholders):
+    def _num_feedable(self, req: Request, ahead: bool = True) -> int:
+        """Tokens the workers can feed in: the known ones, and under async scheduling (`ahead`)
+        those in flight too, unless they will end the request by length (then it just waits to
+        finish)."""
+        if not (self.async_scheduling and ahead and req.num_placeholders):
             return req.num_tokens
         ahead = req.num_tokens + req.num_placeholders
         max_tokens = req.sampling.max_tokens

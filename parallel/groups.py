@@ -29,6 +29,7 @@ class _StageLinks:
 
     prev: Any = None
     next: Any = None
+    tokens: Any = None  # last stage <-> first stage, same TP rank: sampled ids (async, pp > 1)
 
 
 _LINKS = _StageLinks()
@@ -70,8 +71,15 @@ def rank_info(parallel: ParallelConfig, rank: int) -> RankInfo:
     return RankInfo(rank, tp * pp, rank % tp, tp, rank // tp, pp)
 
 
-def init_distributed(info: RankInfo, master_addr: str, master_port: int, device: torch.device):
-    """Join the world group and build every TP group (all ranks must create all groups)."""
+def init_distributed(
+    info: RankInfo,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    sampled_links: bool = False,
+):
+    """Join the world group and build every TP group (all ranks must create all groups);
+    `sampled_links`: also the last stage's links back to the first (send_sampled)."""
     if info.world_size == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -96,6 +104,11 @@ def init_distributed(info: RankInfo, master_addr: str, master_port: int, device:
             _LINKS.next = link
         elif rank == info.prev_rank:
             _LINKS.prev = link
+    last = (info.pp_size - 1) * info.tp_size
+    for tp_rank in range(info.tp_size if sampled_links else 0):  # all ranks create them all
+        link = dist.new_group([tp_rank, last + tp_rank])
+        if info.tp_rank == tp_rank and (info.is_first_stage or info.is_last_stage):
+            _LINKS.tokens = link
     if device.type == "cuda" and info.tp_size > 1:
         check_same_devices(gather_devices(device, info.world_size))
 
@@ -172,3 +185,16 @@ def recv_intermediate(
     dist.recv(hidden, src, group=_LINKS.prev)
     dist.recv(residual, src, group=_LINKS.prev)
     return hidden, residual
+
+
+def send_sampled(token_ids: torch.Tensor, dst: int):
+    """A step's sampled ids [S] (int64) from the last stage to the first (same TP rank), on a
+    group of their own: under NCCL on its own stream, the host does not wait. Returns the work
+    (keep it, and the tensor, until the first stage has them)."""
+    return dist.isend(token_ids, dst, group=_LINKS.tokens)
+
+
+def recv_sampled(token_ids: torch.Tensor, src: int):
+    """Post the receive of a step's sampled ids into `token_ids`; `wait()` on the returned work
+    before reading them (under NCCL the compute stream waits on the device, not the host)."""
+    return dist.irecv(token_ids, src, group=_LINKS.tokens)

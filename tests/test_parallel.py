@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism on CPU with gloo: greedy outputs at tp/pp > 1 equal tp=1 pp=1
 token for token (fp32), including GQA with fewer KV heads than TP ranks (replicated KV heads),
 and grammar-constrained requests in the same batch (every sampling rank applies the same mask;
-pp > 1 also runs without async scheduling)."""
+pp > 1 plans ahead too, while fewer requests run than stages)."""
 
 from __future__ import annotations
 
@@ -279,6 +279,40 @@ def test_pipeline_keeps_micro_batches_in_flight(llama, tmp_path, monkeypatch):
     assert max(rows) == 4 and len(rows) >= 14, rows  # 8 running: micro-batches of 4
     overlapped = sum(s < r for s, r in zip(sent[1:], received, strict=False))
     assert overlapped >= len(plans) // 2, "the next plan left before the one before came back"
+
+
+def test_pipeline_async_decodes_a_lone_request_ahead(llama, tmp_path, monkeypatch):
+    """--pp 2 on CPU, one request at a time: async scheduling sends its next decode before the
+    step before comes back (the last stage sends the sampled token to the first: gloo here),
+    greedy equal to pp=1; a stop token and a stop string end it where they should, the steps
+    planned past them are dropped, and the engine goes on."""
+    from pagedserve import settings
+
+    path, want = llama
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", str(tmp_path / "trace"))
+    settings.forget()
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    try:
+        with LLM(path, device="cpu", dtype="float32", pipeline_parallel_size=2) as llm:
+            first, third = (llm.generate([prompts()[i]], greedy)[0].outputs[0] for i in (0, 2))
+            stop_id = want[0][3]
+            by_id = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id])
+            stopped = llm.generate([prompts()[0]], by_id)[0].outputs[0]
+            text = first.text
+            stop = text[len(text) // 2 : len(text) // 2 + 2]
+            by_text = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop])
+            cut = llm.generate([prompts()[0]], by_text)[0].outputs[0]
+            again = llm.generate([prompts()[1]], greedy)[0].outputs[0]
+    finally:
+        settings.forget()
+    assert [first.token_ids, third.token_ids, again.token_ids] == [want[0], want[2], want[1]]
+    assert stop_id not in want[0][:3] and stopped.token_ids == want[0][:4]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    with open(tmp_path / "trace") as f:
+        plans = [[float(x) for x in line.split()[:2]] for line in f]
+    ahead = sum(s < r for (s, _), (_, r) in zip(plans[1:], plans, strict=False))
+    assert ahead >= 20, f"{ahead} of {len(plans)} plans left before the one before came back"
 
 
 def test_last_stage_reports_a_step_before_queueing_an_eager_one():

@@ -521,6 +521,27 @@ def test_pipeline_micro_batches_split_the_running_requests():
     assert not s.schedule().scheduled_ids  # both micro-batches in flight
 
 
+def test_pipeline_async_plans_ahead_only_while_stages_outnumber_requests():
+    """Two stages under async scheduling: four running requests keep their micro-batches
+    disjoint (a request waits for its token), while a lone request is planned again with its
+    token in flight (the last stage sends it to the first on the device)."""
+    s = make(block_size=4, budget=64, num_microbatches=2, async_scheduling=True)
+    for i in range(4):
+        add(s, f"r{i}", range(3), ignore_eos=True)
+    step(s)  # the prompts: every request samples its first token
+    first, second = s.schedule(), s.schedule()
+    assert first.scheduled_ids == ["r0", "r1"] and second.scheduled_ids == ["r2", "r3"]
+    assert not s.schedule().scheduled_ids  # both micro-batches in flight
+    s = make(block_size=4, budget=64, num_microbatches=2, async_scheduling=True)
+    add(s, "a", range(3), ignore_eos=True)
+    p1, p2, p3 = s.schedule(), s.schedule(), s.schedule()
+    assert sched(p1) == {"a": 3} and sched(p2) == {"a": 1} == sched(p3)
+    assert s.requests["a"].num_placeholders == 3 and not p2.cached[0].new_token_ids
+    for plan, token in ((p1, 7), (p2, 8), (p3, 9)):
+        s.update_from_output(plan, StepResult(plan.step_id, [[token]]))
+    assert s.schedule().cached[0].new_token_ids == [7, 8, 9]
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="max_model_len"):
         make(num_blocks=3, block_size=4, max_model_len=16)

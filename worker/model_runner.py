@@ -63,6 +63,7 @@ from pagedserve.worker.sampler import (
     to_device,
 )
 from pagedserve.worker.spec_verify import verify
+from pagedserve.worker.stage_tokens import stage_links
 from pagedserve.worker.step_features import step_features
 from pagedserve.worker.step_metadata import attention_metadata
 from pagedserve.worker.warm_up import warm_up_attention, warm_up_head
@@ -175,6 +176,7 @@ class ModelRunner:
             if pooling is not None and info.is_last_stage
             else None
         )
+        self.sampled_in, self.sampled_out = stage_links(config, info, device)  # async, pp > 1
 
     # ------------------------------------------------------------------ KV cache
     def _kv_block_shape(self) -> tuple[int, ...]:
@@ -394,6 +396,8 @@ class ModelRunner:
         if self.host_tier is not None:  # before anything reads or writes the KV cache
             self.host_tier.copy(plan.kv_to_host, plan.kv_from_host)
         self.batch.apply(plan)
+        if self.sampled_in is not None:
+            self.sampled_in.forget(plan.finished_ids)
         if self.scoring or plan.new_requests:
             self._track_scoring(plan)
         if self.lora is not None:
@@ -433,6 +437,10 @@ class ModelRunner:
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if not self.info.is_last_stage:
             send_intermediate(*outputs, self.info.next_rank)  # hidden, residual [T, H]
+            if self.sampled_in is not None and inputs.sample_rows:  # the last stage sends them
+                self.sampled_in.post(
+                    plan.step_id, [plan.scheduled_ids[i] for i in inputs.sample_rows]
+                )
             return StartedStep(plan, inputs, None)
         hidden, *head = outputs  # head: a decode graph's logits [T, V] and ids [T]
         if self.pooler is not None:
@@ -506,6 +514,12 @@ class ModelRunner:
         """(token indices, token ids) on the device for the input tokens the host lacks."""
         if not len(inputs.unknown):
             return None
+        if (
+            self.info.pp_size > 1
+        ):  # only the first stage embeds tokens: from the last, on the device
+            if self.sampled_in is None:
+                return None
+            return self.sampled_in.fill(inputs.unknown, inputs.unknown_ids)
         assert prev is not None, "an input token is unknown but no step is in flight"
         src = [prev.index[req_id] for req_id in inputs.unknown_ids]
         idx = to_device(np.stack([inputs.unknown, np.asarray(src, dtype=np.int64)]), self.device)
@@ -533,6 +547,8 @@ class ModelRunner:
             self.constrained.mask(step.logits, sample_ids, [r.output_token_ids for r in rows])
         argmax = None if self.constrained else step.argmax  # grammar masks change the logits
         token_ids = self.sampler.sample_ids(step.logits, rows, argmax)  # [S] on the device
+        if self.sampled_out is not None:  # to the first stage (async scheduling, pp > 1)
+            self.sampled_out.send(token_ids)
         logprobs = None
         if self.info.is_driver and any(r.params.logprobs is not None for r in rows):
             logprobs = compute_logprobs(step.logits, token_ids, rows)  # waits for the device

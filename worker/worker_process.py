@@ -77,7 +77,7 @@ def run_loop(
     info = rank_info(parallel, rank)
     local_rank = parallel.first_local_device + rank % parallel.ranks_per_node
     device = resolve_device(parallel.device, local_rank)
-    init_distributed(info, parallel.master_addr, dist_port, device)
+    init_distributed(info, parallel.master_addr, dist_port, device, config.pipelined_async)
     clock.mark("device and process groups")
     runner = ModelRunner(config, device, info)
     if device.type == "cpu":

@@ -16,6 +16,9 @@
 # instead of this one: the A/B of a change in the same lease. LAT_FLAGS / THR_FLAGS add engine
 # flags (the latency steps default to --max-num-seqs 8 --max-num-batched-tokens 512: batch 1
 # needs no more, and fewer CUDA graphs to capture start the 70B engine sooner).
+# On two GPUs: `ARCH=llama3-8b STEPS="lat-pp2 base:lat-pp2 lat-tp1 lat-tp2 thr-pp2 thr-tp2"`
+# (batch 1 with async scheduling across stages: the first stage no longer waits for the core's
+# round trip; docs/parallelism.md).
 # From a helper's worktree (the device call sends the session's checkout): copy the branch with
 # `git archive HEAD | tar -x -C CHECKOUT/.mycarry/NAME`, .whl and .gpucarry inside it, carry
 # `.mycarry/NAME` and `cd` there first; BASE may be a tree beside it (`.mycarry/NAME/base`).
@@ -30,8 +33,9 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve
 if [ -n "${BASE:-}" ]; then mkdir -p /tmp/pkgbase && ln -sfn "$(cd "$BASE" && pwd)" /tmp/pkgbase/pagedserve; fi
-M=${M70:-/tmp/m70b}  # M70, M8, VOCAB: other model dirs (a CPU dry run: tiny ones, VOCAB 4000)
-[ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-70b >/dev/null
+ARCH=${ARCH:-llama3-70b}  # ARCH=llama3-8b: the 8B shape, for two GPUs (nvidia-h100-x2)
+M=${M70:-/tmp/m${ARCH#llama3-}}  # M70, M8, VOCAB: other model dirs (a CPU dry run: tiny ones, VOCAB 4000)
+[ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch $ARCH >/dev/null
 M8=${M8:-/tmp/m8b}
 COMMON="--model $M --load-format dummy --dtype bfloat16"
 LAT_FLAGS=${LAT_FLAGS:-"--max-num-seqs 8 --max-num-batched-tokens 512"}
