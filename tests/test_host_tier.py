@@ -82,6 +82,17 @@ def test_preemption_swaps_out_and_resumes_with_the_same_kv():
     assert s.kv.tier.pool.num_free == 8
 
 
+def test_swap_in_takes_blocks_still_cached_on_the_device():
+    """b's first 3 blocks outlive its swap-out in the GPU prefix cache: resuming copies in only
+    its 4th (a swap-in is no dearer than a recompute's prefix hits)."""
+    s = make(num_blocks=9, num_host_blocks=8)
+    add(s, "a", range(10, 26), max_tokens=8)
+    add(s, "b", range(30, 46), max_tokens=8)
+    plans = run(s)
+    (resume,) = [p for p in plans if any(nr.req_id == "b" for nr in p.new_requests)][1:]
+    assert resume.new_requests[0].num_computed_tokens == 16 and len(resume.kv_from_host) == 1
+
+
 def test_cost_model():
     """Auto mode: with the prefix cache on, recompute (a lazy swap); without it, the cheaper."""
     s = make(num_blocks=9, num_host_blocks=8, mode=None)
