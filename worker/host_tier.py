@@ -18,6 +18,7 @@ them. On a CPU they are plain copies, in order.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -58,6 +59,12 @@ class HostKVTier:
             self.host = torch.empty((num_blocks, *shape), dtype=c.dtype, pin_memory=pin)
             self.staging = torch.empty((STAGING_BLOCKS, *shape), dtype=c.dtype, device=c.device)
         self.stream = torch.cuda.Stream(self.device_caches[0].device) if pin else None
+        # Where the copies' time goes (the report at shutdown): plans with copies, blocks, host
+        # seconds issuing them, and (GPU) seconds the copy stream ran, from event pairs read
+        # once done (the host never waits for them on the step path).
+        self.num_plans = self.num_out = self.num_in = 0
+        self.host_s = self.device_s = 0.0
+        self._events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     @property
     def block_bytes(self) -> int:
@@ -67,14 +74,41 @@ class HostKVTier:
         """(device, host) pairs out, then (host, device) pairs in."""
         if not (to_host or from_host):
             return
+        t0 = time.perf_counter()
+        self.num_plans += 1
+        self.num_out += len(to_host)
+        self.num_in += len(from_host)
         if self.stream is None:
             self._copy(to_host, from_host)
-            return
-        compute = torch.cuda.current_stream()
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            self._copy(to_host, from_host)
-        compute.wait_stream(self.stream)
+        else:
+            compute = torch.cuda.current_stream()
+            self.stream.wait_stream(compute)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                start.record()
+                self._copy(to_host, from_host)
+                end.record()
+            compute.wait_stream(self.stream)
+            self._events.append((start, end))
+            self._drain_events()
+        self.host_s += time.perf_counter() - t0
+
+    def _drain_events(self) -> None:
+        while self._events and self._events[0][1].query():
+            start, end = self._events.popleft()
+            self.device_s += start.elapsed_time(end) / 1e3
+
+    def report(self) -> str:
+        """Where the copies' time went, for the log at shutdown."""
+        if self.stream is not None:
+            torch.cuda.synchronize()
+            self._drain_events()
+        return (
+            f"host KV tier copies: {self.num_plans} plans, {self.num_out} blocks out, "
+            f"{self.num_in} in ({(self.num_out + self.num_in) * self.block_bytes / 1e9:.2f} GB); "
+            f"{self.host_s:.3f} s of host time issuing them, {self.device_s:.3f} s on the copy "
+            f"stream (the steps that carried them waited for it)"
+        )
 
     def _copy(self, to_host: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> None:
         if self.host is None:  # a stage without KV layers
@@ -122,6 +156,23 @@ class HostKVTier:
         out_s, in_s = seconds[2], seconds[3]
         nbytes = n * self.block_bytes
         return (out_s + in_s) / (2 * n), nbytes / out_s, nbytes / in_s
+
+    def measure_plain(self) -> tuple[float, float]:
+        """The ceiling: bytes/s out and in of one plain torch copy of `STAGING_BLOCKS` blocks
+        between the pinned host tier and a contiguous device buffer (the staging buffer)."""
+        if self.host is None:
+            return 0.0, 0.0
+        n = min(STAGING_BLOCKS, self.num_blocks)
+        host, dev = self.host[:n], self.staging[:n]
+        seconds = []
+        for dst, src in ((host, dev), (dev, host)) * 2:  # warm, then timed
+            self._sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            self._sync()
+            seconds.append(time.perf_counter() - t0)
+        nbytes = n * self.block_bytes
+        return nbytes / seconds[2], nbytes / seconds[3]
 
     def _sync(self) -> None:
         if self.stream is not None:
