@@ -378,6 +378,17 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def spill_ahead(self, num_blocks: int) -> None:
+        """Copy to the host, ahead of their eviction, the cached blocks among the first
+        `num_blocks` of the free queue (the next evicted) that the host does not hold yet."""
+        if self.tier is None or not self.enable_caching:
+            return
+        for k, block in enumerate(self.pool.free_queue):
+            if k == num_blocks:
+                break
+            if block.block_hash is not None:
+                self.tier.spill_ahead(block.block_id, block.block_hash)
+
     def reset_prefix_cache(self) -> bool:
         if self.tier is not None and self.pool.num_free == self.pool.num_blocks:
             self.tier.pool.reset()

@@ -126,6 +126,22 @@ def test_evicted_prefix_spills_to_host_and_hits_there():
     assert s.requests == {} and s.kv.prefix_cache_hits >= 16
 
 
+def test_free_cached_blocks_spill_ahead_of_their_eviction():
+    """a's 4 cached blocks, free once it finished, are copied out beside c's step (not before
+    it); b's step then evicts them without a copy; a again hits them on the host."""
+    s = make(num_blocks=8, num_host_blocks=16)
+    add(s, "a", range(10, 27), max_tokens=1)
+    run(s)
+    add(s, "c", range(90, 93), max_tokens=1)
+    (plan_c,) = run(s)
+    assert len(plan_c.kv_to_host_ahead) == 4 and not plan_c.kv_to_host
+    add(s, "b", range(50, 82), max_tokens=1)  # takes all 8 blocks
+    assert not any(p.kv_to_host for p in run(s))
+    add(s, "a2", range(10, 27), max_tokens=1)
+    plans = run(s)
+    assert plans[0].kv_from_host and s.get_stats().host_cache_hits == 16
+
+
 def test_abort_of_a_swapped_request_frees_its_host_blocks():
     s = make(num_blocks=9, num_host_blocks=8)
     add(s, "a", range(10, 26), max_tokens=20)
@@ -159,6 +175,7 @@ class ContentWorker(FakeWorker):
             self.host[host] = list(self.device.get(dev, empty))
         for host, dev in plan.kv_from_host:
             self.device[dev] = list(self.host[host])
+        ahead = {dev: list(self.device.get(dev, empty)) for dev, _ in plan.kv_to_host_ahead}
         sampled = super().execute(plan, snapshot)
         rows = list(zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True))
         bs = self.block_size
@@ -167,6 +184,9 @@ class ContentWorker(FakeWorker):
             for p in range(before, before + n):
                 self.device.setdefault(m.block_ids[0][p // bs], list(empty))[p % bs] = (
                     p, m.tokens[p])  # fmt: skip
+        for dev, host in plan.kv_to_host_ahead:  # beside the forward: it must not write them
+            assert self.device.get(dev, empty) == ahead[dev], f"the step wrote block {dev}"
+            self.host[host] = ahead[dev]
         for rid, n in rows:
             m, before = self.batch[rid], snapshot[rid][2]
             for p in range(before + n):

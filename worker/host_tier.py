@@ -12,7 +12,9 @@ On a GPU the copies run on their own stream, ordered against the compute stream 
 start once every step queued before has written its KV (a block copied out holds its final
 content; a block copied into is no longer read by an earlier step), and the step that follows
 waits for them on the device only, so the host never blocks and queues the step right behind
-them. On a CPU they are plain copies, in order.
+them. Spills ahead (`StepPlan.kv_to_host_ahead`: blocks the step does not write) follow on the
+copy stream after the step's wait point, so they run beside its forward; the next plan's copies
+and forward come after them. On a CPU they are plain copies, in order.
 """
 
 from __future__ import annotations
@@ -60,43 +62,54 @@ class HostKVTier:
             self.staging = torch.empty((STAGING_BLOCKS, *shape), dtype=c.dtype, device=c.device)
         self.stream = torch.cuda.Stream(self.device_caches[0].device) if pin else None
         # Where the copies' time goes (the report at shutdown): plans with copies, blocks, host
-        # seconds issuing them, and (GPU) seconds the copy stream ran, from event pairs read
-        # once done (the host never waits for them on the step path).
+        # seconds issuing them, and (GPU) seconds the copy stream ran before and beside the
+        # forward, from events read once done (the host never waits for them).
         self.num_plans = self.num_out = self.num_in = 0
-        self.host_s = self.device_s = 0.0
-        self._events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self.host_s = self.blocking_s = self.ahead_s = 0.0
+        self._events: deque[list[torch.cuda.Event]] = deque()  # [start, mid, end] per plan
 
     @property
     def block_bytes(self) -> int:
         return 0 if self.host is None else self.host[0].numel() * self.host.element_size()
 
-    def copy(self, to_host: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> None:
-        """(device, host) pairs out, then (host, device) pairs in."""
-        if not (to_host or from_host):
+    def copy(
+        self,
+        to_host: list[tuple[int, int]],
+        from_host: list[tuple[int, int]],
+        ahead: list[tuple[int, int]] = (),
+    ) -> None:
+        """(device, host) pairs out, then (host, device) pairs in, both before the forward
+        queued next; then `ahead` (device, host) pairs out, beside it (it writes none of them)."""
+        if not (to_host or from_host or ahead):
             return
         t0 = time.perf_counter()
         self.num_plans += 1
-        self.num_out += len(to_host)
+        self.num_out += len(to_host) + len(ahead)
         self.num_in += len(from_host)
         if self.stream is None:
             self._copy(to_host, from_host)
+            self._copy(ahead, [])
         else:
             compute = torch.cuda.current_stream()
             self.stream.wait_stream(compute)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             with torch.cuda.stream(self.stream):
-                start.record()
+                events[0].record()
                 self._copy(to_host, from_host)
-                end.record()
+                events[1].record()
             compute.wait_stream(self.stream)
-            self._events.append((start, end))
+            with torch.cuda.stream(self.stream):  # the next plan's copies and forward follow
+                self._copy(ahead, [])
+                events[2].record()
+            self._events.append(events)
             self._drain_events()
         self.host_s += time.perf_counter() - t0
 
     def _drain_events(self) -> None:
-        while self._events and self._events[0][1].query():
-            start, end = self._events.popleft()
-            self.device_s += start.elapsed_time(end) / 1e3
+        while self._events and self._events[0][2].query():
+            start, mid, end = self._events.popleft()
+            self.blocking_s += start.elapsed_time(mid) / 1e3
+            self.ahead_s += mid.elapsed_time(end) / 1e3
 
     def report(self) -> str:
         """Where the copies' time went, for the log at shutdown."""
@@ -106,8 +119,9 @@ class HostKVTier:
         return (
             f"host KV tier copies: {self.num_plans} plans, {self.num_out} blocks out, "
             f"{self.num_in} in ({(self.num_out + self.num_in) * self.block_bytes / 1e9:.2f} GB); "
-            f"{self.host_s:.3f} s of host time issuing them, {self.device_s:.3f} s on the copy "
-            f"stream (the steps that carried them waited for it)"
+            f"{self.host_s:.3f} s of host time issuing them; on the copy stream "
+            f"{self.blocking_s:.3f} s that steps waited for, {self.ahead_s:.3f} s of spills ahead "
+            "beside the forward"
         )
 
     def _copy(self, to_host: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> None:

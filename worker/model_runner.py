@@ -394,7 +394,7 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         if self.host_tier is not None:  # before anything reads or writes the KV cache
-            self.host_tier.copy(plan.kv_to_host, plan.kv_from_host)
+            self.host_tier.copy(plan.kv_to_host, plan.kv_from_host, plan.kv_to_host_ahead)
         self.batch.apply(plan)
         if self.scoring or plan.new_requests:
             self._track_scoring(plan)
