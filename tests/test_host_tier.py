@@ -265,3 +265,19 @@ def test_worker_copies_round_trip_through_the_staging_buffer():
     tier.copy([], [(69 - i, (i * 7) % 60) for i in range(n)])
     for i in range(n):
         assert torch.equal(a[(i * 7) % 60], want_a[i]) and torch.equal(b[(i * 7) % 60], want_b[i])
+
+
+def test_worker_spills_ahead_after_the_plans_copies():
+    """worker/host_tier.py: `ahead` pairs go out after the plan's own copies (on CPU, in order:
+    a block filled by the plan's copy in is spilled with its new content) and are counted."""
+    torch = pytest.importorskip("torch")
+    from pagedserve.worker.host_tier import HostKVTier
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 2, 4, 2, 8, generator=gen)
+    tier = HostKVTier([a], 6)
+    tier.copy([(3, 0)], [], [])
+    want = a[3].clone()
+    tier.copy([], [(0, 5)], [(5, 4), (6, 2)])
+    assert torch.equal(tier.host[4, 0], want) and torch.equal(tier.host[2, 0], a[6])
+    assert (tier.num_plans, tier.num_out, tier.num_in) == (2, 3, 1)
