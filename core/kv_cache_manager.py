@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from itertools import islice
 
 from pagedserve.core.block_pool import SKIPPED_BLOCK, BlockPool, KVBlock
 from pagedserve.core.kv_tier import HostTier
@@ -383,10 +384,9 @@ class KVCacheManager:
         `num_blocks` of the free queue (the next evicted) that the host does not hold yet."""
         if self.tier is None or not self.enable_caching:
             return
-        for k, block in enumerate(self.pool.free_queue):
-            if k == num_blocks:
-                break
-            if block.block_hash is not None:
+        on_host = self.tier.pool.cached  # a dict lookup per block: this runs every step
+        for block in islice(self.pool.free_queue, num_blocks):
+            if block.block_hash is not None and block.block_hash not in on_host:
                 self.tier.spill_ahead(block.block_id, block.block_hash)
 
     def reset_prefix_cache(self) -> bool:
