@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from itertools import islice
 
 from pagedserve.core.block_pool import SKIPPED_BLOCK, BlockPool, KVBlock
 from pagedserve.core.kv_tier import HostTier
@@ -342,21 +343,51 @@ class KVCacheManager:
         return tier.save(block_ids, keys)
 
     def swap_in(self, req: Request, num_new_tokens: int) -> bool:
-        """Give a swapped request device blocks for its kept tokens and `num_new_tokens` more,
-        its host blocks copied into the first ones (False: they don't fit, nothing changed)."""
+        """Give a swapped request device blocks for its kept tokens and `num_new_tokens` more
+        (False: they don't fit, nothing changed). Its leading blocks still cached on the device
+        (it left them there when it was preempted) are taken as prefix hits; only its host
+        blocks after them are copied in."""
         host_ids = req.host_block_ids
         num_tokens = req.num_computed_tokens + num_new_tokens
         num_needed = cdiv(num_tokens, self.block_size)
         assert not req.blocks and num_needed >= len(host_ids)
-        if num_needed > self.pool.num_free:
+        hits = self._swapped_hits(req, len(host_ids))
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_needed - len(hits) + num_revived > self.pool.num_free:
             return False
         self.tier.pin(host_ids, take_ref=False)  # the request's references go with this plan
-        blocks = self.pool.get_new_blocks(num_needed)
-        self.tier.load(host_ids, [b.block_id for b in blocks[: len(host_ids)]])
-        req.blocks, req.num_skipped_blocks, req.num_hashed_blocks = [blocks], [0], 0
+        self.pool.touch(hits)  # before any eviction: popping could take a hit
+        blocks = hits + self.pool.get_new_blocks(num_needed - len(hits))
+        self.tier.load(
+            host_ids[len(hits) :], [b.block_id for b in blocks[len(hits) : len(host_ids)]]
+        )
+        req.blocks, req.num_skipped_blocks, req.num_hashed_blocks = [blocks], [0], len(hits)
         req.host_block_ids = []
         self._cache_full_blocks(req, min(num_tokens, req.num_tokens) // self.block_size)
         return True
+
+    def _swapped_hits(self, req: Request, num_host_blocks: int) -> list[KVBlock]:
+        """The device blocks that still hold a swapped request's leading full blocks."""
+        if not self.enable_caching:
+            return []
+        num_full = min(req.num_computed_tokens // self.block_size, num_host_blocks)
+        hits = []
+        for h in self.block_hashes(req, num_full):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def spill_ahead(self, num_blocks: int) -> None:
+        """Copy to the host, ahead of their eviction, the cached blocks among the first
+        `num_blocks` of the free queue (the next evicted) that the host does not hold yet."""
+        if self.tier is None or not self.enable_caching:
+            return
+        on_host = self.tier.pool.cached  # a dict lookup per block: this runs every step
+        for block in islice(self.pool.free_queue, num_blocks):
+            if block.block_hash is not None and block.block_hash not in on_host:
+                self.tier.spill_ahead(block.block_id, block.block_hash)
 
     def reset_prefix_cache(self) -> bool:
         if self.tier is not None and self.pool.num_free == self.pool.num_blocks:

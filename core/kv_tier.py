@@ -1,9 +1,12 @@
 """The KV cache's host-memory tier, as the core sees it: which copies each plan carries.
 
-The core decides every copy; workers execute the two lists a `StepPlan` names, before its
-forward: first `kv_to_host` (spills of evicted prefix-cache blocks, preempted requests' blocks),
-then `kv_from_host` (host prefix hits, swapped requests resuming). That order, with
-these rules, makes every copy read what the core meant:
+The core decides every copy; workers execute the lists a `StepPlan` names: before its forward,
+first `kv_to_host` (spills of evicted prefix-cache blocks, preempted requests' blocks), then
+`kv_from_host` (host prefix hits, swapped requests resuming); then, beside its forward,
+`kv_to_host_ahead` (spills ahead: free cached blocks near the head of the free queue, the next
+to be evicted, chosen once the plan's blocks are taken, so the plan neither writes them nor
+waits for their copies; their later eviction finds them on the host and copies nothing). That
+order, with these rules, makes every copy read what the core meant:
 - a device block copied out in a plan was written by earlier plans only: it is either a victim's
   (preemption happens before any swap-in is planned in a step) or free and cached (a block filled
   by this plan's swap-in is held by its request until the plan is sent);
@@ -48,6 +51,7 @@ class HostTier:
         self.pool = HostPool(spec.num_blocks)
         self.swap_out: list[tuple[int, int]] = []  # (device block, host block), this plan
         self.swap_in: list[tuple[int, int]] = []  # (host block, device block), this plan
+        self.ahead: list[tuple[int, int]] = []  # (device block, host block): spills ahead
         self._pinned: list[int] = []  # host blocks this plan reads, released at end_plan
         self._filled: set[int] = set()  # device blocks this plan's swap-ins write
         self.num_out_blocks = 0  # cumulative
@@ -70,12 +74,22 @@ class HostTier:
         if i is not None:
             self.pool.touch(i)
             return
+        self._spill(block_id, key, self.swap_out)
+
+    def spill_ahead(self, block_id: int, key: bytes) -> None:
+        """A cached device block that is free, and so evicted soon, is copied to the host now,
+        by a copy that runs beside this plan's forward (the plan does not write the block:
+        it was free once the plan's blocks were taken); its eviction then copies nothing."""
+        if self.pool.lookup(key) is None:  # no touch: a scan is not a use
+            self._spill(block_id, key, self.ahead)
+
+    def _spill(self, block_id: int, key: bytes, copies: list[tuple[int, int]]) -> None:
         if not self.pool.num_free:
             return
         (i,) = self.pool.allocate(1)
         self.pool.set_hash(i, key)
         self.pool.unref([i])  # cached: evictable, findable
-        self.swap_out.append((block_id, i))
+        copies.append((block_id, i))
 
     def hits(self, keys: list[bytes]) -> list[int]:
         """Host blocks of the longest run of `keys` the host holds (not yet taken)."""
@@ -111,11 +125,11 @@ class HostTier:
         self._filled.update(block_ids)
         self.swap_in += zip(host_ids, block_ids, strict=True)
 
-    def end_plan(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This plan's copies (out, in); releases the host blocks it read."""
-        out, into = self.swap_out, self.swap_in
-        self.num_out_blocks += len(out)
-        self.num_in_blocks += len(into)
+    def end_plan(self) -> tuple[list[tuple[int, int]], ...]:
+        """This plan's copies (out, in, out ahead); releases the host blocks it read."""
+        copies = self.swap_out, self.swap_in, self.ahead
+        self.num_out_blocks += len(self.swap_out) + len(self.ahead)
+        self.num_in_blocks += len(self.swap_in)
         self.pool.unref(self._pinned)
-        self.swap_out, self.swap_in, self._pinned, self._filled = [], [], [], set()
-        return out, into
+        self.swap_out, self.swap_in, self.ahead, self._pinned, self._filled = [], [], [], [], set()
+        return copies

@@ -133,6 +133,12 @@ class Scheduler:
             num_blocks, cache_config.block_size, caching, group_windows or [None], tier
         )
         self.swapped: list[Request] = []  # preempted by swap, oldest first (core/swapping.py)
+        # Free blocks kept copied to the host ahead of eviction: about what one step takes
+        # (its budget's blocks, and a block per row); core/kv_tier.py
+        self._spill_margin = (
+            cdiv(scheduler_config.max_num_batched_tokens, cache_config.block_size)
+            + scheduler_config.max_num_seqs
+        )
         self.states = StatePool(num_state_slots) if num_state_slots is not None else None
         budget = scheduler_config.max_num_batched_tokens
         need = self.kv.max_blocks_per_request(max_model_len, budget)
@@ -421,11 +427,15 @@ class Scheduler:
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == known:
                 req.num_placeholders += 1  # every known token is computed: this step samples
-        copies = self.kv.tier.end_plan() if self.kv.tier is not None else ([], [])
+        copies = ([], [], [])
+        if self.kv.tier is not None:  # what the next plans may evict, copied beside this one
+            self.kv.spill_ahead(self._spill_margin)
+            copies = self.kv.tier.end_plan()
         plan = StepPlan(
             step_id=self._next_step_id,
             kv_to_host=copies[0],
             kv_from_host=copies[1],
+            kv_to_host_ahead=copies[2],
             scheduled_ids=[req.req_id for req, _ in step.scheduled],
             num_scheduled_tokens=[n for _, n in step.scheduled],
             new_requests=new_requests,

@@ -351,6 +351,8 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     # order: (device block, host block) pairs out, then (host block, device block) pairs in.
     kv_to_host: list[tuple[int, int]] = []
     kv_from_host: list[tuple[int, int]] = []
+    # ... and beside the forward, (device block, host block) pairs it does not write
+    kv_to_host_ahead: list[tuple[int, int]] = []
     # ... or, with a draft model (the workers draft), how many drafts it proposes for a row
     num_model_drafts: dict[str, int] = {}
 

@@ -82,6 +82,17 @@ def test_preemption_swaps_out_and_resumes_with_the_same_kv():
     assert s.kv.tier.pool.num_free == 8
 
 
+def test_swap_in_takes_blocks_still_cached_on_the_device():
+    """b's first 3 blocks outlive its swap-out in the GPU prefix cache: resuming copies in only
+    its 4th (a swap-in is no dearer than a recompute's prefix hits)."""
+    s = make(num_blocks=9, num_host_blocks=8)
+    add(s, "a", range(10, 26), max_tokens=8)
+    add(s, "b", range(30, 46), max_tokens=8)
+    plans = run(s)
+    (resume,) = [p for p in plans if any(nr.req_id == "b" for nr in p.new_requests)][1:]
+    assert resume.new_requests[0].num_computed_tokens == 16 and len(resume.kv_from_host) == 1
+
+
 def test_cost_model():
     """Auto mode: with the prefix cache on, recompute (a lazy swap); without it, the cheaper."""
     s = make(num_blocks=9, num_host_blocks=8, mode=None)
@@ -113,6 +124,22 @@ def test_evicted_prefix_spills_to_host_and_hits_there():
     assert plans[0].kv_from_host and plans[0].new_requests[0].num_computed_tokens == 16
     assert s.get_stats().host_cache_hits == 16
     assert s.requests == {} and s.kv.prefix_cache_hits >= 16
+
+
+def test_free_cached_blocks_spill_ahead_of_their_eviction():
+    """a's 4 cached blocks, free once it finished, are copied out beside c's step (not before
+    it); b's step then evicts them without a copy; a again hits them on the host."""
+    s = make(num_blocks=8, num_host_blocks=16)
+    add(s, "a", range(10, 27), max_tokens=1)
+    run(s)
+    add(s, "c", range(90, 93), max_tokens=1)
+    (plan_c,) = run(s)
+    assert len(plan_c.kv_to_host_ahead) == 4 and not plan_c.kv_to_host
+    add(s, "b", range(50, 82), max_tokens=1)  # takes all 8 blocks
+    assert not any(p.kv_to_host for p in run(s))
+    add(s, "a2", range(10, 27), max_tokens=1)
+    plans = run(s)
+    assert plans[0].kv_from_host and s.get_stats().host_cache_hits == 16
 
 
 def test_abort_of_a_swapped_request_frees_its_host_blocks():
@@ -148,6 +175,7 @@ class ContentWorker(FakeWorker):
             self.host[host] = list(self.device.get(dev, empty))
         for host, dev in plan.kv_from_host:
             self.device[dev] = list(self.host[host])
+        ahead = {dev: list(self.device.get(dev, empty)) for dev, _ in plan.kv_to_host_ahead}
         sampled = super().execute(plan, snapshot)
         rows = list(zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True))
         bs = self.block_size
@@ -156,6 +184,9 @@ class ContentWorker(FakeWorker):
             for p in range(before, before + n):
                 self.device.setdefault(m.block_ids[0][p // bs], list(empty))[p % bs] = (
                     p, m.tokens[p])  # fmt: skip
+        for dev, host in plan.kv_to_host_ahead:  # beside the forward: it must not write them
+            assert self.device.get(dev, empty) == ahead[dev], f"the step wrote block {dev}"
+            self.host[host] = ahead[dev]
         for rid, n in rows:
             m, before = self.batch[rid], snapshot[rid][2]
             for p in range(before + n):
@@ -234,3 +265,19 @@ def test_worker_copies_round_trip_through_the_staging_buffer():
     tier.copy([], [(69 - i, (i * 7) % 60) for i in range(n)])
     for i in range(n):
         assert torch.equal(a[(i * 7) % 60], want_a[i]) and torch.equal(b[(i * 7) % 60], want_b[i])
+
+
+def test_worker_spills_ahead_after_the_plans_copies():
+    """worker/host_tier.py: `ahead` pairs go out after the plan's own copies (on CPU, in order:
+    a block filled by the plan's copy in is spilled with its new content) and are counted."""
+    torch = pytest.importorskip("torch")
+    from pagedserve.worker.host_tier import HostKVTier
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 2, 4, 2, 8, generator=gen)
+    tier = HostKVTier([a], 6)
+    tier.copy([(3, 0)], [], [])
+    want = a[3].clone()
+    tier.copy([], [(0, 5)], [(5, 4), (6, 2)])
+    assert torch.equal(tier.host[4, 0], want) and torch.equal(tier.host[2, 0], a[6])
+    assert (tier.num_plans, tier.num_out, tier.num_in) == (2, 3, 1)

@@ -345,10 +345,12 @@ class ModelRunner:
         preemption cost model)."""
         self.host_tier = tier = HostKVTier(self.kv_caches, num_host_blocks)
         swap_s, out_bw, in_bw = tier.measure_swap(num_blocks)
+        plain_out, plain_in = tier.measure_plain()  # the ceiling, beside the tier's own
         recompute_s = measure_recompute(self.model, self.hidden_size, self.dtype, self.device)
         self.tier_costs = dict(
             block_bytes=tier.block_bytes, swap_s_per_block=swap_s,
             recompute_s_per_token=recompute_s, d2h_bytes_per_s=out_bw, h2d_bytes_per_s=in_bw,
+            plain_d2h_bytes_per_s=plain_out, plain_h2d_bytes_per_s=plain_in,
         )  # fmt: skip
 
     def _graph_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
@@ -394,7 +396,7 @@ class ModelRunner:
         host does not know yet); they are copied on the device, so the host never waits for them.
         """
         if self.host_tier is not None:  # before anything reads or writes the KV cache
-            self.host_tier.copy(plan.kv_to_host, plan.kv_from_host)
+            self.host_tier.copy(plan.kv_to_host, plan.kv_from_host, plan.kv_to_host_ahead)
         self.batch.apply(plan)
         if self.sampled_in is not None:
             self.sampled_in.forget(plan.finished_ids)

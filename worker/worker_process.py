@@ -157,6 +157,8 @@ def run_loop(
                 runner.lora.submit(msg.lora, msg.drop_ids)  # read on a thread: poll() reports
             elif isinstance(msg, ShutdownWorkers):
                 _memory_report(runner, rank)
+                if runner.host_tier is not None and rank == 0:
+                    print(f"pagedserve: {runner.host_tier.report()}", file=sys.stderr, flush=True)
                 return
     finally:
         runner.grammars.close()
@@ -266,7 +268,9 @@ class StepTrace:
 def _say_tier(costs: dict[str, float]) -> None:
     print(
         f"pagedserve: host KV tier: {costs['d2h_bytes_per_s'] / 1e9:.2f} GB/s out, "
-        f"{costs['h2d_bytes_per_s'] / 1e9:.2f} GB/s in, "
+        f"{costs['h2d_bytes_per_s'] / 1e9:.2f} GB/s in (a plain torch copy: "
+        f"{costs['plain_d2h_bytes_per_s'] / 1e9:.2f} out, "
+        f"{costs['plain_h2d_bytes_per_s'] / 1e9:.2f} in), "
         f"{costs['swap_s_per_block'] * 1e6:.1f} us/block; recompute "
         f"{costs['recompute_s_per_token'] * 1e6:.2f} us/token",
         file=sys.stderr, flush=True,

@@ -6,8 +6,10 @@
 #     (users whose histories do not fit on the GPU together), tier off, then
 #     `--kv-offloading-size 64`: cached share of prompt tokens, TTFT p50, throughput;
 #  3. `w1`: W1's shape (1024 in, 128 out) with --kv-cache-memory at a quarter of its need,
-#     recompute (tier off) against `--kv-offloading-size 16 --preemption-mode swap`;
-#  and the host<->device bandwidth the workers measured at start-up (their log line).
+#     recompute (tier off) against `--kv-offloading-size 16`, auto (a lazy swap: recompute
+#     with spills and host hits) and `--preemption-mode swap` (eager);
+#  the host<->device bandwidth the workers measured at start-up beside a plain torch copy of the
+#  same bytes (their log line), and where each run's copies spent their time (the shutdown line).
 #   STEPS="multi-turn w1 gpu-tests" bash tests/gpu/kv_tier_run.sh
 # (from a helper's worktree: see tests/gpu/device_run.sh's note on carrying the branch)
 set -uo pipefail
@@ -44,16 +46,20 @@ for step in ${STEPS:-multi-turn w1 gpu-tests}; do
           > "$OUT/mt-$tier-metrics.txt"
         kill -TERM $srv; wait $srv
       done ;;
-    w1)
-      for mode in recompute swap; do
-        flags=""; [ $mode = swap ] && flags="--kv-offloading-size ${W1_TIER_GIB:-16} --preemption-mode swap"
+    w1)  # recompute: tier off; lazy: tier on, auto (recompute + spills + host hits); swap: eager
+      for mode in ${W1_MODES:-recompute lazy swap}; do
+        flags="--kv-offloading-size ${W1_TIER_GIB:-16}"
+        case $mode in recompute) flags="" ;; swap) flags="$flags --preemption-mode swap" ;; esac
         timeout 150 $PS bench throughput $COMMON --kv-cache-memory $W1_KV $flags --input-len $W1_IN \
           --output-len 128 --num-prompts $W1_PROMPTS --output-json "$OUT/w1-$mode.json" \
           > "$OUT/w1-$mode.txt" 2>&1
       done ;;
   esac
 done
-grep -h "host KV tier" "$OUT"/*.log "$OUT"/*.txt 2>/dev/null | sort -u | head -4
+grep -h "host KV tier:" "$OUT"/*.log "$OUT"/*.txt 2>/dev/null | sort -u | head -4
+for f in "$OUT"/mt-*-server.log "$OUT"/w1-*.txt; do
+  [ -f "$f" ] && grep -h "host KV tier copies" "$f" | sed "s|^|$(basename "$f"): |"
+done
 python3 - "$OUT" <<'PY'
 import json, os, sys
 def get(name):
@@ -65,7 +71,7 @@ for tier in ("off", "on"):
         print(f"multi-turn tier {tier:<3}: cached share {r.get('cached_share', 0):.3f}, TTFT p50 "
               f"{r.get('median_ttft_ms', 0):.1f} ms, {r.get('request_throughput', 0):.2f} req/s, "
               f"{r.get('output_throughput', 0):.0f} out tok/s, completed {r.get('completed')}")
-for mode in ("recompute", "swap"):
+for mode in ("recompute", "lazy", "swap"):
     r = get(f"w1-{mode}")
     if r:
         print(f"W1 quarter KV {mode:<9}: {r.get('requests_per_s', 0):.2f} req/s, "
