@@ -1,0 +1,73 @@
+"""The grouped Triton MoE kernel's variants for gpt-oss and DeepSeek-V3 (issue 42) against the
+torch references: gate/up biases with gpt-oss's clamped SwiGLU, and FP8 weights scaled per
+square block (DeepSeek's experts kept in FP8). Under the Triton interpreter without a GPU (tiny
+sizes), compiled with one."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from triton_env import HAS_CUDA, needs_triton, tiny
+
+pytestmark = needs_triton
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = dict(atol=3e-2, rtol=3e-2) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)
+
+
+def experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return w13.to(DEV, dtype), w2.to(DEV, dtype), gen
+
+
+@tiny
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_gpt_oss_biases_and_clamped_swiglu(num_tokens):
+    """gpt-oss's experts through the grouped kernel (bias in the first GEMM, clamped SwiGLU
+    between) equal transformers' per-expert loop, with unused experts and a clamp that bites."""
+    from pagedserve.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_experts_ref, route
+    from pagedserve.kernels.triton_moe import triton_fused_moe
+
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    w13, w2, gen = experts(8, 64, 32, dtype)
+    w13 = w13 * 8  # gate/up values beyond the limit of 7
+    bias = torch.randn(8, 64, generator=gen).to(DEV, dtype)
+    x = torch.randn(num_tokens, 64, generator=gen).to(DEV, dtype)
+    weights, ids = route(torch.randn(num_tokens, 8, generator=gen).to(DEV), 3)
+    act = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
+    out = triton_fused_moe(x, w13, w2, weights, ids, w13_bias=bias, activation=act)
+    ref = gpt_oss_experts_ref(x, w13, bias, w2, weights, ids, 1.702, 7.0)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@tiny
+def test_fp8_block_scaled_experts():
+    """FP8 expert weights with one float32 scale per 32 x 32 block equal the reference over
+    the dequantized weights; malformed scales are refused."""
+    from pagedserve.kernels.fp8 import FP8
+    from pagedserve.kernels.moe import fused_moe_ref, select_experts
+    from pagedserve.kernels.triton_moe import triton_fused_moe
+
+    block, dtype = 32, torch.bfloat16 if HAS_CUDA else torch.float32
+    w13, w2, gen = experts(4, 96, 64, torch.float32, seed=1)
+
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e, n, k = w.shape
+        tiles = w.view(e, n // block, block, k // block, block)
+        scale = tiles.abs().amax(dim=(2, 4)) / 448.0  # [E, N/B, K/B]
+        q = (tiles / scale[:, :, None, :, None]).to(FP8).view(e, n, k)
+        deq = (q.float().view_as(tiles) * scale[:, :, None, :, None]).view(e, n, k)
+        return q, scale.float().contiguous(), deq.to(dtype)
+
+    q13, s13, d13 = quantize(w13)
+    q2, s2, d2 = quantize(w2)
+    x = torch.randn(9, 96, generator=gen).to(DEV, dtype)
+    weights, ids = select_experts(torch.randn(9, 4, generator=gen).to(DEV), 2, True)
+    out = triton_fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(out, fused_moe_ref(x, d13, d2, weights, ids), **TOL)
+    with pytest.raises(ValueError, match="square blocks"):
+        triton_fused_moe(x, q13, q2, weights, ids, w13_scale=s13[:, :1], w2_scale=s2)
