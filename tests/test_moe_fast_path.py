@@ -71,3 +71,34 @@ def test_fp8_block_scaled_experts():
     torch.testing.assert_close(out, fused_moe_ref(x, d13, d2, weights, ids), **TOL)
     with pytest.raises(ValueError, match="square blocks"):
         triton_fused_moe(x, q13, q2, weights, ids, w13_scale=s13[:, :1], w2_scale=s2)
+
+
+@tiny
+def test_deepseek_fp8_experts_kept(tmp_path, monkeypatch):
+    """A block-FP8 DeepSeek checkpoint's routed experts stay FP8 (the GPU path, forced here on
+    the CPU under the interpreter): scales stacked per rank as the weights are, and the MoE
+    layer's output is that of the dequantized experts (`w_fp8 * scale` of each 16 x 16 block)."""
+    from tiny_deepseek import make_fp8_deepseek, make_tiny_deepseek
+
+    from pagedserve.config import ModelConfig
+    from pagedserve.kernels.fp8 import FP8
+    from pagedserve.kernels.moe import fused_moe_ref
+    from pagedserve.worker.models import build_model
+    from pagedserve.worker.models.deepseek_v3 import DeepseekV3MoE
+
+    fp8 = make_fp8_deepseek(make_tiny_deepseek(str(tmp_path / "bf16")), str(tmp_path / "fp8"))
+    if not HAS_CUDA:  # where a GPU would keep them
+        monkeypatch.setattr(DeepseekV3MoE, "after_loading", DeepseekV3MoE.stack_expert_scales)
+    moe = (
+        build_model(ModelConfig(model=fp8), torch.float32, torch.device(DEV)).model.layers["2"].mlp
+    )
+    assert moe.w13_weight.dtype == FP8 and moe.w13_scale.shape == (8, 4, 4)
+
+    def dequantized(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return w.float() * scale.repeat_interleave(16, 1).repeat_interleave(16, 2)
+
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
+    moe.shared_experts = None  # FP8 dense MLPs: tests/test_fp8.py
+    weights, ids = moe.gate(x)
+    w13, w2 = dequantized(moe.w13_weight, moe.w13_scale), dequantized(moe.w2_weight, moe.w2_scale)
+    torch.testing.assert_close(moe(x), fused_moe_ref(x, w13, w2, weights, ids), **TOL)
