@@ -102,3 +102,18 @@ def test_deepseek_fp8_experts_kept(tmp_path, monkeypatch):
     weights, ids = moe.gate(x)
     w13, w2 = dequantized(moe.w13_weight, moe.w13_scale), dequantized(moe.w2_weight, moe.w2_scale)
     torch.testing.assert_close(moe(x), fused_moe_ref(x, w13, w2, weights, ids), **TOL)
+
+
+@tiny
+def test_latent_cache_write_skips_padding_slots():
+    """MLA's Triton cache write (what decode graphs run) stores each token's latent row in its
+    slot and leaves the cache alone for a padding row's slot -1."""
+    from pagedserve.kernels.triton_mla import triton_write_latent_cache
+
+    cache = torch.zeros(4, 1, 8, 1, 72, device=DEV)
+    latent = torch.randn(5, 72, device=DEV)
+    slots = torch.tensor([3, 17, -1, 0, -1], device=DEV)
+    triton_write_latent_cache(latent, cache, slots)
+    want = torch.zeros(32, 72, device=DEV)
+    want[[3, 17, 0]] = latent[[0, 1, 3]]
+    torch.testing.assert_close(cache.view(32, 72), want, atol=0, rtol=0)

@@ -230,7 +230,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The Llama serving interface over MLA layers: the KV cache is latent (`kv_block_shape`)."""
 
     model_class = DeepseekV3Model
-    cuda_graphs = False  # kernels/mla.py groups rows on the host each step
+    # Decode graphs only: kernels/mla.py's decode reads device lengths, its prefill host ones.
+    mixed_cuda_graphs = False
 
     def __init__(
         self,
