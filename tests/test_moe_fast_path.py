@@ -117,3 +117,69 @@ def test_latent_cache_write_skips_padding_slots():
     want = torch.zeros(32, 72, device=DEV)
     want[[3, 17, 0]] = latent[[0, 1, 3]]
     torch.testing.assert_close(cache.view(32, 72), want, atol=0, rtol=0)
+
+
+def timed_moe(label: str, fn, reference: torch.Tensor, weight_bytes: float) -> None:
+    """Equal to `reference` (bf16 relative error < 1e-2), captured and timed in a CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    from pagedserve.benchmarks.kernels.bench_kernels import relative_error
+
+    assert relative_error(fn(), reference) < 1e-2
+    ms = do_bench_cudagraph(fn, return_mode="median")
+    print(f"\n{label}: {ms * 1e3:8.1f} us, {weight_bytes / ms / 1e6:6.0f} GB/s of expert weights")
+
+
+@pytest.mark.gpu
+def test_gpu_gpt_oss_20b_moe_shape():
+    """gpt-oss-20b's experts (32 of 2880 x 2880, top 4, biases, clamped SwiGLU) in bf16."""
+    from pagedserve.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_experts_ref, route
+    from pagedserve.kernels.triton_moe import triton_fused_moe
+
+    w13, w2, gen = experts(32, 2880, 2880, torch.bfloat16)
+    bias = (torch.randn(32, 5760, generator=gen) * 0.1).to(DEV, torch.bfloat16)
+    act = functools.partial(clamped_swiglu, alpha=1.702, limit=7.0)
+    for batch in (1, 64):
+        x = torch.randn(batch, 2880, generator=gen).to(DEV, torch.bfloat16)
+        weights, ids = route(torch.randn(batch, 32, generator=gen).to(DEV), 4)
+        ref = gpt_oss_experts_ref(x, w13, bias, w2, weights, ids, 1.702, 7.0)
+        fn = functools.partial(
+            triton_fused_moe, x, w13, w2, weights, ids, w13_bias=bias, activation=act
+        )
+        touched = ids.unique().numel()
+        timed_moe(f"gpt-oss-20b moe batch {batch:>3} ({touched} experts)", fn, ref,
+                  touched * 3 * 2880 * 2880 * 2)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v3_fp8_moe_shape():
+    """DeepSeek-V3's routed experts (256 of 7168 x 2048, top 8) in FP8 with 128 x 128 block
+    scales against the bf16 reference over the same weights dequantized."""
+    from pagedserve.kernels.fp8 import FP8
+    from pagedserve.kernels.moe import fused_moe_ref, select_experts
+    from pagedserve.kernels.triton_moe import triton_fused_moe
+
+    gen = torch.Generator(DEV).manual_seed(0)
+    e, h, i = 256, 7168, 2048
+    q13 = torch.empty(e, 2 * i, h, device=DEV, dtype=FP8)
+    q2 = torch.empty(e, h, i, device=DEV, dtype=FP8)
+    for q in (*q13, *q2):  # one expert at a time: float32 stacks would not fit
+        q.copy_(torch.randn(q.shape, device=DEV, generator=gen))
+    s13 = torch.rand(e, 2 * i // 128, h // 128, device=DEV, generator=gen) / h**0.5
+    s2 = torch.rand(e, h // 128, i // 128, device=DEV, generator=gen) / i**0.5
+
+    def dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        return torch.stack([(q[k].float() * full[k]).bfloat16() for k in range(e)])
+
+    d13, d2 = dequantized(q13, s13), dequantized(q2, s2)
+    for batch in (1, 64):
+        x = torch.randn(batch, h, device=DEV, generator=gen).bfloat16()
+        weights, ids = select_experts(torch.randn(batch, e, device=DEV, generator=gen), 8, True)
+        ref = fused_moe_ref(x, d13, d2, weights, ids)
+        fn = functools.partial(
+            triton_fused_moe, x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2
+        )
+        touched = ids.unique().numel()
+        timed_moe(f"deepseek-v3 fp8 moe batch {batch:>3} ({touched} experts)", fn, ref,
+                  touched * 3 * h * i)  # fmt: skip
