@@ -14,7 +14,7 @@ from triton_env import HAS_CUDA, needs_triton, tiny
 pytestmark = needs_triton
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-TOL = dict(atol=3e-2, rtol=3e-2) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)
+TOL = dict(atol=1e-3, rtol=1e-3) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)  # float32
 
 
 def experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):
@@ -32,7 +32,7 @@ def test_gpt_oss_biases_and_clamped_swiglu(num_tokens):
     from pagedserve.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_experts_ref, route
     from pagedserve.kernels.triton_moe import triton_fused_moe
 
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    dtype = torch.float32
     w13, w2, gen = experts(8, 64, 32, dtype)
     w13 = w13 * 8  # gate/up values beyond the limit of 7
     bias = torch.randn(8, 64, generator=gen).to(DEV, dtype)
@@ -52,7 +52,7 @@ def test_fp8_block_scaled_experts():
     from pagedserve.kernels.moe import fused_moe_ref, select_experts
     from pagedserve.kernels.triton_moe import triton_fused_moe
 
-    block, dtype = 32, torch.bfloat16 if HAS_CUDA else torch.float32
+    block, dtype = 32, torch.float32
     w13, w2, gen = experts(4, 96, 64, torch.float32, seed=1)
 
     def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

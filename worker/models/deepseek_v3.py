@@ -21,6 +21,7 @@ past the decoder) are skipped by name: speculative decoding with them is not imp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import Any
@@ -105,13 +106,17 @@ class DeepseekV3MoE(FusedMoE):
     def __init__(self, hf: dict[str, Any], quant: Fp8Scheme | None) -> None:
         hidden, inter = hf["hidden_size"], hf["moe_intermediate_size"]
         num_experts = hf["n_routed_experts"]
-        super().__init__(num_experts, hf["num_experts_per_tok"], hidden, inter, True)
+        fp8 = quant is not None and quant.serialized
+        # FP8 experts replace the stacked weights: no transient model-dtype copies (22.5 GB per
+        # layer at DeepSeek-V3's shapes) before them
+        with torch.device("meta") if fp8 else contextlib.nullcontext():
+            super().__init__(num_experts, hf["num_experts_per_tok"], hidden, inter, True)
         self.gate = GroupedTopkRouter(hf)
         self.dtype = torch.get_default_dtype()  # the model dtype the experts run in
         self.block: tuple[int, int] | None = None
         self.w13_scale: torch.Tensor | None = None  # FP8 experts kept (stack_expert_scales)
         self.w2_scale: torch.Tensor | None = None
-        if quant is not None and quant.serialized:
+        if fp8:
             if quant.block is None:
                 raise ValueError("DeepseekV3: FP8 experts need block scales (weight_block_size)")
             self.block = quant.block
