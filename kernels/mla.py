@@ -22,13 +22,19 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.kernels.backend import use_triton
 
 
 def write_latent_cache(
     latent: torch.Tensor,  # [T, R + P]: normed c, rotated k_pe
     kv_cache: torch.Tensor,  # [num_blocks, 1, block_size, 1, R + P]
-    slot_mapping: torch.Tensor,  # [T] int64
+    slot_mapping: torch.Tensor,  # [T] int64 (< 0: a graph's padding row, written nowhere)
 ) -> None:
+    if use_triton(latent):
+        from pagedserve.kernels.triton_mla import triton_write_latent_cache
+
+        triton_write_latent_cache(latent, kv_cache, slot_mapping)
+        return
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
 
 
@@ -43,6 +49,8 @@ def mla_attention(
 ) -> torch.Tensor:  # [T, H, V]
     """Each row's new tokens attend causally over its cached context: decode rows together,
     absorbed; rows of several tokens one at a time, expanded."""
+    if meta.max_query_len == 1:  # decode only, from device tensors (CUDA-graph safe)
+        return mla_decode(q_nope, q_pe, kv_cache, meta, None, w_uk, w_uv, scale)
     qsl = meta.query_start_loc_cpu
     q_lens = qsl[1:] - qsl[:-1]
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
@@ -71,22 +79,24 @@ def mla_decode(
     q_pe: torch.Tensor,  # [B, H, P]
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
-    rows: list[int],
+    rows: list[int] | None,  # None: every row (then the lengths only bound on the host)
     w_uk: torch.Tensor,  # [H, N, R]
     w_uv: torch.Tensor,  # [H, V, R]
     scale: float,
 ) -> torch.Tensor:  # [B, H, V]
-    """Absorbed: one query per row against its latent rows, padded to the longest context."""
+    """Absorbed: one query per row against its latent rows, padded to the longest context (in
+    a CUDA graph, to its host upper bound; the mask reads the lengths on the device)."""
     rank = w_uk.shape[2]
-    seq_lens = meta.seq_lens_cpu[rows]
-    width = -(-int(seq_lens.max()) // meta.block_size)
-    index = torch.as_tensor(rows, dtype=torch.int64, device=q_nope.device)
-    tables = meta.block_tables.index_select(0, index)[:, :width]  # [B, W]
-    latents = kv_cache[tables].reshape(len(rows), width * meta.block_size, -1)  # [B, S, R + P]
+    seq_lens = meta.seq_lens_cpu if rows is None else meta.seq_lens_cpu[rows]
+    width = min(-(-int(seq_lens.max()) // meta.block_size), meta.block_tables.shape[1])
+    tables, lens = meta.block_tables[:, :width], meta.seq_lens  # [B, W], [B]
+    if rows is not None:
+        index = torch.as_tensor(rows, dtype=torch.int64, device=q_nope.device)
+        tables, lens = tables.index_select(0, index), lens.index_select(0, index)
+    latents = kv_cache[tables].reshape(len(seq_lens), width * meta.block_size, -1)  # [B, S, R+P]
     c, k_pe = latents[..., :rank], latents[..., rank:]
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, R]
     scores = torch.einsum("bhr,bsr->bhs", q_lat, c) + torch.einsum("bhp,bsp->bhs", q_pe, k_pe)
-    lens = torch.as_tensor(seq_lens, device=q_nope.device)
     pad = torch.arange(scores.shape[-1], device=q_nope.device)[None, :] >= lens[:, None]
     scores = scores.float().masked_fill(pad[:, None, :], float("-inf")) * scale
     probs = torch.softmax(scores, dim=-1).to(c.dtype)  # [B, H, S]

@@ -347,10 +347,12 @@ def capture_graphs(
     head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
     cascade: bool,
     state_scratch: int | None = None,
+    mixed: bool = True,
 ) -> tuple[DecodeGraphs, MixedGraphs | None]:
     """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
     activations first: one pool for all), then the decode graphs into the same pool. A model
-    with recurrent state (`state_scratch`: its scratch slot) gets decode graphs only."""
+    with recurrent state (`state_scratch`: its scratch slot) or whose prompt attention reads
+    host lengths (`mixed` False: MLA) gets decode graphs only."""
     shape = dict(
         max_blocks=max_blocks,
         max_model_len=config.max_model_len,
@@ -359,17 +361,19 @@ def capture_graphs(
     )
     sched = config.scheduler
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
-    mixed = None
-    if state_scratch is None:
-        mixed = MixedGraphs(forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape)
-        mixed.capture()
+    mixed_graphs = None
+    if state_scratch is None and mixed:
+        mixed_graphs = MixedGraphs(
+            forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
+        )
+        mixed_graphs.capture()
     max_batch = min(sched.max_num_seqs, DECODE_MAX_BATCH)
     decode = DecodeGraphs(
         forward, max_batch=max_batch, head=head, cascade=cascade, state_scratch=state_scratch,
         **shape,
     )  # fmt: skip
-    decode.capture(pool=mixed.pool if mixed is not None else None)
-    return decode, mixed
+    decode.capture(pool=mixed_graphs.pool if mixed_graphs is not None else None)
+    return decode, mixed_graphs
 
 
 def cascade_sizes(sizes: list[int]) -> list[int]:

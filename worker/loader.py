@@ -158,9 +158,10 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 continue
             if param.device not in generators:
                 generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-            if param.dtype == torch.float8_e4m3fn:
-                drawn = torch.empty(param.shape, device=param.device, dtype=torch.bfloat16)
-                param.copy_(drawn.normal_(0.0, 1.0, generator=generators[param.device]))
+            if param.dtype == torch.float8_e4m3fn:  # stacked experts: one at a time
+                for part in param.data.unbind(0) if param.dim() == 3 else (param.data,):
+                    drawn = torch.empty(part.shape, device=param.device, dtype=torch.bfloat16)
+                    part.copy_(drawn.normal_(0.0, 1.0, generator=generators[param.device]))
                 continue
             param.normal_(0.0, 0.02, generator=generators[param.device])
 

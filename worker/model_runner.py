@@ -327,6 +327,7 @@ class ModelRunner:
             self.graphs, self.mixed_graphs = capture_graphs(
                 forward, self.config, max_blocks, self.device, self._graph_head(),
                 self.features.cascade, self.config.num_state_slots,
+                mixed=getattr(self.model, "mixed_cuda_graphs", True),
             )  # fmt: skip
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         if (

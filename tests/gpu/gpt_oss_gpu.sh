@@ -5,6 +5,8 @@
 # top 4, vocab 201088, sliding window 128 on every other layer): batch-1 ms/token (W3-shaped,
 # 128 in / 128 out) and W1-shaped throughput (1024 in / 128 out), each beside its weight-read
 # floor. Outputs in $OUT (or /tmp/out). Through the device tool like tests/gpu/lora_run.sh:
+# The experts run the grouped Triton kernel (kernels/triton_moe.py, biases and clamped SwiGLU);
+# steps stay eager (two KV cache groups: no CUDA graphs yet).
 #   STEPS="sinks w3 w1 table" bash tests/gpu/gpt_oss_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -60,7 +62,7 @@ def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
 w3, w1 = load("gpt-oss-w3.json"), load("gpt-oss-w1.json")
-print("| gpt-oss-20b shape, bf16 experts, H100 | measured | weight-read floor |")
+print("| gpt-oss-20b shape, bf16 experts (grouped Triton), H100 | measured | weight-read floor |")
 print("| --- | --- | --- |")
 if w3:
     print(f"| batch 1 ms/token (128 in / 128 out) | {w3['ms_per_output_token']:.2f} | {one:.2f} ms (4 of 32 experts) |")

@@ -1,5 +1,6 @@
 """gpt-oss's MoE block: a biased top-k router and tensor-parallel experts with biases
-(kernels/gpt_oss_moe.py computes them).
+(kernels/gpt_oss_moe.py computes them; on CUDA the grouped kernel of kernels/triton_moe.py with
+its bias and clamped SwiGLU: no host sync, CUDA-graph safe).
 
 Checkpoint tensors per layer, under `mlp.experts.`, in one of two forms:
 - plain (transformers' `save_pretrained` of a dequantized model): `gate_up_proj [E, H, 2I]` and
@@ -14,12 +15,19 @@ range of 2I/tp rows; the loader reads that range and splits it into our gate | u
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.kernels.gpt_oss_moe import down_bias_sum, gpt_oss_experts_ref, route
+from pagedserve.kernels.backend import use_triton
+from pagedserve.kernels.gpt_oss_moe import (
+    clamped_swiglu,
+    down_bias_sum,
+    gpt_oss_experts_ref,
+    route,
+)
 from pagedserve.kernels.mxfp4 import BLOCK, dequantize_mxfp4
 from pagedserve.parallel.state import tp_all_reduce, tp_rank, tp_size
 from pagedserve.worker.layers.linear import _copy, _param, divide, expect_shape, load_full, narrow
@@ -101,9 +109,19 @@ class GptOssExperts(nn.Module):
         weights: torch.Tensor,  # [T, K] float32
         ids: torch.Tensor,  # [T, K] int64
     ) -> torch.Tensor:  # [T, H]
-        out = gpt_oss_experts_ref(
-            x, self.w13_weight, self.w13_bias, self.w2_weight, weights, ids, self.alpha, self.limit
-        )
+        if use_triton(x):  # the grouped kernel: one launch per projection for all experts
+            from pagedserve.kernels.triton_moe import triton_fused_moe
+
+            act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
+            out = triton_fused_moe(
+                x, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
+                activation=act,
+            )  # fmt: skip
+        else:
+            out = gpt_oss_experts_ref(
+                x, self.w13_weight, self.w13_bias, self.w2_weight, weights, ids, self.alpha,
+                self.limit,
+            )  # fmt: skip
         out = tp_all_reduce(out)
         return out + down_bias_sum(self.w2_bias, weights, ids).to(out.dtype)
 

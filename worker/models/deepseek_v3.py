@@ -11,7 +11,9 @@
   scores, renormalized (`norm_topk_prob`) and times `routed_scaling_factor`.
 - FP8 block checkpoints (`weight_block_size [128, 128]`, `weight_scale_inv` per block): the
   linear layers run FP8 as for dense models; the routed experts load fp8 with their block scales
-  and are dequantized to the model dtype after loading (`dequantize_experts`).
+  and stay FP8 on a GPU (the grouped Triton kernel scales each tile by its block:
+  `stack_expert_scales`), or are dequantized to the model dtype after loading elsewhere
+  (`dequantize_experts`).
 
 The multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.<N>.*`
 past the decoder) are skipped by name: speculative decoding with them is not implemented.
@@ -19,6 +21,7 @@ past the decoder) are skipped by name: speculative decoding with them is not imp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import Any
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.backend import triton_available
 from pagedserve.kernels.fp8 import FP8
 from pagedserve.kernels.moe import fused_moe
 from pagedserve.parallel.state import tp_all_reduce, tp_rank
@@ -102,11 +106,17 @@ class DeepseekV3MoE(FusedMoE):
     def __init__(self, hf: dict[str, Any], quant: Fp8Scheme | None) -> None:
         hidden, inter = hf["hidden_size"], hf["moe_intermediate_size"]
         num_experts = hf["n_routed_experts"]
-        super().__init__(num_experts, hf["num_experts_per_tok"], hidden, inter, True)
+        fp8 = quant is not None and quant.serialized
+        # FP8 experts replace the stacked weights: no transient model-dtype copies (22.5 GB per
+        # layer at DeepSeek-V3's shapes) before them
+        with torch.device("meta") if fp8 else contextlib.nullcontext():
+            super().__init__(num_experts, hf["num_experts_per_tok"], hidden, inter, True)
         self.gate = GroupedTopkRouter(hf)
         self.dtype = torch.get_default_dtype()  # the model dtype the experts run in
         self.block: tuple[int, int] | None = None
-        if quant is not None and quant.serialized:
+        self.w13_scale: torch.Tensor | None = None  # FP8 experts kept (stack_expert_scales)
+        self.w2_scale: torch.Tensor | None = None
+        if fp8:
             if quant.block is None:
                 raise ValueError("DeepseekV3: FP8 experts need block scales (weight_block_size)")
             self.block = quant.block
@@ -136,8 +146,29 @@ class DeepseekV3MoE(FusedMoE):
         param.data[shard_id[0]].copy_(read_all(loaded))
 
     def after_loading(self) -> None:
-        if self.block is not None:
+        if self.block is None:
+            return
+        b0, b1 = self.block
+        on_gpu = self.w13_weight.is_cuda and triton_available()
+        if on_gpu and b0 == b1 >= 16 and b0 & (b0 - 1) == 0 and self.inter_per_rank % b0 == 0:
+            self.stack_expert_scales()
+        else:
             self.dequantize_experts()
+
+    def stack_expert_scales(self) -> None:
+        """Keep the experts in FP8 for the grouped kernel (kernels/triton_moe.py): this rank's
+        block scales stacked as its weights are, `w13_scale [E, 2I/tp/B, H/B]` (w1's, then
+        w3's) and `w2_scale [E, H/B, I/tp/B]`."""
+        b = self.block[0]  # type: ignore[index]
+        mine = slice(
+            tp_rank() * self.inter_per_rank // b, (tp_rank() + 1) * self.inter_per_rank // b
+        )
+        scales = {p: getattr(self, f"{p}_weight_scale").data for p in PROJECTIONS}
+        self.w13_scale = torch.cat([scales["w1"][:, mine], scales["w3"][:, mine]], 1).contiguous()
+        self.w2_scale = scales["w2"][:, :, mine].contiguous()
+        for proj in PROJECTIONS:
+            delattr(self, f"{proj}_weight_scale")
+        self.block = None
 
     def dequantize_experts(self) -> None:
         """fp8 experts -> the model dtype, `w = w_fp8 * scale` of each element's 128 x 128
@@ -166,7 +197,16 @@ class DeepseekV3MoE(FusedMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(x)
-        out = tp_all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, ids))
+        if self.w13_scale is not None:  # FP8 experts (stack_expert_scales)
+            from pagedserve.kernels.triton_moe import triton_fused_moe
+
+            out = triton_fused_moe(
+                x, self.w13_weight, self.w2_weight, weights, ids, w13_scale=self.w13_scale,
+                w2_scale=self.w2_scale,
+            )  # fmt: skip
+        else:
+            out = fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        out = tp_all_reduce(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)  # (its down projection all-reduces)
         return out
@@ -195,7 +235,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The Llama serving interface over MLA layers: the KV cache is latent (`kv_block_shape`)."""
 
     model_class = DeepseekV3Model
-    cuda_graphs = False  # kernels/mla.py groups rows on the host each step
+    # Decode graphs only: kernels/mla.py's decode reads device lengths, its prefill host ones.
+    mixed_cuda_graphs = False
 
     def __init__(
         self,
