@@ -194,24 +194,28 @@ def profile_serving(model: str, rows_list: list[int], prompts: int, spy: bool) -
 
 
 def _wait_ready(port: int, log: str, timeout: float = 900) -> None:
-    """Until the server answers and its compiled CPU forward (if it builds one) is in use."""
+    """Until the server answers and, if it compiles its CPU forward, that forward is in use (the
+    worker switches at a step: small requests make steps while it waits)."""
     import httpx
 
-    deadline = time.time() + timeout
+    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + timeout
+    while time.time() < deadline:
+        try:
+            model = httpx.get(f"{url}/models").json()["data"][0]["id"]
+            break
+        except (httpx.HTTPError, KeyError, ValueError):
+            time.sleep(0.5)
+    else:
+        raise TimeoutError(f"the server on port {port} did not come up: see {log}")
     while time.time() < deadline:
         with open(log) as f:
             text = f.read()
-        compiling = "compiling the CPU forward" in text
-        if compiling and "compiled CPU forward in use" not in text:
-            time.sleep(0.5)
-            continue
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the server on port {port} did not come up: see {log}")
+        if "compiling the CPU forward" not in text or "compiled CPU forward in use" in text:
+            return
+        body = {"model": model, "prompt": "def", "max_tokens": 2}
+        httpx.post(f"{url}/completions", json=body, timeout=60)
+        time.sleep(1)
+    raise TimeoutError(f"the compiled CPU forward was not in use in {timeout} s: see {log}")
 
 
 def main() -> None:

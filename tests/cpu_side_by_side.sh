@@ -65,7 +65,11 @@ python3 -m pagedserve.entrypoints.cli launch --model "$M" --served-model-name de
 pid=$!
 up 8015 && echo "pagedserve ready after $(( $(date +%s) - t0 )) s"
 if grep -q "compiling the CPU forward" $log; then  # first start for this shape: wait for it
-  for _ in $(seq 1 240); do grep -q "compiled CPU forward in use" $log && break; sleep 1; done
+  for _ in $(seq 1 240); do  # the worker switches at a step: a small request makes one
+    grep -q "compiled CPU forward in use" $log && break
+    curl -s http://127.0.0.1:8015/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "def", "prompt": "def", "max_tokens": 2}' >/dev/null; sleep 1
+  done
 fi
 runs pagedserve 8015
 kill $pid; wait $pid 2>/dev/null
