@@ -151,6 +151,7 @@ def _serve_run(launch: psutil.Process, port: int, model: str, rows: int, prompts
     before, t0 = _cpu_seconds(procs), time.perf_counter()
     client = psutil.Popen(bench, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs.append(client)
+    roles = {p.pid: _role(p) for p in procs}  # now: the client's command line goes at its exit
     tmp = tempfile.mkdtemp(prefix="cpu_profile_")
     spies = {p.pid: _py_spy(p.pid, f"{tmp}/{p.pid}.txt") for p in procs} if spy else {}
     used = {}
@@ -174,7 +175,8 @@ def _serve_run(launch: psutil.Process, port: int, model: str, rows: int, prompts
             spied.wait(timeout=60)
         top = _top_frames(f"{tmp}/{p.pid}.txt", 4) if spied is not None else ""
         secs = used.get(p.pid, 0.0)
-        print(f"| {_role(p)} | {p.pid} | {secs:.1f} | {100 * secs / (wall * cores):.0f}% | {top} |")
+        share = 100 * secs / (wall * cores)
+        print(f"| {roles[p.pid]} | {p.pid} | {secs:.1f} | {share:.0f}% | {top} |")
 
 
 def profile_serving(model: str, rows_list: list[int], prompts: int, spy: bool) -> None:
