@@ -20,7 +20,7 @@ the process that needs them.
 | PAGEDSERVE_DISABLE_FUSIONS | disabled_fusions | comma list of FUSIONS, or all |
 | PAGEDSERVE_MIXED_SPLIT_TOKENS | mixed_split_tokens | 1024; 0: never split eager mixed steps |
 | PAGEDSERVE_CPU_LINEAR | cpu_linear | onednn, torch |
-| PAGEDSERVE_CPU_KERNELS | cpu_kernels | native, torch |
+| PAGEDSERVE_CPU_KERNELS | cpu_kernels | native, avx2, avx512, torch |
 | PAGEDSERVE_CPU_COMPILE | cpu_compile | auto, off |
 | PAGEDSERVE_CACHE | cache_dir | $XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve |
 | PAGEDSERVE_FLASH_CACHE_DIR | flash_cache_dir | flash_attn under cache_dir |
@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 ATTENTION_OVERRIDES = ("torch", "sdpa", "triton", "flash")
+CPU_KERNELS = ("native", "avx2", "avx512", "torch")  # kernels/cpu_native.py's variants, or none
 FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
     "l2-prefetch", "qkv-rope", "swiglu-gemm",
@@ -118,7 +119,7 @@ class Settings:
             disabled_fusions=_fusions(env),
             mixed_split_tokens=_int(env, "PAGEDSERVE_MIXED_SPLIT_TOKENS", 1024),
             cpu_linear=_choice(env, "PAGEDSERVE_CPU_LINEAR", ("onednn", "torch")),
-            cpu_kernels=_choice(env, "PAGEDSERVE_CPU_KERNELS", ("native", "torch")),
+            cpu_kernels=_choice(env, "PAGEDSERVE_CPU_KERNELS", CPU_KERNELS),
             cpu_compile=_choice(env, "PAGEDSERVE_CPU_COMPILE", ("auto", "off")),
             cache_dir=cache_dir,
             flash_cache_dir=env.get("PAGEDSERVE_FLASH_CACHE_DIR")

