@@ -29,6 +29,13 @@ SUB = 16
 
 
 @triton.jit
+def _mm(a, b, DT: tl.constexpr, P: tl.constexpr):
+    """a @ b with float32 accumulation, operands in `DT` (the inputs' dtype: bf16 operands for a
+    bf16 model, as fla does; float32 at precision `P` for a float32 one)."""
+    return tl.dot(a.to(DT), b.to(DT), input_precision=P)
+
+
+@triton.jit
 def _keys(k_ptr, beta_ptr, g_ptr, t0, tok1, hk, BK: tl.constexpr):
     """The 16-token block from `t0`: L2-normed keys [16, BK], beta [16] and raw log decays [16].
     `hk`: (value head, key head, key heads, value heads, Dk, eps)."""
@@ -45,9 +52,9 @@ def _keys(k_ptr, beta_ptr, g_ptr, t0, tok1, hk, BK: tl.constexpr):
 
 
 @triton.jit
-def _a_block(ki, bi, gi, kj, gj, DIAG: tl.constexpr, P: tl.constexpr):
+def _a_block(ki, bi, gi, kj, gj, DIAG: tl.constexpr, DT: tl.constexpr, P: tl.constexpr):
     """Block (i, j) of A: (beta_i k_i) k_j^T * exp(g_i - g_j), strictly lower where i == j."""
-    a = tl.dot(ki * bi[:, None], tl.trans(kj), input_precision=P)
+    a = _mm(ki * bi[:, None], tl.trans(kj), DT, P)
     if DIAG:
         ts = tl.arange(0, 16)
         lower = ts[:, None] > ts[None, :]
@@ -69,7 +76,7 @@ def _inv_diag(a):
 
 @triton.jit
 def _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, row, hv, I: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr, P: tl.constexpr):  # fmt: skip
+              BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, P: tl.constexpr):  # fmt: skip
     """Block row I of w = T (beta k exp(g)) and u = T (beta v): `keys`, `betas`, `decays` the
     four blocks', `row` T's blocks (I, 0..3) (those past I unused), `hv` (first token, end,
     value head, value heads, Dk, Dv)."""
@@ -79,13 +86,13 @@ def _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, row, hv, I: tl.constexpr
     u = tl.zeros((16, BV), dtype=tl.float32)
     for j in tl.static_range(I + 1):
         kb = keys[j] * (betas[j] * tl.exp(decays[j]))[:, None]
-        w += tl.dot(row[j], kb, input_precision=P)
+        w += _mm(row[j], kb, DT, P)
         vb = _v(v_ptr, t0 + 16 * j + ts, tok1, head, num_v_heads, dv, BV) * betas[j][:, None]
-        u += tl.dot(row[j], vb, input_precision=P)
+        u += _mm(row[j], vb, DT, P)
     t = t0 + I * 16 + ts
     rows = (t * num_v_heads + head)[:, None]
     t_ok = (t < tok1)[:, None]
-    tl.store(w_ptr + rows * dk + ks[None, :], w, mask=t_ok & (ks < dk)[None, :])
+    tl.store(w_ptr + rows * dk + ks[None, :], w.to(DT), mask=t_ok & (ks < dk)[None, :])
     tl.store(u_ptr + rows * dv + vs[None, :], u, mask=t_ok & (vs < dv)[None, :])
 
 
@@ -109,6 +116,8 @@ def _intra_kernel(
     t0 = tl.load(chunks_ptr + c).to(tl.int64)
     tok1 = tl.load(chunks_ptr + num_chunks + c).to(tl.int64)
     key_head = head // (num_v_heads // num_k_heads)
+    DT: tl.constexpr = k_ptr.dtype.element_ty
+    F32: tl.constexpr = tl.float32
     hk = (head, key_head, num_k_heads, num_v_heads, dk, eps)
     k0, b0, g0 = _keys(k_ptr, beta_ptr, g_ptr, t0, tok1, hk, BK)
     k1, b1, g1 = _keys(k_ptr, beta_ptr, g_ptr, t0 + 16, tok1, hk, BK)
@@ -118,31 +127,31 @@ def _intra_kernel(
     c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
     c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
     c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
-    t00 = _inv_diag(_a_block(k0, b0, c0, k0, c0, True, P))
-    t11 = _inv_diag(_a_block(k1, b1, c1, k1, c1, True, P))
-    t22 = _inv_diag(_a_block(k2, b2, c2, k2, c2, True, P))
-    t33 = _inv_diag(_a_block(k3, b3, c3, k3, c3, True, P))
-    a10 = _a_block(k1, b1, c1, k0, c0, False, P)
-    a20 = _a_block(k2, b2, c2, k0, c0, False, P)
-    a21 = _a_block(k2, b2, c2, k1, c1, False, P)
-    a30 = _a_block(k3, b3, c3, k0, c0, False, P)
-    a31 = _a_block(k3, b3, c3, k1, c1, False, P)
-    a32 = _a_block(k3, b3, c3, k2, c2, False, P)
-    t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision=P), input_precision=P)
-    t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision=P), input_precision=P)
-    t20 = tl.dot(a20, t00, input_precision=P) + tl.dot(a21, t10, input_precision=P)
-    t20 = -tl.dot(t22, t20, input_precision=P)
-    t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision=P), input_precision=P)
-    t31 = tl.dot(a31, t11, input_precision=P) + tl.dot(a32, t21, input_precision=P)
-    t31 = -tl.dot(t33, t31, input_precision=P)
-    t30 = tl.dot(a30, t00, input_precision=P) + tl.dot(a31, t10, input_precision=P)
-    t30 = -tl.dot(t33, t30 + tl.dot(a32, t20, input_precision=P), input_precision=P)
+    t00 = _inv_diag(_a_block(k0, b0, c0, k0, c0, True, DT, P))
+    t11 = _inv_diag(_a_block(k1, b1, c1, k1, c1, True, DT, P))
+    t22 = _inv_diag(_a_block(k2, b2, c2, k2, c2, True, DT, P))
+    t33 = _inv_diag(_a_block(k3, b3, c3, k3, c3, True, DT, P))
+    a10 = _a_block(k1, b1, c1, k0, c0, False, DT, P)
+    a20 = _a_block(k2, b2, c2, k0, c0, False, DT, P)
+    a21 = _a_block(k2, b2, c2, k1, c1, False, DT, P)
+    a30 = _a_block(k3, b3, c3, k0, c0, False, DT, P)
+    a31 = _a_block(k3, b3, c3, k1, c1, False, DT, P)
+    a32 = _a_block(k3, b3, c3, k2, c2, False, DT, P)
+    t10 = -_mm(t11, _mm(a10, t00, F32, P), F32, P)
+    t21 = -_mm(t22, _mm(a21, t11, F32, P), F32, P)
+    t20 = _mm(a20, t00, F32, P) + _mm(a21, t10, F32, P)
+    t20 = -_mm(t22, t20, F32, P)
+    t32 = -_mm(t33, _mm(a32, t22, F32, P), F32, P)
+    t31 = _mm(a31, t11, F32, P) + _mm(a32, t21, F32, P)
+    t31 = -_mm(t33, t31, F32, P)
+    t30 = _mm(a30, t00, F32, P) + _mm(a31, t10, F32, P)
+    t30 = -_mm(t33, t30 + _mm(a32, t20, F32, P), F32, P)
     keys, betas, decays = (k0, k1, k2, k3), (b0, b1, b2, b3), (c0, c1, c2, c3)
     hv = (t0, tok1, head, num_v_heads, dk, dv)
-    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t00, t00, t00, t00), hv, 0, BK, BV, P)
-    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t10, t11, t11, t11), hv, 1, BK, BV, P)
-    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t20, t21, t22, t22), hv, 2, BK, BV, P)
-    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t30, t31, t32, t33), hv, 3, BK, BV, P)
+    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t00, t00, t00, t00), hv, 0, BK, BV, DT, P)
+    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t10, t11, t11, t11), hv, 1, BK, BV, DT, P)
+    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t20, t21, t22, t22), hv, 2, BK, BV, DT, P)
+    _store_wu(w_ptr, u_ptr, v_ptr, keys, betas, decays, (t30, t31, t32, t33), hv, 3, BK, BV, DT, P)
 
 
 @triton.jit
@@ -163,6 +172,7 @@ def _state_kernel(
     key_head = head // (num_v_heads // num_k_heads)
     tile = ((slot * num_v_heads + head) * dk + ks[:, None]) * dv + vs[None, :]  # [BK, BV]
     tile_ok = k_ok[:, None] & v_ok[None, :]
+    DT: tl.constexpr = k_ptr.dtype.element_ty
     state = tl.load(state_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
     state = tl.where(tl.load(fresh_ptr + r) == 0, state, 0.0)
     causal = ts[:, None] >= ts[None, :]
@@ -173,24 +183,24 @@ def _state_kernel(
         qk_ok = t_ok[:, None] & k_ok[None, :]
         kt = tl.load(k_ptr + qk_off, mask=qk_ok, other=0.0).to(tl.float32)  # [BT, BK]
         qt = tl.load(q_ptr + qk_off, mask=qk_ok, other=0.0).to(tl.float32)
-        kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=1) + eps)[:, None]
-        qt = qt * (tl.rsqrt(tl.sum(qt * qt, axis=1) + eps) * scale)[:, None]
+        kt = (kt * tl.rsqrt(tl.sum(kt * kt, axis=1) + eps)[:, None]).to(DT)
+        qt = (qt * (tl.rsqrt(tl.sum(qt * qt, axis=1) + eps) * scale)[:, None]).to(DT)
         vh = t * num_v_heads + head
         gc = tl.cumsum(tl.load(g_ptr + vh, mask=t_ok, other=0.0).to(tl.float32), axis=0)  # [BT]
         w = tl.load(w_ptr + vh[:, None] * dk + ks[None, :], mask=qk_ok, other=0.0)  # [BT, BK]
         tv_ok = t_ok[:, None] & v_ok[None, :]
         v_new = tl.load(u_ptr + vh[:, None] * dv + vs[None, :], mask=tv_ok, other=0.0)
-        v_new -= tl.dot(w, state, input_precision=P)  # [BT, BV]
-        attn = tl.dot(qt, tl.trans(kt), input_precision=P)
+        v_new -= _mm(w, state, DT, P)  # [BT, BV]
+        attn = _mm(qt, tl.trans(kt), DT, P)
         decay = tl.where(causal, gc[:, None] - gc[None, :], 0.0)
         attn = tl.where(causal, attn * tl.exp(decay), 0.0)
-        out = tl.dot(qt * tl.exp(gc)[:, None], state, input_precision=P)
-        out += tl.dot(attn, v_new, input_precision=P)
+        out = _mm(qt * tl.exp(gc)[:, None], state, DT, P)
+        out += _mm(attn, v_new, DT, P)
         tl.store(out_ptr + vh[:, None] * dv + vs[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=tv_ok)  # fmt: skip
         g_last = tl.sum(tl.where(ts == BT - 1, gc, 0.0), axis=0)  # padding adds no decay
         k_decayed = kt * tl.exp(g_last - gc)[:, None]
-        state = state * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=P)
+        state = state * tl.exp(g_last) + _mm(tl.trans(k_decayed), v_new, DT, P)
     tl.store(state_ptr + tile, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
 
 
@@ -237,17 +247,17 @@ def triton_chunk_rule(
     num_chunks = chunks.shape[0] // 2
     precision = dot_precision(q.dtype)
     block_k = max(16, triton.next_power_of_2(dk))
-    w = torch.empty((q.shape[0], num_v_heads, dk), dtype=torch.float32, device=v.device)
+    w = torch.empty((q.shape[0], num_v_heads, dk), dtype=k.dtype, device=v.device)
     u = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     _intra_kernel[(num_chunks, num_v_heads)](
         k, v, g, beta, w, u, chunks, num_chunks, num_k_heads, num_v_heads, dk, dv, 1e-6,
-        BK=block_k, BV=max(16, triton.next_power_of_2(dv)), P=precision,
+        BK=block_k, BV=max(16, triton.next_power_of_2(dv)), P=precision, num_warps=8,
     )  # fmt: skip
     # Few rows (one long prompt): narrower value blocks, more programs for the serial part.
     block_v = max(16, min(triton.next_power_of_2(dv), 64 if rows * num_v_heads >= 256 else 32))
     _state_kernel[(rows, num_v_heads, triton.cdiv(dv, block_v))](
         q, k, g, w, u, ssm_state, out, slots, starts, ends, fresh,
         num_k_heads, num_v_heads, dk, dv, dk**-0.5, 1e-6,
-        BT=CHUNK, BK=block_k, BV=block_v, P=precision,
+        BT=CHUNK, BK=block_k, BV=block_v, P=precision, num_warps=8, num_stages=2,
     )  # fmt: skip
     return out

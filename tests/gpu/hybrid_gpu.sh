@@ -45,9 +45,9 @@ for step in $STEPS; do
 # and eight 1024-token prompts; one decode step of 64 rows. OLD_RULE=path/to/an older
 # triton_chunk_gated_delta.py times that file's triton_chunk_rule beside it (same inputs).
 import importlib.util, json, os, sys, time, torch
-from pagedserve.kernels.gated_delta import StateLayout, gated_delta_rule
+from pagedserve.kernels.gated_delta import StateLayout, chunk_rule, gated_delta_rule
 dev, hk, hv, d = "cuda", 16, 32, 128
-old = None
+old, out = None, {}
 if os.environ.get("OLD_RULE"):
     spec = importlib.util.spec_from_file_location("old_rule", os.environ["OLD_RULE"])
     old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
@@ -66,12 +66,18 @@ def run(rows, n, fresh, use_old=False):
     else:
         call = lambda: gated_delta_rule(q, k, v, g, beta, state, layout)
     call(); torch.cuda.synchronize()
+    if rows == 1 and n > 1 and not use_old:  # bf16 against the float32 reference
+        state.zero_(); got = call().float()
+        want, _ = chunk_rule(*(x.float().repeat_interleave(hv // hk, dim=1) for x in (q, k)),
+                             v.float(), g, beta.float(), None)
+        err = ((got - want).norm() / want.norm()).item()
+        print(f"bf16 chunked rule vs float32 reference: relative error {err:.2e}", flush=True)
+        out["rel_err_bf16"] = err
     t0 = time.perf_counter()
     for _ in range(5): call()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / 5 * 1e3
 flops = 1024 * hv * d * d * 2 * 4  # ~4 [C, D] x [D, D] products per token and head
-out = {}
 for tag, use in (("", False), ("old_", True)):
     if use and old is None:
         continue
