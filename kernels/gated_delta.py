@@ -75,8 +75,8 @@ class StateLayout:
 
             starts = [query_start_loc[i] for i in chunk_rows]
             ends = [query_start_loc[i + 1] for i in chunk_rows]
-            slots = [state_slots[i] for i in chunk_rows]
-            host = slots + starts + ends + [int(fresh[i]) for i in chunk_rows]
+            host = [state_slots[i] for i in chunk_rows] + starts + ends
+            host += [int(fresh[i]) for i in chunk_rows]
             host += chunk_bounds(starts, ends)
             flat = torch.tensor(host, dtype=torch.int64).to(device)  # one copy
             parts = flat.split([len(chunk_rows)] * 4 + [len(host) - 4 * len(chunk_rows)])
