@@ -48,7 +48,7 @@ class StateLayout:
     step_tokens: torch.Tensor  # [R] int64 on the device: the step rows' token indices
     step_slots: torch.Tensor  # [R] int64 on the device: their state slots
     # The chunk rows' slots, first and one-past-last tokens, fresh flags ([C] each, on the
-    # device) for the Triton kernel; None off CUDA.
+    # device) and their 64-token chunks (`chunk_bounds`) for the Triton kernel; None off CUDA.
     chunk_tensors: tuple[torch.Tensor, ...] | None = None
     conv_plan: ConvPlan | None = None  # the chunk rows' conv windows, all rows at once
 
@@ -71,14 +71,16 @@ class StateLayout:
         chunk_rows = [i for i in range(len(state_slots)) if i not in step_set]
         chunk_tensors = None
         if device.type == "cuda" and chunk_rows:
-            columns = [
-                [state_slots[i] for i in chunk_rows],
-                [query_start_loc[i] for i in chunk_rows],
-                [query_start_loc[i + 1] for i in chunk_rows],
-                [int(fresh[i]) for i in chunk_rows],
-            ]
-            both = torch.tensor(columns, dtype=torch.int64).to(device)  # one copy
-            chunk_tensors = (both[0], both[1], both[2], both[3].to(torch.int32))
+            from pagedserve.kernels.triton_chunk_gated_delta import chunk_bounds
+
+            starts = [query_start_loc[i] for i in chunk_rows]
+            ends = [query_start_loc[i + 1] for i in chunk_rows]
+            host = [state_slots[i] for i in chunk_rows] + starts + ends
+            host += [int(fresh[i]) for i in chunk_rows]
+            host += chunk_bounds(starts, ends)
+            flat = torch.tensor(host, dtype=torch.int64).to(device)  # one copy
+            parts = flat.split([len(chunk_rows)] * 4 + [len(host) - 4 * len(chunk_rows)])
+            chunk_tensors = (*parts[:3], parts[3].to(torch.int32), parts[4])
         rows = [(state_slots[i], *query_start_loc[i : i + 2], fresh[i]) for i in chunk_rows]
         conv_plan = ConvPlan.build(rows, query_start_loc[-1], conv_width, device) if rows else None
         return cls(
@@ -176,8 +178,9 @@ def gated_delta_rule(
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     """q and k are L2-normalized here and q scaled by `Dk ** -0.5`; value heads share key heads
     in groups of `Hv / Hk`. The step rows take the recurrent step, all at once; the others the
-    chunked form, one at a time. On CUDA each is one Triton kernel (kernels/triton_gated_delta.py,
-    kernels/triton_chunk_gated_delta.py)."""
+    chunked form (here one row at a time). On CUDA the step is one Triton kernel
+    (kernels/triton_gated_delta.py), the chunked form two over all rows at once
+    (kernels/triton_chunk_gated_delta.py)."""
     out = torch.empty_like(v)
     reps = v.shape[1] // q.shape[1]
     if len(layout.step_tokens):

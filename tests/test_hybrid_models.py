@@ -200,15 +200,15 @@ def test_vision_tower_and_mtp_head_are_skipped_by_name(tmp_path, tmp_path_factor
 @needs_triton
 @tiny
 def test_triton_chunk_rule_matches_reference():
-    """Three rows in scattered slots: 37 tokens from zeros (crossing two 16-token chunks), 5
-    and 16 tokens continuing from a state; two value heads per key head, a value width that is
+    """Three rows in scattered slots: 70 tokens from zeros (a 64-token chunk and a cut one), 5
+    and 64 tokens continuing from a state; two value heads per key head, a value width that is
     no power of two. Outputs and the slots' final states equal the reference's chunked form."""
     from pagedserve.kernels.gated_delta import chunk_rule
     from pagedserve.kernels.triton_chunk_gated_delta import triton_chunk_rule
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(4)
-    lens, hk, hv, dk, dv = [37, 5, 16], 2, 4, 16, 12
+    lens, hk, hv, dk, dv = [70, 5, 64], 1, 2, 16, 12
     total = sum(lens)
 
     def rand(*shape):
@@ -219,16 +219,15 @@ def test_triton_chunk_rule_matches_reference():
     pool = rand(5, hv, dk, dv)
     before = pool.clone()
     slots, fresh = [3, 0, 4], [1, 0, 0]
-    starts = [0, 37, 42]
+    starts = [0, 70, 75]
     ends = [s + n for s, n in zip(starts, lens, strict=True)]
 
     def dev(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     got = triton_chunk_rule(
-        q, k, v, g, beta, pool, dev(slots), dev(starts), dev(ends),
-        dev(fresh).to(torch.int32), chunk_size=16,
-    )  # fmt: skip
+        q, k, v, g, beta, pool, dev(slots), dev(starts), dev(ends), dev(fresh).to(torch.int32)
+    )
     qs, ks = q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1)
     for slot, lo, hi, new in zip(slots, starts, ends, fresh, strict=True):
         init = None if new else before[slot]

@@ -61,22 +61,26 @@ def main() -> None:
 
     out: dict = {"model": args.model, "device": torch.cuda.get_device_name() if
                  args.device == "cuda" else "cpu"}  # fmt: skip
+    total, per_token = floor_bytes(args.model)
+    out["weights_gb"], out["decode_read_gb"] = total / 1e9, per_token / 1e9
+    out["floor_ms_per_token"] = per_token / (args.hbm_tbps * 1e12) * 1e3
     t0 = time.perf_counter()
     with LLM(args.model, device=args.device, dtype=dtype, load_format="dummy",
              max_model_len=4096) as llm:  # fmt: skip
         out["start_s"] = time.perf_counter() - t0
+        print(f"started in {out['start_s']:.1f} s", flush=True)  # each result as it comes
         timed(prompts(1, 128), 16)  # warm-up
         w3 = [timed(prompts(1, 128), 256) for _ in range(3)]
         out["w3_ms_per_token"] = min(w3) / 256 * 1e3
+        out["w3_over_floor"] = out["w3_ms_per_token"] / out["floor_ms_per_token"]
+        print(f"W3 {out['w3_ms_per_token']:.2f} ms/token (floor "
+              f"{out['floor_ms_per_token']:.2f})", flush=True)  # fmt: skip
         out["prefill_1024_ms"] = min(timed(prompts(1, 1024), 1) for _ in range(3)) * 1e3
+        print(f"one 1024-token prefill {out['prefill_1024_ms']:.1f} ms", flush=True)
         seconds = timed(prompts(args.prompts, 1024), 128)
         out["w1_prompts"] = args.prompts
         out["w1_output_tok_s"] = args.prompts * 128 / seconds
         out["w1_total_tok_s"] = args.prompts * (1024 + 128) / seconds
-    total, per_token = floor_bytes(args.model)
-    out["weights_gb"], out["decode_read_gb"] = total / 1e9, per_token / 1e9
-    out["floor_ms_per_token"] = per_token / (args.hbm_tbps * 1e12) * 1e3
-    out["w3_over_floor"] = out["w3_ms_per_token"] / out["floor_ms_per_token"]
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,6 +9,7 @@
 # A table last; outputs in $OUT (or /tmp/out).
 #   bash tests/gpu/hybrid_gpu.sh
 #   STEPS="bench-rule qwen3.5" W1_PROMPTS=1000 bash tests/gpu/hybrid_gpu.sh
+#   OLD_RULE=/tmp/old_triton_chunk_gated_delta.py STEPS=bench-rule bash tests/gpu/hybrid_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then  # the device machine: the wheels its image lacks, and this checkout
@@ -41,11 +42,16 @@ for step in $STEPS; do
         2>&1 | tee "$OUT/hybrid-kernel-tests.txt" | tail -3 ;;
     bench-rule) $T python3 - "$OUT/hybrid-rule.json" <<'PY' 2>&1 | tee "$OUT/hybrid-rule.txt"
 # The gated delta rule of one linear layer at the 8B shape, in Triton: the chunked form over one
-# 1024-token prompt; one decode step of 64 rows.
-import json, sys, time, torch
-from pagedserve.kernels.gated_delta import StateLayout, gated_delta_rule
+# and eight 1024-token prompts; one decode step of 64 rows. OLD_RULE=path/to/an older
+# triton_chunk_gated_delta.py times that file's triton_chunk_rule beside it (same inputs).
+import importlib.util, json, os, sys, time, torch
+from pagedserve.kernels.gated_delta import StateLayout, chunk_rule, gated_delta_rule
 dev, hk, hv, d = "cuda", 16, 32, 128
-def run(rows, n, fresh):
+old, out = None, {}
+if os.environ.get("OLD_RULE"):
+    spec = importlib.util.spec_from_file_location("old_rule", os.environ["OLD_RULE"])
+    old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
+def run(rows, n, fresh, use_old=False):
     T = rows * n
     q, k = (torch.randn(T, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(T, hv, d, device=dev, dtype=torch.bfloat16)
@@ -55,16 +61,33 @@ def run(rows, n, fresh):
     qsl = [i * n for i in range(rows + 1)]
     lens = [n if fresh else n + 100] * rows
     layout = StateLayout.build(list(range(rows)), qsl, lens, torch.device(dev))
-    args = (q, k, v, g, beta, state, layout)
-    gated_delta_rule(*args); torch.cuda.synchronize()
+    if use_old:
+        call = lambda: old.triton_chunk_rule(q, k, v, g, beta, state, *layout.chunk_tensors[:4])
+    else:
+        call = lambda: gated_delta_rule(q, k, v, g, beta, state, layout)
+    call(); torch.cuda.synchronize()
+    if rows == 1 and n > 1 and not use_old:  # bf16 against the float32 reference
+        state.zero_(); got = call().float()
+        want, _ = chunk_rule(*(x.float().repeat_interleave(hv // hk, dim=1) for x in (q, k)),
+                             v.float(), g, beta.float(), None)
+        err = ((got - want).norm() / want.norm()).item()
+        print(f"bf16 chunked rule vs float32 reference: relative error {err:.2e}", flush=True)
+        out["rel_err_bf16"] = err
     t0 = time.perf_counter()
-    for _ in range(5): gated_delta_rule(*args)
+    for _ in range(5): call()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / 5 * 1e3
-ms = run(1, 1024, True)
 flops = 1024 * hv * d * d * 2 * 4  # ~4 [C, D] x [D, D] products per token and head
-out = {"prefill_layer_ms": ms, "tflops": flops / ms / 1e9}
-print(f"prefill 1024 tokens, one layer: {ms:.2f} ms, {out['tflops']:.2f} TFLOP/s (fp32 dots)")
+for tag, use in (("", False), ("old_", True)):
+    if use and old is None:
+        continue
+    for rows in (1,) if use else (1, 8):  # old: one prompt (8 overran a 100 s step on an H100)
+        ms = run(rows, 1024, True, use)
+        key = f"{tag}prefill{'' if rows == 1 else rows}_layer_ms"
+        out[key] = ms
+        out[f"{tag}tflops{'' if rows == 1 else rows}"] = rows * flops / ms / 1e9
+        print(f"{'old ' if tag else 'new '}prefill {rows} x 1024 tokens, one layer: {ms:.3f} ms, "
+              f"{rows * flops / ms / 1e9:.2f} TFLOP/s", flush=True)
 ms = run(64, 1, False)
 out["decode64_layer_us"] = ms * 1e3
 print(f"decode 64 rows, one layer: {ms * 1e3:.0f} us; state read+write "
@@ -75,7 +98,7 @@ PY
     qwen3.5) M=/tmp/qwen3.5-9b-shape
       make_dir $M 'Qwen3_5TextConfig(dtype="bfloat16", architectures=["Qwen3_5ForCausalLM"])'
       $T python3 tests/gpu/hybrid_bench.py $M --prompts ${W1_PROMPTS:-200} \
-        --json "$OUT/hybrid-qwen3.5.json" 2>&1 | tail -16 ;;
+        --json "$OUT/hybrid-qwen3.5.json" 2>&1 | tee "$OUT/hybrid-qwen3.5.log" | tail -24 ;;
     qwen3-next) M=/tmp/qwen3-next-cut
       make_dir $M "Qwen3NextConfig(num_hidden_layers=${NEXT_LAYERS:-16}, dtype='bfloat16', \
 architectures=['Qwen3NextForCausalLM'])"
@@ -107,8 +130,11 @@ for name in ("qwen3.5", "qwen3-next"):
     print(f"{name:<22}{r['w3_ms_per_token']:>10.2f}{r['floor_ms_per_token']:>8.2f}"
           f"{r['w3_over_floor']:>6.1f}{r['prefill_1024_ms']:>13.1f}{r['w1_output_tok_s']:>13.0f}"
           f"{r['w1_total_tok_s']:>13.0f}{share:>11}")
-if rule:
-    print(f"chunked rule, one layer, 1024 tokens: {rule['prefill_layer_ms']:.2f} ms, "
-          f"{rule['tflops']:.1f} TFLOP/s ({rule['tflops'] / 67:.0%} of fp32 peak 67, "
-          f"{rule['tflops'] / 989:.1%} of bf16 dense peak 989)")
+for tag in ("", "old_") if rule else ():  # H100 SXM dense peaks: fp32 67, bf16 989 TFLOP/s
+    for rows in ("", "8"):
+        if f"{tag}prefill{rows}_layer_ms" in rule:
+            tf = rule[f"{tag}tflops{rows}"]
+            print(f"{'old ' if tag else 'new '}chunked rule, one layer, {rows or 1} x 1024 tokens: "
+                  f"{rule[f'{tag}prefill{rows}_layer_ms']:.3f} ms, {tf:.2f} TFLOP/s "
+                  f"({tf / 67:.1%} of fp32 peak, {tf / 989:.2%} of bf16 peak)")
 PY
