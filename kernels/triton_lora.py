@@ -184,3 +184,70 @@ def triton_lora_expand(
         BLOCK_S=triton.next_power_of_2(h.shape[0]), PRECISION=dot_precision(lora_b.dtype),
     )  # fmt: skip
     return y
+
+
+# ---------------------------------------------------------------- decode sizes (<= 32 rows)
+# A decode step's few rows need the pair to cost a few us per projection, not two launches of
+# a grid sized for prompts: the shrink rides the base layer's GEMV (extra programs over every
+# slot's A, kernels/triton_gemv.py: `h = x [A_0; A_1; ...]^T`, [M, S * W] in x's dtype, rounded
+# like the reference's), and one expand adds each row's own slot's `h_s B_s^T` (the other
+# slots' columns masked by the row's slot). Two launches per projection instead of three.
+
+
+@triton.jit
+def _slot_expand_kernel(
+    h_ptr, b_ptr, y_ptr, token_slots, M, N, W, stride_hm, stride_bs, stride_bn, stride_ym,
+    NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    slot = tl.load(token_slots + rm, mask=m_ok, other=-1)
+    if tl.max(slot) < 0:  # base-model rows only (a graph's replay without adapters)
+        return
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_W)
+    n_ok = rn < N
+    w_ok = rw < W
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(NUM_SLOTS):
+        mine = slot == s
+        if tl.max(mine.to(tl.int32)) > 0:
+            h = tl.load(
+                h_ptr + rm[:, None] * stride_hm + s * W + rw[None, :],
+                mask=mine[:, None] & w_ok[None, :], other=0.0,
+            )  # fmt: skip
+            b = tl.load(
+                b_ptr + s * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rw[None, :],
+                mask=n_ok[:, None] & w_ok[None, :], other=0.0,
+            )  # fmt: skip
+            acc = tl.dot(h.to(b.dtype), tl.trans(b), acc, input_precision=PRECISION)
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def triton_lora_linear(
+    x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M; gated: [M, 2K] (gate | up)
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,  # [S, W, K]
+    lora_b: torch.Tensor,  # [S, N, W]
+    token_slots: torch.Tensor,  # [>= M] int32, -1: the base model
+    gated: bool = False,
+) -> torch.Tensor:  # [M, N]: x W^T + b + each adapter row's B_s A_s x
+    from pagedserve.kernels.triton_gemv import triton_gemv
+
+    m, (slots, width, k) = x.shape[0], lora_a.shape
+    assert lora_b.shape == (slots, weight.shape[0], width) and lora_b.is_contiguous()
+    h = torch.empty(m, slots * width, dtype=x.dtype, device=x.device)
+    y = triton_gemv(x, weight, bias, gated=gated, shrink=(lora_a.view(slots * width, k), h))
+    n = y.shape[1]
+    block_n = 64 if n <= 8192 else 128
+    _slot_expand_kernel[(triton.cdiv(n, block_n),)](
+        h, lora_b, y, token_slots, m, n, width, h.stride(0), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0), NUM_SLOTS=slots, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n,
+        BLOCK_W=_block_r(width), PRECISION=dot_precision(lora_b.dtype),
+    )  # fmt: skip
+    return y

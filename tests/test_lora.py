@@ -228,6 +228,36 @@ def test_triton_shrink_expand_equal_reference():
     torch.testing.assert_close(y.cpu(), want, rtol=1e-3, atol=5e-2)
 
 
+@needs_triton
+@tiny
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_lora_linear_equals_reference(gated):
+    """The decode-size path: the shrink over every slot's A inside the base GEMV, one expand by
+    each row's slot (3 slots of 48 columns: A's rows no whole GEMV tile), over a graph-sized
+    buffer of 16 rows holding 5 tokens: slots 2, base, 0, 0, 1."""
+    from pagedserve.kernels.activation import silu_and_mul_ref
+    from pagedserve.kernels.triton_lora import triton_lora_linear
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 1024 if gated else 512, generator=gen)
+    w = torch.randn(40, 512, generator=gen) / 16
+    a = torch.randn(3, 48, 512, generator=gen) / 16
+    b = torch.randn(3, 40, 48, generator=gen) / 4
+    starts, slots = list(range(6)), [2, -1, 0, 0, 1]
+    host, num_rows, num_groups = group_layout(starts, slots, 16, 3)
+    rows = SlotRows(torch.from_numpy(host).to(device), num_rows, num_groups, 5)
+    assert rows.token_slots.tolist() == [2, -1, 0, 0, 1, *[-1] * 11]
+    dev = [t.to(device, dtype) for t in (x, w, a, b)]
+    y = triton_lora_linear(*dev[:2], None, *dev[2:], rows.token_slots, gated).float().cpu()
+    x = silu_and_mul_ref(x) if gated else x
+    want = x @ w.t() + _loop_reference(x, a, b, starts, slots)
+    tol = 5e-2 if HAS_CUDA else 1e-3
+    torch.testing.assert_close(y, want, rtol=tol, atol=tol)
+    assert (y[1] - x[1] @ w.t()).abs().max() < tol  # the base-model row: no delta
+
+
 # ---------------------------------------------------------------- the core's adapter rules
 def _add(s, req_id: str, prompt: list[int], lora: LoRARequest | None) -> None:
     from pagedserve.ipc.messages import AddRequest

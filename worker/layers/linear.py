@@ -124,9 +124,11 @@ class ColumnParallelLinear(LinearBase):
         _copy(param.data, narrow(loaded, 0, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] or [T, out]
-        y = self.matmul(x, self.bias)
-        if self.lora is not None:
-            self.lora.add(x, y)
+        y = self.lora_matmul(x, self.bias)
+        if y is None:
+            y = self.matmul(x, self.bias)
+            if self.lora is not None:
+                self.lora.add(x, y)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -294,15 +296,19 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """[T, in / tp] -> [T, out]; `gated`: x is [T, 2 in / tp], gate | up, activated here
         (before the matmul when adapters need the activated rows too)."""
+        y = self.lora_matmul(x, None, gated)  # with the deltas, a partial sum like x W^T
+        if y is None:
+            y = self._matmul_then_lora(x, gated)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+    def _matmul_then_lora(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         lora = self.lora if self.lora is not None and self.lora.active else None
         if lora is not None and gated and not lora.fuses_gate(x):
             x, gated = silu_and_mul(x), False  # the adapters read the activated rows too
         y = self.matmul(x, None, gated)
-        if lora is not None:
-            y = lora.add(x, y, gated)  # a partial sum, like x W^T
-        if self.reduce_results:
-            y = tp_all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        return lora.add(x, y, gated) if lora is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.kernels.backend import fusion_enabled
+from pagedserve.kernels.linear import use_gemv
 from pagedserve.kernels.lora import SlotRows, lora_apply, lora_uses_triton
 
 
@@ -90,6 +92,27 @@ class LoRASlots:
         """Whether `add(..., gated=True)` forms silu(gate) * up itself (in the Triton shrink's
         loads), so the layer may keep its gated matmul; else it passes activated rows."""
         return lora_uses_triton(x) and x.dtype == self.lora_a.dtype
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+    ) -> torch.Tensor | None:
+        """`x W^T + b` plus the deltas in two kernels at decode sizes (the shrink inside the
+        base GEMV, kernels/triton_lora.py's `triton_lora_linear`); None where that does not
+        apply (the caller runs its matmul, then `add`)."""
+        rows = self.batch.rows
+        if (
+            rows is None
+            or not use_gemv(x, weight)
+            or x.dtype != self.lora_a.dtype
+            or rows.token_slots.shape[0] < x.shape[0]
+            or not fusion_enabled("lora-gemv")
+        ):
+            return None
+        from pagedserve.kernels.triton_lora import triton_lora_linear
+
+        return triton_lora_linear(
+            x, weight, bias, self.lora_a, self.lora_b, rows.token_slots, gated
+        )
 
     def add(self, x: torch.Tensor, y: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """`y += B_s A_s x` on rows of adapters: x [T, in / tp] (gated: [T, 2 in / tp], gate |
