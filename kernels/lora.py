@@ -131,14 +131,18 @@ def lora_apply(
     rows: SlotRows,
     gated: bool = False,
 ) -> torch.Tensor:
-    """`y += B_s (A_s x)` per row of an adapter, x first through `silu_and_mul` if `gated`; the
-    Triton pair on CUDA (the activation inside the shrink's loads), else the reference.
-    (worker/lora/manager.py puts LoRA in CUDA graphs only where this takes Triton.)"""
+    """`y += B_s (A_s x)` per row of an adapter, x first through `silu_and_mul` if `gated`; on
+    CUDA one GEMM over every slot's A and an expand by each row's slot (`triton_lora_dense`), or
+    with `gated` (decode sizes, `fuses_gate`) the grouped Triton pair, the activation inside the
+    shrink's loads; else the reference. (worker/lora/manager.py puts LoRA in CUDA graphs only
+    where this takes Triton.)"""
     x = x if gated else x.to(lora_a.dtype)  # (a gated x comes in lora_a's dtype: fuses_gate)
     if lora_uses_triton(x) and x.dtype == lora_a.dtype:
-        from pagedserve.kernels.triton_lora import triton_lora_expand, triton_lora_shrink
+        from pagedserve.kernels import triton_lora
 
-        h = triton_lora_shrink(x, lora_a, rows, gated)
-        return triton_lora_expand(y, h, lora_b, rows)
+        if not gated:
+            return triton_lora.triton_lora_dense(y, x, lora_a, lora_b, rows.token_slots)
+        h = triton_lora.triton_lora_shrink(x, lora_a, rows, gated)
+        return triton_lora.triton_lora_expand(y, h, lora_b, rows)
     x = (silu_and_mul(x) if gated else x).to(lora_a.dtype)
     return lora_expand_ref(y, lora_shrink_ref(x, lora_a, rows), lora_b, rows)

@@ -186,12 +186,16 @@ def triton_lora_expand(
     return y
 
 
-# ---------------------------------------------------------------- decode sizes (<= 32 rows)
+# ---------------------------------------------------------------- by each token's slot
 # A decode step's few rows need the pair to cost a few us per projection, not two launches of
 # a grid sized for prompts: the shrink rides the base layer's GEMV (extra programs over every
 # slot's A, kernels/triton_gemv.py: `h = x [A_0; A_1; ...]^T`, [M, S * W] in x's dtype, rounded
 # like the reference's), and one expand adds each row's own slot's `h_s B_s^T` (the other
 # slots' columns masked by the row's slot). Two launches per projection instead of three.
+# Above GEMV sizes (CUDA graphs of up to 256 decodes, mixed steps, prompts) the shrink over every
+# slot is one cuBLAS GEMM (`S * W` <= a few hundred columns: it costs a read of x) and the same
+# expand runs over row tiles: no K-split partials for every output block to re-read (the
+# grouped pair's graphs size its grid for all rows in every group).
 
 
 @triton.jit
@@ -200,7 +204,7 @@ def _slot_expand_kernel(
     NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     slot = tl.load(token_slots + rm, mask=m_ok, other=-1)
     if tl.max(slot) < 0:  # base-model rows only (a graph's replay without adapters)
@@ -210,22 +214,41 @@ def _slot_expand_kernel(
     n_ok = rn < N
     w_ok = rw < W
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    h_rows = h_ptr + rm[:, None].to(tl.int64) * stride_hm + rw[None, :]
     for s in tl.static_range(NUM_SLOTS):
         mine = slot == s
         if tl.max(mine.to(tl.int32)) > 0:
-            h = tl.load(
-                h_ptr + rm[:, None] * stride_hm + s * W + rw[None, :],
-                mask=mine[:, None] & w_ok[None, :], other=0.0,
-            )  # fmt: skip
+            h = tl.load(h_rows + s * W, mask=mine[:, None] & w_ok[None, :], other=0.0)
             b = tl.load(
                 b_ptr + s * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rw[None, :],
                 mask=n_ok[:, None] & w_ok[None, :], other=0.0,
             )  # fmt: skip
             acc = tl.dot(h.to(b.dtype), tl.trans(b), acc, input_precision=PRECISION)
-    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def triton_slot_expand(
+    y: torch.Tensor,  # [M, N], added to in place
+    h: torch.Tensor,  # [M, S * W]: every slot's shrink of every row
+    lora_b: torch.Tensor,  # [S, N, W]
+    token_slots: torch.Tensor,  # [>= M] int32, -1: the base model
+) -> torch.Tensor:
+    m, n = y.shape
+    slots, _, width = lora_b.shape
+    assert h.shape == (m, slots * width) and h.stride(1) == 1 and lora_b.is_contiguous()
+    assert y.stride(1) == 1 and token_slots.shape[0] >= m
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if n <= 8192 and m <= 32 else 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _slot_expand_kernel[grid](
+        h, lora_b, y, token_slots, m, n, width, h.stride(0), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0), NUM_SLOTS=slots, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_W=_block_r(width), PRECISION=dot_precision(lora_b.dtype),
+    )  # fmt: skip
+    return y
 
 
 def triton_lora_linear(
@@ -240,14 +263,19 @@ def triton_lora_linear(
     from pagedserve.kernels.triton_gemv import triton_gemv
 
     m, (slots, width, k) = x.shape[0], lora_a.shape
-    assert lora_b.shape == (slots, weight.shape[0], width) and lora_b.is_contiguous()
     h = torch.empty(m, slots * width, dtype=x.dtype, device=x.device)
     y = triton_gemv(x, weight, bias, gated=gated, shrink=(lora_a.view(slots * width, k), h))
-    n = y.shape[1]
-    block_n = 64 if n <= 8192 else 128
-    _slot_expand_kernel[(triton.cdiv(n, block_n),)](
-        h, lora_b, y, token_slots, m, n, width, h.stride(0), lora_b.stride(0), lora_b.stride(1),
-        y.stride(0), NUM_SLOTS=slots, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n,
-        BLOCK_W=_block_r(width), PRECISION=dot_precision(lora_b.dtype),
-    )  # fmt: skip
-    return y
+    return triton_slot_expand(y, h, lora_b, token_slots)
+
+
+def triton_lora_dense(
+    y: torch.Tensor,  # [M, N], added to in place
+    x: torch.Tensor,  # [M, K]
+    lora_a: torch.Tensor,  # [S, W, K]
+    lora_b: torch.Tensor,  # [S, N, W]
+    token_slots: torch.Tensor,
+) -> torch.Tensor:
+    """`y += B_s A_s x` per row of an adapter: one GEMM over every slot's A, one expand."""
+    slots, width, k = lora_a.shape
+    h = torch.nn.functional.linear(x, lora_a.view(slots * width, k))
+    return triton_slot_expand(y, h, lora_b, token_slots)

@@ -258,6 +258,24 @@ def test_decode_lora_linear_equals_reference(gated):
     assert (y[1] - x[1] @ w.t()).abs().max() < tol  # the base-model row: no delta
 
 
+@needs_triton
+@tiny
+def test_dense_lora_equals_reference():
+    """Above GEMV sizes: one GEMM over every slot's A, the expand over 64-row tiles by each
+    token's slot (`_case`: a 71-row group across two tiles, a base row between)."""
+    from pagedserve.kernels.triton_lora import triton_lora_dense
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    x, a, b, starts, slots = _case(torch.bfloat16 if HAS_CUDA else torch.float32)
+    rows = SlotRows.from_segments(starts, slots, device)
+    assert rows.token_slots.shape == (100,)
+    y = triton_lora_dense(torch.ones(100, 40, device=device, dtype=x.dtype), x.to(device),
+                          a.to(device), b.to(device), rows.token_slots)  # fmt: skip
+    want = 1 + _loop_reference(x, a, b, starts, slots)
+    torch.testing.assert_close(y.float().cpu(), want, rtol=2e-2, atol=5e-2)
+    assert (y[70] == 1).all()  # the base-model row
+
+
 # ---------------------------------------------------------------- the core's adapter rules
 def _add(s, req_id: str, prompt: list[int], lora: LoRARequest | None) -> None:
     from pagedserve.ipc.messages import AddRequest

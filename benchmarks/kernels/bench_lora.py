@@ -6,7 +6,11 @@ request; prefill: 1,024-token requests).
 
     python -m pagedserve.benchmarks.kernels.bench_lora [--json PATH]
 
-Each row first checks the Triton pair against the reference.
+Each row first checks the Triton pair against the reference. Decode rows (<= 32 tokens) also
+time, each inside a CUDA graph as a decode step replays it (no launch overhead; weights warm in
+L2): the pair, the base layer's Triton GEMV alone, and the decode-size path (the shrink inside
+that GEMV, one expand: `triton_lora_linear`, checked against GEMV + reference too); `lora us`
+is what that path adds to the GEMV.
 """
 
 from __future__ import annotations
@@ -40,6 +44,27 @@ def _us(fn) -> float:
     return 1000 * do_bench(fn, return_mode="median")
 
 
+def _graph_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return 1000 * do_bench_cudagraph(fn, return_mode="median")
+
+
+def decode_rows(x, w, a, b, rows, pair) -> dict[str, float]:
+    """The graph-timed decode columns (see the module's docstring)."""
+    from pagedserve.kernels.triton_gemv import triton_gemv
+    from pagedserve.kernels.triton_lora import triton_lora_linear
+
+    def fused() -> torch.Tensor:
+        return triton_lora_linear(x, w, None, a, b, rows.token_slots)
+
+    want = lora_expand_ref(F.linear(x, w), lora_shrink_ref(x, a, rows), b, rows)
+    torch.testing.assert_close(fused().float(), want.float(), rtol=2e-2, atol=2e-2)
+    gemv, path = _graph_us(lambda: triton_gemv(x, w)), _graph_us(fused)
+    return {"pair_graph_us": _graph_us(pair), "gemv_graph_us": gemv, "fused_graph_us": path,
+            "lora_graph_us": path - gemv}  # fmt: skip
+
+
 def bench_row(n: int, k: int, parts: int, tokens: int, per_request: int) -> dict[str, float]:
     from pagedserve.kernels.triton_lora import triton_lora_expand, triton_lora_shrink
 
@@ -63,11 +88,14 @@ def bench_row(n: int, k: int, parts: int, tokens: int, per_request: int) -> dict
     y.zero_()
     want = reference().float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    return {
+    out = {
         "triton_us": _us(triton_pair),
         "torch_ref_us": _us(reference),
         "base_matmul_us": _us(lambda: F.linear(x, w)),
     }
+    if tokens <= 32:
+        out.update(decode_rows(x, w, a, b, rows, triton_pair))
+    return out
 
 
 def main() -> None:
@@ -75,14 +103,19 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     rows = []
-    print(f"{'layer':>8} {'case':>11} {'triton us':>10} {'torch ref':>10} {'base mm':>9}")
+    print(f"{'layer':>8} {'case':>11} {'triton us':>10} {'torch ref':>10} {'base mm':>9} "
+          f"{'graph: pair':>12} {'gemv':>6} {'gemv+lora':>10} {'lora us':>8}")  # fmt: skip
     for (name, (n, k, parts)), (case, (tokens, per)) in (
         (s, c) for s in SHAPES.items() for c in CASES.items()
     ):
         r = bench_row(n, k, parts, tokens, per)
         rows.append({"layer": name, "case": case, **r})
+        graph = ""
+        if "pair_graph_us" in r:
+            graph = (f" {r['pair_graph_us']:>12.1f} {r['gemv_graph_us']:>6.1f} "
+                     f"{r['fused_graph_us']:>10.1f} {r['lora_graph_us']:>8.1f}")  # fmt: skip
         print(f"{name:>8} {case:>11} {r['triton_us']:>10.1f} {r['torch_ref_us']:>10.1f} "
-              f"{r['base_matmul_us']:>9.1f}")  # fmt: skip
+              f"{r['base_matmul_us']:>9.1f}{graph}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.backend import fusion_enabled
-from pagedserve.kernels.linear import use_gemv
+from pagedserve.kernels.linear import GEMV_MAX_M, use_gemv
 from pagedserve.kernels.lora import SlotRows, lora_apply, lora_uses_triton
 
 
@@ -90,8 +90,9 @@ class LoRASlots:
 
     def fuses_gate(self, x: torch.Tensor) -> bool:
         """Whether `add(..., gated=True)` forms silu(gate) * up itself (in the Triton shrink's
-        loads), so the layer may keep its gated matmul; else it passes activated rows."""
-        return lora_uses_triton(x) and x.dtype == self.lora_a.dtype
+        loads), so the layer may keep its gated matmul (a GEMV's: decode sizes); else it passes
+        activated rows."""
+        return lora_uses_triton(x) and x.dtype == self.lora_a.dtype and x.shape[0] <= GEMV_MAX_M
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
