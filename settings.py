@@ -41,6 +41,7 @@ ATTENTION_OVERRIDES = ("torch", "sdpa", "triton", "flash")
 FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
     "l2-prefetch", "qkv-rope", "swiglu-gemm", "lora-gemv",
+    "lora-swiglu",
 )  # fmt: skip
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 CURVE_KEY_ENV = "PAGEDSERVE_CURVE_KEY"

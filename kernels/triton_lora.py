@@ -279,3 +279,64 @@ def triton_lora_dense(
     slots, width, k = lora_a.shape
     h = torch.nn.functional.linear(x, lora_a.view(slots * width, k))
     return triton_slot_expand(y, h, lora_b, token_slots)
+
+
+@triton.jit
+def _slot_silu_kernel(
+    y_ptr, h_ptr, b_ptr, out_ptr, token_slots, M, inter, W, stride_ym, stride_hm, stride_bs,
+    stride_bn, stride_om, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_W)
+    m_ok, n_ok, w_ok = rm < M, rn < inter, rw < W
+    slot = tl.load(token_slots + rm, mask=m_ok, other=-1)
+    mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    gate = tl.load(y_ptrs, mask=mask, other=0.0)
+    up = tl.load(y_ptrs + inter, mask=mask, other=0.0)
+    if tl.max(slot) >= 0:  # the deltas, each rounded onto its half as `y += delta` would
+        d_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        d_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        h_rows = h_ptr + rm[:, None].to(tl.int64) * stride_hm + rw[None, :]
+        b_mask = n_ok[:, None] & w_ok[None, :]
+        for s in tl.static_range(NUM_SLOTS):
+            mine = slot == s
+            if tl.max(mine.to(tl.int32)) > 0:
+                h = tl.load(h_rows + s * W, mask=mine[:, None] & w_ok[None, :], other=0.0)
+                b_ptrs = b_ptr + s * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rw[None, :]
+                b_gate = tl.load(b_ptrs, mask=b_mask, other=0.0)
+                b_up = tl.load(b_ptrs + inter * stride_bn, mask=b_mask, other=0.0)
+                h = h.to(b_gate.dtype)
+                d_gate = tl.dot(h, tl.trans(b_gate), d_gate, input_precision=PRECISION)
+                d_up = tl.dot(h, tl.trans(b_up), d_up, input_precision=PRECISION)
+        gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
+        up = (up.to(tl.float32) + d_up).to(up.dtype)
+    out = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], out, mask=mask)
+
+
+def triton_lora_swiglu(
+    y: torch.Tensor,  # [M, 2I]: gate | up, the base matmul's
+    x: torch.Tensor,  # [M, K]
+    lora_a: torch.Tensor,  # [S, W, K]
+    lora_b: torch.Tensor,  # [S, 2I, W]
+    token_slots: torch.Tensor,
+) -> torch.Tensor:  # [M, I]
+    """`silu_and_mul(y + B_s A_s x)`, the deltas formed in the activation's loads: a prompt's
+    gate/up output is read once, never written back (`triton_lora_dense` then `silu_and_mul`
+    would add a read and a write of all of it)."""
+    slots, width, k = lora_a.shape
+    h = torch.nn.functional.linear(x, lora_a.view(slots * width, k))
+    m, inter = y.shape[0], y.shape[1] // 2
+    assert lora_b.shape == (slots, 2 * inter, width) and lora_b.is_contiguous()
+    assert y.stride(1) == 1 and token_slots.shape[0] >= m
+    out = torch.empty(m, inter, dtype=y.dtype, device=y.device)
+    grid = (triton.cdiv(inter, 128), triton.cdiv(m, 64))
+    _slot_silu_kernel[grid](
+        y, h, lora_b, out, token_slots, m, inter, width, y.stride(0), h.stride(0),
+        lora_b.stride(0), lora_b.stride(1), out.stride(0), NUM_SLOTS=slots, BLOCK_M=64,
+        BLOCK_N=128, BLOCK_W=_block_r(width), PRECISION=dot_precision(lora_b.dtype),
+    )  # fmt: skip
+    return out

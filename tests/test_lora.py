@@ -262,8 +262,10 @@ def test_decode_lora_linear_equals_reference(gated):
 @tiny
 def test_dense_lora_equals_reference():
     """Above GEMV sizes: one GEMM over every slot's A, the expand over 64-row tiles by each
-    token's slot (`_case`: a 71-row group across two tiles, a base row between)."""
-    from pagedserve.kernels.triton_lora import triton_lora_dense
+    token's slot (`_case`: a 71-row group across two tiles, a base row between), and gate/up's
+    deltas inside the activation."""
+    from pagedserve.kernels.activation import silu_and_mul_ref
+    from pagedserve.kernels.triton_lora import triton_lora_dense, triton_lora_swiglu
 
     device = "cuda" if HAS_CUDA else "cpu"
     x, a, b, starts, slots = _case(torch.bfloat16 if HAS_CUDA else torch.float32)
@@ -274,6 +276,12 @@ def test_dense_lora_equals_reference():
     want = 1 + _loop_reference(x, a, b, starts, slots)
     torch.testing.assert_close(y.float().cpu(), want, rtol=2e-2, atol=5e-2)
     assert (y[70] == 1).all()  # the base-model row
+    # a prompt's gate/up: the deltas added inside silu-and-mul (B's rows: 20 gate, 20 up)
+    gate_up = torch.randn(100, 40, generator=torch.Generator().manual_seed(2)).to(x.dtype)
+    out = triton_lora_swiglu(gate_up.to(device), x.to(device), a.to(device), b.to(device),
+                             rows.token_slots)  # fmt: skip
+    want = silu_and_mul_ref(gate_up.float() + _loop_reference(x, a, b, starts, slots))
+    torch.testing.assert_close(out.float().cpu(), want, rtol=2e-2, atol=5e-2)
 
 
 # ---------------------------------------------------------------- the core's adapter rules

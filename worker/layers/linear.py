@@ -151,12 +151,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """`silu_and_mul(self(x))` from one GEMM with the activation in its epilogue, where that
-        runs (kernels/swiglu_gemm.py: prompt-sized x on Hopper, model-dtype weights, no bias);
-        None elsewhere, and the caller applies the activation its own way."""
+        runs (kernels/swiglu_gemm.py: prompt-sized x on Hopper, model-dtype weights, no bias),
+        or with adapter rows above GEMV sizes, the GEMM then the activation with the deltas in
+        its loads; None elsewhere, and the caller applies the activation its own way."""
         if self.bias is not None or self.weight_scale is not None or self.weight is None:
             return None
-        if self.lora is not None and self.lora.active:
-            return None  # the adapters' deltas go on the unfused output
+        if self.lora is not None and self.lora.active:  # the deltas inside the activation
+            return self.lora.swiglu(x, lambda: self.matmul(x, None))
         if not swiglu_gemm_applies(x, self.weight):
             return None
         return swiglu_linear(x, self.weight)

@@ -15,6 +15,7 @@ forward (which slot each request of the batch uses), so no layer signature chang
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +115,22 @@ class LoRASlots:
         return triton_lora_linear(
             x, weight, bias, self.lora_a, self.lora_b, rows.token_slots, gated
         )
+
+    def swiglu(self, x: torch.Tensor, matmul: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """A merged gate/up layer's `silu_and_mul(x W^T + deltas)` above GEMV sizes on CUDA,
+        the deltas formed in the activation's loads (`triton_lora_swiglu`); None elsewhere."""
+        rows = self.batch.rows
+        if (
+            rows is None
+            or x.shape[0] <= GEMV_MAX_M
+            or not lora_uses_triton(x)
+            or x.dtype != self.lora_a.dtype
+            or not fusion_enabled("lora-swiglu")
+        ):
+            return None
+        from pagedserve.kernels.triton_lora import triton_lora_swiglu
+
+        return triton_lora_swiglu(matmul(), x, self.lora_a, self.lora_b, rows.token_slots)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """`y += B_s A_s x` on rows of adapters: x [T, in / tp] (gated: [T, 2 in / tp], gate |
