@@ -88,8 +88,16 @@ def bench_row(n: int, k: int, parts: int, tokens: int, per_request: int) -> dict
     y.zero_()
     want = reference().float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    from pagedserve.kernels.triton_lora import triton_lora_dense
+
+    def dense() -> torch.Tensor:
+        return triton_lora_dense(y, x, a, b, rows.token_slots)
+
+    y.zero_()
+    torch.testing.assert_close(dense().float(), want, rtol=2e-2, atol=2e-2)
     out = {
         "triton_us": _us(triton_pair),
+        "dense_us": _us(dense),
         "torch_ref_us": _us(reference),
         "base_matmul_us": _us(lambda: F.linear(x, w)),
     }
@@ -103,8 +111,9 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     rows = []
-    print(f"{'layer':>8} {'case':>11} {'triton us':>10} {'torch ref':>10} {'base mm':>9} "
-          f"{'graph: pair':>12} {'gemv':>6} {'gemv+lora':>10} {'lora us':>8}")  # fmt: skip
+    print(f"{'layer':>8} {'case':>11} {'pair us':>8} {'dense us':>9} {'torch ref':>10} "
+          f"{'base mm':>8} {'graph: pair':>12} {'gemv':>6} {'gemv+lora':>10} "
+          f"{'lora us':>8}")  # fmt: skip
     for (name, (n, k, parts)), (case, (tokens, per)) in (
         (s, c) for s in SHAPES.items() for c in CASES.items()
     ):
@@ -114,8 +123,8 @@ def main() -> None:
         if "pair_graph_us" in r:
             graph = (f" {r['pair_graph_us']:>12.1f} {r['gemv_graph_us']:>6.1f} "
                      f"{r['fused_graph_us']:>10.1f} {r['lora_graph_us']:>8.1f}")  # fmt: skip
-        print(f"{name:>8} {case:>11} {r['triton_us']:>10.1f} {r['torch_ref_us']:>10.1f} "
-              f"{r['base_matmul_us']:>9.1f}{graph}")  # fmt: skip
+        print(f"{name:>8} {case:>11} {r['triton_us']:>8.1f} {r['dense_us']:>9.1f} "
+              f"{r['torch_ref_us']:>10.1f} {r['base_matmul_us']:>8.1f}{graph}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
