@@ -77,7 +77,11 @@ class SlotRows:
     ) -> SlotRows:
         host, num_rows, num_groups = group_layout(seg_starts, seg_slots)
         longest = int(np.diff(host[num_rows : num_rows + num_groups + 1]).max(initial=0))
-        rows = cls(torch.from_numpy(host).to(device), num_rows, num_groups, longest)
+        packed = torch.from_numpy(host)
+        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        rows = cls(packed, num_rows, num_groups, longest)
         rows.host = host
         return rows
 
