@@ -31,7 +31,7 @@ GEMV_MAX_M = 32  # rows up to this may take the GEMV; more go to cuBLAS (a real 
 
 @triton.jit
 def _gemv_tile(
-    x_ptr, w_ptr, bias_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om, bias_n,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -67,7 +67,7 @@ def _gemv_tile(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rn, mask=rn < bias_n, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded as x, then cast
     tl.store(o_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
@@ -83,16 +83,14 @@ def _gemv_kernel(
     """Programs past the weight's tiles (`SHRINK`) take the LoRA slots' A `[NA, K]` instead:
     `h = x A^T` beside `out = x W^T`, the same tile walk (A rows out of L2 or HBM like W's)."""
     pid = tl.program_id(0)
-    if SHRINK:
-        tiles = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(N, BLOCK_N)
+    bias_n = N  # (a shrink's tile has no bias: 0)
+    if SHRINK:  # noqa: SIM102 (a compile-time branch) one tile walk for both: two would each hold stages
         if pid >= tiles:
-            _gemv_tile(
-                x_ptr, a_ptr, bias_ptr, h_ptr, pid - tiles, M, NA, K, stride_xm, K, stride_hm,
-                False, GATED, ONE_ROW, EVEN, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            return
+            pid, N, stride_wn, stride_om, bias_n = pid - tiles, NA, K, stride_hm, 0 * N
+            w_ptr, out_ptr = a_ptr, h_ptr
     _gemv_tile(
-        x_ptr, w_ptr, bias_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om,
+        x_ptr, w_ptr, bias_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om, bias_n,
         HAS_BIAS, GATED, ONE_ROW, EVEN, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
