@@ -106,10 +106,38 @@ def bench_row(n: int, k: int, parts: int, tokens: int, per_request: int) -> dict
     return out
 
 
+def bench_swiglu(tokens: int) -> None:
+    """A prompt's gate/up at 4 adapters: the deltas inside silu-and-mul (`triton_lora_swiglu`)
+    against the dense expand then `silu_and_mul`, and `silu_and_mul` alone (the base's)."""
+    from pagedserve.kernels.activation import silu_and_mul
+    from pagedserve.kernels.triton_lora import triton_lora_dense, triton_lora_swiglu
+
+    (n, k, parts), dev, dt = SHAPES["gate_up"], "cuda", torch.bfloat16
+    x = torch.randn(tokens, k, device=dev, dtype=dt)
+    y = torch.randn(tokens, n, device=dev, dtype=dt)
+    a = torch.randn(NUM_LORAS, parts * RANK, k, device=dev, dtype=dt) * 0.02
+    b = torch.randn(NUM_LORAS, n, parts * RANK, device=dev, dtype=dt) * 0.02
+    starts = list(range(0, tokens + 1, 1024))
+    rows = SlotRows.from_segments(starts, [i % NUM_LORAS for i in range(len(starts) - 1)], dev)
+    fused = triton_lora_swiglu(y, x, a, b, rows.token_slots)
+    want = silu_and_mul(triton_lora_dense(y.clone(), x, a, b, rows.token_slots))
+    torch.testing.assert_close(fused.float(), want.float(), rtol=2e-2, atol=2e-2)
+    t = [
+        _us(lambda: triton_lora_swiglu(y, x, a, b, rows.token_slots)),
+        _us(lambda: silu_and_mul(triton_lora_dense(y, x, a, b, rows.token_slots))),
+        _us(lambda: silu_and_mul(y)),
+    ]
+    print(f"gate_up {tokens} tokens: deltas in silu-and-mul {t[0]:.1f} us, dense expand + "
+          f"silu_and_mul {t[1]:.1f}, silu_and_mul alone {t[2]:.1f}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--swiglu", action="store_true", help="only `bench_swiglu` at 8,192 tokens")
     args = p.parse_args()
+    if args.swiglu:
+        return bench_swiglu(8192)
     rows = []
     print(f"{'layer':>8} {'case':>11} {'pair us':>8} {'dense us':>9} {'torch ref':>10} "
           f"{'base mm':>8} {'graph: pair':>12} {'gemv':>6} {'gemv+lora':>10} "
