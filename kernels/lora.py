@@ -62,7 +62,7 @@ class SlotRows:
     def __init__(
         self, packed: torch.Tensor, num_rows: int, num_groups: int, max_group_len: int
     ) -> None:
-        self.packed = packed  # int32 [rows + 2 G + 1], `group_layout`'s form
+        self.packed = packed  # int32 [rows + 2 G + 1 + tokens], `group_layout`'s form
         self.order = packed[:num_rows]
         self.group_starts = packed[num_rows : num_rows + num_groups + 1]
         self.group_slots = packed[num_rows + num_groups + 1 : num_rows + 2 * num_groups + 1]

@@ -81,11 +81,13 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Programs past the weight's tiles (`SHRINK`) take the LoRA slots' A `[NA, K]` instead:
-    `h = x A^T` beside `out = x W^T`, the same tile walk (A rows out of L2 or HBM like W's)."""
+    `h = x A^T` beside `out = x W^T`, the same tile walk (A rows out of L2 or HBM like W's).
+    One inlined walk with its operands chosen per program: two walks (an if and an else) each
+    held their pipeline stages, 256 KB of shared memory for qkv, over an H100's 227 KB."""
     pid = tl.program_id(0)
     tiles = tl.cdiv(N, BLOCK_N)
     bias_n = N  # (a shrink's tile has no bias: 0)
-    if SHRINK:  # noqa: SIM102 (a compile-time branch) one tile walk for both: two would each hold stages
+    if SHRINK:  # noqa: SIM102 (compile time) one tile walk for both: two would double the smem
         if pid >= tiles:
             pid, N, stride_wn, stride_om, bias_n = pid - tiles, NA, K, stride_hm, 0 * N
             w_ptr, out_ptr = a_ptr, h_ptr
