@@ -41,7 +41,8 @@ ATTENTION_OVERRIDES = ("torch", "sdpa", "triton", "flash")
 CPU_KERNELS = ("native", "avx2", "avx512", "torch")  # kernels/cpu_native.py's variants, or none
 FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
-    "l2-prefetch", "qkv-rope", "swiglu-gemm",
+    "l2-prefetch", "qkv-rope", "swiglu-gemm", "lora-gemv",
+    "lora-swiglu",
 )  # fmt: skip
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 CURVE_KEY_ENV = "PAGEDSERVE_CURVE_KEY"

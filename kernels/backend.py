@@ -22,7 +22,9 @@ once per process into `settings.Settings` (start-up settings, never flipped at r
   (o_proj's weight pulled into L2 during a decode batch's attention, kernels/prefetch.py),
   `qkv-rope` (rotary and the cache write in the qkv GEMV's epilogue, kernels/triton_qkv_rope.py),
   `swiglu-gemm` (a prompt-sized batch's gate/up GEMM with silu-and-mul in its epilogue, quack's,
-  kernels/swiglu_gemm.py); `all` turns off every one.
+  kernels/swiglu_gemm.py), `lora-gemv` (a decode batch's LoRA shrink inside the base GEMV,
+  kernels/triton_lora.py), `lora-swiglu` (a prompt's gate/up LoRA deltas formed inside its
+  silu-and-mul); `all` turns off every one.
 """
 
 from __future__ import annotations

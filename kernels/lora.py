@@ -28,8 +28,9 @@ def group_layout(
     num_groups: int | None = None,  # capacity of the groups; None: exact
 ) -> tuple[np.ndarray, int, int]:
     """`SlotRows`' packed host form, int32 `[order (rows) | group_starts (G + 1) | group_slots
-    (G)]` (one array: one host-to-device copy per step), with its rows and G. Padding: order
-    0, group starts repeat the end, group slots -1 (skipped)."""
+    (G) | token_slots (rows, or every token where exact)]` (one array: one host-to-device copy
+    per step), with its rows and G. Padding: order 0, group starts repeat the end, group slots
+    and token slots -1 (skipped)."""
     starts = np.asarray(seg_starts, dtype=np.int64)
     token_slot = np.repeat(np.asarray(seg_slots, dtype=np.int64), np.diff(starts))
     idx = np.flatnonzero(token_slot >= 0)
@@ -38,29 +39,34 @@ def group_layout(
     rows = len(order) if num_rows is None else num_rows
     groups = len(slots) if num_groups is None else num_groups
     assert len(order) <= rows and len(slots) <= groups, "more LoRA rows than the buffer holds"
-    out = np.zeros(rows + 2 * groups + 1, dtype=np.int32)
+    tokens = len(token_slot) if num_rows is None else num_rows
+    assert len(token_slot) <= tokens, "more tokens than the buffer holds"
+    out = np.zeros(rows + 2 * groups + 1 + tokens, dtype=np.int32)
     out[: len(order)] = order
     ends = out[rows + 1 : rows + groups + 1]  # group_starts[1:]
     ends[:] = len(order)
     ends[: len(counts)] = np.cumsum(counts)
     out[rows + groups + 1 :] = -1
     out[rows + groups + 1 : rows + groups + 1 + len(slots)] = slots
+    out[rows + 2 * groups + 1 : rows + 2 * groups + 1 + len(token_slot)] = token_slot
     return out, rows, groups
 
 
 class SlotRows:
     """One step's LoRA rows on the device: `order` [rows] int32 token indices grouped by slot,
     `group_starts` [G + 1] (offsets into `order`), `group_slots` [G] (-1: an empty group),
+    `token_slots` [>= T] (each token's slot, -1: the base model; the decode-size path's),
     `max_group_len` (a host int, the kernels' grid). `groups`, (slot, token indices) per group,
     serves the reference (only rows built from host data have it)."""
 
     def __init__(
         self, packed: torch.Tensor, num_rows: int, num_groups: int, max_group_len: int
     ) -> None:
-        self.packed = packed  # int32 [rows + 2 G + 1], `group_layout`'s form
+        self.packed = packed  # int32 [rows + 2 G + 1 + tokens], `group_layout`'s form
         self.order = packed[:num_rows]
         self.group_starts = packed[num_rows : num_rows + num_groups + 1]
-        self.group_slots = packed[num_rows + num_groups + 1 :]
+        self.group_slots = packed[num_rows + num_groups + 1 : num_rows + 2 * num_groups + 1]
+        self.token_slots = packed[num_rows + 2 * num_groups + 1 :]
         self.max_group_len = max_group_len
         self.host: np.ndarray | None = None
         self._groups: list[tuple[int, torch.Tensor]] | None = None
@@ -71,7 +77,11 @@ class SlotRows:
     ) -> SlotRows:
         host, num_rows, num_groups = group_layout(seg_starts, seg_slots)
         longest = int(np.diff(host[num_rows : num_rows + num_groups + 1]).max(initial=0))
-        rows = cls(torch.from_numpy(host).to(device), num_rows, num_groups, longest)
+        packed = torch.from_numpy(host)
+        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        rows = cls(packed, num_rows, num_groups, longest)
         rows.host = host
         return rows
 
@@ -84,7 +94,7 @@ class SlotRows:
             starts = self.host[n : n + g + 1]
             self._groups = [
                 (int(slot), order[starts[i] : starts[i + 1]])
-                for i, slot in enumerate(self.host[n + g + 1 :])
+                for i, slot in enumerate(self.host[n + g + 1 : n + 2 * g + 1])
                 if slot >= 0
             ]
         return self._groups
@@ -125,14 +135,18 @@ def lora_apply(
     rows: SlotRows,
     gated: bool = False,
 ) -> torch.Tensor:
-    """`y += B_s (A_s x)` per row of an adapter, x first through `silu_and_mul` if `gated`; the
-    Triton pair on CUDA (the activation inside the shrink's loads), else the reference.
-    (worker/lora/manager.py puts LoRA in CUDA graphs only where this takes Triton.)"""
+    """`y += B_s (A_s x)` per row of an adapter, x first through `silu_and_mul` if `gated`; on
+    CUDA one GEMM over every slot's A and an expand by each row's slot (`triton_lora_dense`), or
+    with `gated` (decode sizes, `fuses_gate`) the grouped Triton pair, the activation inside the
+    shrink's loads; else the reference. (worker/lora/manager.py puts LoRA in CUDA graphs only
+    where this takes Triton.)"""
     x = x if gated else x.to(lora_a.dtype)  # (a gated x comes in lora_a's dtype: fuses_gate)
     if lora_uses_triton(x) and x.dtype == lora_a.dtype:
-        from pagedserve.kernels.triton_lora import triton_lora_expand, triton_lora_shrink
+        from pagedserve.kernels import triton_lora
 
-        h = triton_lora_shrink(x, lora_a, rows, gated)
-        return triton_lora_expand(y, h, lora_b, rows)
+        if not gated:
+            return triton_lora.triton_lora_dense(y, x, lora_a, lora_b, rows.token_slots)
+        h = triton_lora.triton_lora_shrink(x, lora_a, rows, gated)
+        return triton_lora.triton_lora_expand(y, h, lora_b, rows)
     x = (silu_and_mul(x) if gated else x).to(lora_a.dtype)
     return lora_expand_ref(y, lora_shrink_ref(x, lora_a, rows), lora_b, rows)

@@ -30,12 +30,12 @@ GEMV_MAX_M = 32  # rows up to this may take the GEMV; more go to cuBLAS (a real 
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _gemv_tile(
+    x_ptr, w_ptr, bias_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om, bias_n,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -67,10 +67,34 @@ def _gemv_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rn, mask=rn < bias_n, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded as x, then cast
     tl.store(o_ptrs, out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, a_ptr, h_ptr, M, N, K, NA, stride_xm, stride_wn, stride_om,
+    stride_hm, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr,
+    EVEN: tl.constexpr, SHRINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Programs past the weight's tiles (`SHRINK`) take the LoRA slots' A `[NA, K]` instead:
+    `h = x A^T` beside `out = x W^T`, the same tile walk (A rows out of L2 or HBM like W's).
+    One inlined walk with its operands chosen per program: two walks (an if and an else) each
+    held their pipeline stages, 256 KB of shared memory for qkv, over an H100's 227 KB."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    bias_n = N  # (a shrink's tile has no bias: 0)
+    if SHRINK:  # noqa: SIM102 (compile time) one tile walk for both: two would double the smem
+        if pid >= tiles:
+            pid, N, stride_wn, stride_om, bias_n = pid - tiles, NA, K, stride_hm, 0 * N
+            w_ptr, out_ptr = a_ptr, h_ptr
+    _gemv_tile(
+        x_ptr, w_ptr, bias_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om, bias_n,
+        HAS_BIAS, GATED, ONE_ROW, EVEN, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
 
 def gemv_config(
@@ -96,9 +120,11 @@ def triton_gemv(
     gated: bool = False,
     out_dtype: torch.dtype | None = None,  # None: x.dtype
     config: dict[str, int] | None = None,  # bench sweeps
+    shrink: tuple[torch.Tensor, torch.Tensor] | None = None,  # LoRA A [NA, K], h [M, NA]
 ) -> torch.Tensor:  # [M, N] in out_dtype
     """`F.linear(x, weight, bias)`, or with `gated` `F.linear(silu_and_mul(x), weight, bias)`;
-    with `out_dtype` that result (rounded to x.dtype) cast to it."""
+    with `out_dtype` that result (rounded to x.dtype) cast to it. `shrink` (a, h): also
+    `h = x a^T` (gated: of the activated x) in x's dtype, by extra programs of the same launch."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"expected x [M, K] and weight [N, K], got {x.shape}, {weight.shape}")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -112,12 +138,16 @@ def triton_gemv(
     if m == 0 or n == 0:
         return out
     cfg = config or gemv_config(n, k, gated, m, x.element_size())
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    a, h = shrink if shrink is not None else (weight, out)
+    na = a.shape[0] if shrink is not None else 0
+    if shrink is not None:
+        assert a.shape[1] == k and a.is_contiguous() and h.shape == (m, na) and h.stride(1) == 1
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]) + triton.cdiv(na, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](
-        x, weight, bias if bias is not None else out, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias if bias is not None else out, out, a, h, m, n, k, na,
+        x.stride(0), weight.stride(0), out.stride(0), h.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, ONE_ROW=m == 1,
-        EVEN=n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0,
-        BLOCK_M=16 if m <= 16 else 32, **cfg,
+        EVEN=(n % cfg["BLOCK_N"] == 0 and na % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0),
+        SHRINK=shrink is not None, BLOCK_M=16 if m <= 16 else 32, **cfg,
     )  # fmt: skip
     return out

@@ -6,6 +6,9 @@
 #   STEPS="lora-tests lora-kernels lora-w1 lora-w3 lora-table" bash tests/gpu/lora_run.sh
 # lora-tests:   tests/test_lora.py on the GPU (the Triton pair compiled; bf16 rows with adapters on
 #               the fused decode/prompt paths against peft); LORA_TESTS_ARGS: more pytest arguments
+# lora-ktests:  only its kernel tests (compiled) and the bf16 engine test against peft
+# lora-profile: tests/gpu/profile_lora.py: decode batch 1 and 256 and an 8 x 1024 prompt step,
+#               base rows against 4 adapters in one runner (graph ms, kernels a layer, by kind)
 # lora-kernels: shrink + expand (Triton) against the torch reference and the base matmul at the
 #               8B shapes, 4 adapters rank 16 (python -m pagedserve.benchmarks.kernels.bench_lora)
 # lora-w1:      W1 (1,000 prompts, 1024 in / 128 out) base alone, then 4 random rank-16 adapters
@@ -31,14 +34,18 @@ for name in ${STEPS:-lora-tests lora-kernels lora-w1 lora-w3 lora-table}; do
   echo "== $name =="
   case $name in
     lora-tests) $T python3 -m pytest -q tests/test_lora.py ${LORA_TESTS_ARGS:-} 2>&1 | tee "$OUT/lora-tests.txt" | tail -8 ;;
+    lora-ktests) $T python3 -m pytest -q tests/test_lora.py \
+          -k "triton or decode_lora or dense or fused_decode" 2>&1 | tee "$OUT/lora-ktests.txt" | tail -8 ;;
+    lora-profile) $T python3 tests/gpu/profile_lora.py $M ${PROFILE_ARGS:-} 2>&1 \
+          | tee "$OUT/lora-profile.txt" | grep "===" ;;
     lora-kernels) $T python3 -m pagedserve.benchmarks.kernels.bench_lora \
           --json "$OUT/lora-kernels.json" 2>&1 | tee "$OUT/lora-kernels.txt" ;;
-    lora-w1) for n in 0 4; do
+    lora-w1) for n in ${W1_NS:-0 4}; do
           $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
             --num-prompts ${W1_PROMPTS:-1000} --num-loras $n --lora-rank 16 \
             --output-json "$OUT/lora-w1-$n.json" 2>&1 | tail -4
         done ;;
-    lora-w3) for n in 0 1; do
+    lora-w3) for n in ${W3_NS:-0 1}; do
           $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 256 \
             --num-iters-warmup 1 --num-iters 3 --num-loras $n --lora-rank 16 \
             --output-json "$OUT/lora-w3-$n.json" 2>&1 | tail -3

@@ -124,9 +124,11 @@ class ColumnParallelLinear(LinearBase):
         _copy(param.data, narrow(loaded, 0, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] or [T, out]
-        y = self.matmul(x, self.bias)
-        if self.lora is not None:
-            self.lora.add(x, y)
+        y = self.lora_matmul(x, self.bias)
+        if y is None:
+            y = self.matmul(x, self.bias)
+            if self.lora is not None:
+                self.lora.add(x, y)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -149,12 +151,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """`silu_and_mul(self(x))` from one GEMM with the activation in its epilogue, where that
-        runs (kernels/swiglu_gemm.py: prompt-sized x on Hopper, model-dtype weights, no bias);
-        None elsewhere, and the caller applies the activation its own way."""
+        runs (kernels/swiglu_gemm.py: prompt-sized x on Hopper, model-dtype weights, no bias),
+        or with adapter rows above GEMV sizes, the GEMM then the activation with the deltas in
+        its loads; None elsewhere, and the caller applies the activation its own way."""
         if self.bias is not None or self.weight_scale is not None or self.weight is None:
             return None
-        if self.lora is not None and self.lora.active:
-            return None  # the adapters' deltas go on the unfused output
+        if self.lora is not None and self.lora.active:  # the deltas inside the activation
+            return self.lora.swiglu(x, lambda: self.matmul(x, None))
         if not swiglu_gemm_applies(x, self.weight):
             return None
         return swiglu_linear(x, self.weight)
@@ -294,15 +297,19 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """[T, in / tp] -> [T, out]; `gated`: x is [T, 2 in / tp], gate | up, activated here
         (before the matmul when adapters need the activated rows too)."""
+        y = self.lora_matmul(x, None, gated)  # with the deltas, a partial sum like x W^T
+        if y is None:
+            y = self._matmul_then_lora(x, gated)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+    def _matmul_then_lora(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         lora = self.lora if self.lora is not None and self.lora.active else None
         if lora is not None and gated and not lora.fuses_gate(x):
             x, gated = silu_and_mul(x), False  # the adapters read the activated rows too
         y = self.matmul(x, None, gated)
-        if lora is not None:
-            y = lora.add(x, y, gated)  # a partial sum, like x W^T
-        if self.reduce_results:
-            y = tp_all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        return lora.add(x, y, gated) if lora is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):

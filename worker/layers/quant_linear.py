@@ -137,6 +137,17 @@ class LinearBase(nn.Module):
             return fp8_silu_mul_linear(x, self.weight, self.weight_scale, bias, group)
         return fp8_linear(x, self.weight, self.weight_scale, bias, group)
 
+    def lora_matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    ) -> torch.Tensor | None:
+        """`matmul` plus the step's adapter deltas in one pass where LoRA's decode-size path
+        takes this model-dtype weight (`LoRASlots.linear`); None elsewhere."""
+        if self.lora is None or not self.lora.active or self.weight is None:
+            return None
+        if self.packed is not None or self.weight_scale is not None:
+            return None
+        return self.lora.linear(x, self.weight, bias, gated)
+
     def lora_parts(self) -> list[OutPart]:
         """This rank's output as LoRA parts (one here; merged layers list each)."""
         rows = self.weight_shape[0]

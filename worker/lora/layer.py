@@ -15,11 +15,14 @@ forward (which slot each request of the batch uses), so no layer signature chang
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedserve.kernels.backend import fusion_enabled
+from pagedserve.kernels.linear import GEMV_MAX_M, use_gemv
 from pagedserve.kernels.lora import SlotRows, lora_apply, lora_uses_triton
 
 
@@ -88,8 +91,46 @@ class LoRASlots:
 
     def fuses_gate(self, x: torch.Tensor) -> bool:
         """Whether `add(..., gated=True)` forms silu(gate) * up itself (in the Triton shrink's
-        loads), so the layer may keep its gated matmul; else it passes activated rows."""
-        return lora_uses_triton(x) and x.dtype == self.lora_a.dtype
+        loads), so the layer may keep its gated matmul (a GEMV's: decode sizes); else it passes
+        activated rows."""
+        return lora_uses_triton(x) and x.dtype == self.lora_a.dtype and x.shape[0] <= GEMV_MAX_M
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+    ) -> torch.Tensor | None:
+        """`x W^T + b` plus the deltas in two kernels at decode sizes (the shrink inside the
+        base GEMV, kernels/triton_lora.py's `triton_lora_linear`); None where that does not
+        apply (the caller runs its matmul, then `add`)."""
+        rows = self.batch.rows
+        if (
+            rows is None
+            or not use_gemv(x, weight)
+            or x.dtype != self.lora_a.dtype
+            or rows.token_slots.shape[0] < x.shape[0]
+            or not fusion_enabled("lora-gemv")
+        ):
+            return None
+        from pagedserve.kernels.triton_lora import triton_lora_linear
+
+        return triton_lora_linear(
+            x, weight, bias, self.lora_a, self.lora_b, rows.token_slots, gated
+        )
+
+    def swiglu(self, x: torch.Tensor, matmul: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """A merged gate/up layer's `silu_and_mul(x W^T + deltas)` above GEMV sizes on CUDA,
+        the deltas formed in the activation's loads (`triton_lora_swiglu`); None elsewhere."""
+        rows = self.batch.rows
+        if (
+            rows is None
+            or x.shape[0] <= GEMV_MAX_M
+            or not lora_uses_triton(x)
+            or x.dtype != self.lora_a.dtype
+            or not fusion_enabled("lora-swiglu")
+        ):
+            return None
+        from pagedserve.kernels.triton_lora import triton_lora_swiglu
+
+        return triton_lora_swiglu(matmul(), x, self.lora_a, self.lora_b, rows.token_slots)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """`y += B_s A_s x` on rows of adapters: x [T, in / tp] (gated: [T, 2 in / tp], gate |

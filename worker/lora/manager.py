@@ -98,7 +98,7 @@ class LoRAManager:
         )
         self.graph_rows = max_graph_tokens
         if self.in_graphs:
-            size = max_graph_tokens + 2 * config.max_loras + 1
+            size = 2 * max_graph_tokens + 2 * config.max_loras + 1
             self.graph_buf = torch.zeros(size, dtype=torch.int32, device=device)
             self.graph_empty = False  # whether it holds no rows (every group at slot -1)
 
