@@ -131,7 +131,8 @@ def _result(name: str, args: argparse.Namespace, tokens: dict[str, int],
     prev += [0] * (len(stats.spec_accepted_per_pos) - len(prev))
     per_pos = [a - b for a, b in zip(stats.spec_accepted_per_pos, prev, strict=True)]
     return {
-        "workload": name, "requests_per_arm": args.num_rounds * args.num_prompts,
+        "workload": name, "speculative_config": args.speculative_config,
+        "requests_per_arm": args.num_rounds * args.num_prompts,
         "output_tokens_per_arm": tokens["on"], "off_tokens_per_s": rate["off"],
         "on_tokens_per_s": rate["on"], "speedup": rate["on"] / rate["off"],
         "speedup_median_of_requests": float(statistics.median(ratios)),

