@@ -32,7 +32,8 @@ if not os.path.isfile(f"{out}/model.safetensors"):
     import torch
     from transformers import AutoModelForCausalLM
     gguf = packaged_gguf("smollm2")
-    shutil.copytree(gguf_metadata_dir(gguf), out, dirs_exist_ok=True)
+    skip = shutil.ignore_patterns("weights", "gguf.sha256")  # pagedserve's own cache, record
+    shutil.copytree(gguf_metadata_dir(gguf), out, dirs_exist_ok=True, ignore=skip)
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), dtype=torch.float32,
                                                  gguf_file=os.path.basename(gguf))
     model.save_pretrained(out)
