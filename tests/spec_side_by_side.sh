@@ -28,15 +28,14 @@ for name in ("code-edit", "chat"):  # vLLM's custom dataset: one {"prompt": ...}
     with open(f"{logs}/{name}.jsonl", "w") as f:
         for (turn,) in workload(name, n, 40):
             f.write(json.dumps({"prompt": turn["content"]}) + "\n")
-if not os.path.isfile(f"{out}/model.safetensors"):
-    import torch
-    from transformers import AutoModelForCausalLM
+if not os.path.isfile(f"{out}/model.safetensors"):  # transformers won't save a GGUF model
+    from safetensors.torch import save_file
+    from pagedserve.worker.loader import iter_gguf
     gguf = packaged_gguf("smollm2")
+    meta = gguf_metadata_dir(gguf)
     skip = shutil.ignore_patterns("weights", "gguf.sha256")  # pagedserve's own cache, record
-    shutil.copytree(gguf_metadata_dir(gguf), out, dirs_exist_ok=True, ignore=skip)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), dtype=torch.float32,
-                                                 gguf_file=os.path.basename(gguf))
-    model.save_pretrained(out)
+    shutil.copytree(meta, out, dirs_exist_ok=True, ignore=skip)
+    save_file(dict(iter_gguf(gguf, meta)), f"{out}/model.safetensors", metadata={"format": "pt"})
 PY
 up() { for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 0.5; done; return 1; }
 runs() {  # engine arm port
