@@ -44,7 +44,11 @@ if not os.path.isfile(f"{out}/model.safetensors"):  # transformers won't save a 
     shutil.copytree(meta, out, dirs_exist_ok=True, ignore=skip)
     save_file(dict(iter_gguf(gguf, meta)), f"{out}/model.safetensors", metadata={"format": "pt"})
 PY
-up() { for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 0.5; done; return 1; }
+up() {  # vLLM compiles its CPU forward at start: minutes on this machine, more when loaded
+  for _ in $(seq 1 $((2 * ${UP_TIMEOUT:-1800}))); do
+    curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 0.5
+  done; return 1
+}
 runs() {  # engine arm port
   for w in code-edit chat; do
     "$VLLM" bench serve --backend openai --base-url "http://127.0.0.1:$3" --model sm \
