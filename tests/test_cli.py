@@ -152,29 +152,12 @@ def test_default_model(tmp_path) -> None:
         assert launched.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def api2(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    """A fresh `launch --api-servers 2` for each test below that ends one, all started together
-    (their start-ups overlap: CI time)."""
-    logs = tmp_path_factory.mktemp("api2")
-    extra = {"sigterm": ["--drain-timeout", "1"], "EngineCore": [], "API server 1": [],
-             "worker 0": [], "kill -9": []}  # fmt: skip
-    launches = {
-        name: Launched(launch_args(model_dir, "--api-servers", "2", *args), str(logs / f"{i}.log"))
-        for i, (name, args) in enumerate(extra.items())
-    }
-    try:
-        yield launches
-    finally:
-        for launched in launches.values():
-            launched.stop(signal.SIGKILL)  # a no-op for those their test ended
-
-
-def test_sigterm_stops_every_process(api2: dict[str, Launched]) -> None:
+def test_sigterm_stops_every_process(model_dir: str, tmp_path) -> None:
     """SIGTERM drains; a stream longer than --drain-timeout is aborted with an error event. The
     stream outlasts the drain by construction: its worker is stopped (SIGSTOP) before it starts
     and resumed only once the stream has ended, so no token comes however fast the machine."""
-    launched = api2["sigterm"]
+    args = launch_args(model_dir, "--api-servers", "2", "--drain-timeout", "1")
+    launched = Launched(args, str(tmp_path / "l.log"))
     worker = None
     try:
         url = launched.wait_ready()
@@ -231,11 +214,11 @@ def health_codes(url: str, until: threading.Event) -> list:
 
 
 @pytest.mark.parametrize("victim", ["EngineCore", "API server 1", "worker 0"])
-def test_child_death_stops_launch(api2: dict[str, Launched], victim: str) -> None:
+def test_child_death_stops_launch(model_dir: str, tmp_path, victim: str) -> None:
     """kill -9 of any process: the in-flight stream ends (an error event then [DONE], or a broken
     connection when its own API server was killed), /health stops answering 200, launch exits 1
     naming the process and how it died, and nothing is left (descendants recorded before)."""
-    launched = api2[victim]
+    launched = Launched(launch_args(model_dir, "--api-servers", "2"), str(tmp_path / "l.log"))
     try:
         url = launched.wait_ready()
         pids = descendants(launched.proc.pid)
@@ -271,8 +254,8 @@ def test_child_death_stops_launch(api2: dict[str, Launched], victim: str) -> Non
     assert set(health[first_bad:]) <= {503, "refused"} and first_bad < len(health), health
 
 
-def test_kill_9_launcher_leaves_no_orphans(api2: dict[str, Launched]) -> None:
-    launched = api2["kill -9"]
+def test_kill_9_launcher_leaves_no_orphans(model_dir: str, tmp_path) -> None:
+    launched = Launched(launch_args(model_dir, "--api-servers", "2"), str(tmp_path / "l.log"))
     try:
         launched.wait_ready()
         pids = descendants(launched.proc.pid)
