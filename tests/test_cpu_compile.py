@@ -79,15 +79,35 @@ def run_requests(runner: ModelRunner, tag: str) -> list[tuple[list[int], list[fl
     return list(zip(tokens, logprobs, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_compiled_forward_equals_eager(compile_on, tmp_path_factory, monkeypatch, kind):
-    path = tiny_model_dir(kind, str(tmp_path_factory.getbasetemp()))
-    runner = make_runner(path)
+KINDS = ["llama", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def compiling(tmp_path_factory):
+    """A runner of each kind over one fresh cache, whose children compile side by side (each
+    on one thread: CI time); kind -> (model path, runner, its compile child)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDSERVE_CPU_COMPILE", "auto")
+        patch.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("compiling") / "cache"))
+        settings.forget()
+        started = {}
+        for kind in KINDS:
+            path = tiny_model_dir(kind, str(tmp_path_factory.getbasetemp()))
+            runner = make_runner(path)
+            compiler = runner.cpu_compiler
+            assert compiler is not None and compiler.child is not None, "no package: a child builds"
+            assert compiler.forward() is None or compiler.child is None  # eager until it is done
+            started[kind] = (path, runner, compiler.child)
+        yield started
+    settings.forget()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_forward_equals_eager(compiling, monkeypatch, kind):
+    path, runner, child = compiling[kind]
     compiler = runner.cpu_compiler
-    assert compiler is not None and compiler.child is not None, "no package yet: a child builds"
-    assert compiler.forward() is None or compiler.child is None  # eager until it is done
-    compiler.child.proc.wait(timeout=240)
-    assert compiler.child.proc.returncode == 0
+    child.proc.wait(timeout=240)
+    assert child.proc.returncode == 0
     assert compiler.forward() is not None
     assert os.path.exists(compiler.path)
 

@@ -14,6 +14,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -124,13 +125,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     }
     try:
         urls = {name: p.wait_ready() for name, p in both.items()}
-        for url in urls.values():  # xgrammar loads on the first grammar (API server, worker)
-            with httpx.Client(base_url=url, timeout=300) as client:
-                assert complete(client, {"choice": ["warm"]}, max_tokens=1).status_code == 200
+        # xgrammar loads on the first grammar (API server, worker): on both servers at once
+        with ThreadPoolExecutor(len(urls)) as pool:
+            assert list(pool.map(warm_up, urls.values())) == [200] * len(urls)
         yield SimpleNamespace(urls=urls)
     finally:
         for name, launched in both.items():
             assert launched.stop() == 0, f"{name}:\n{launched.output()}"
+
+
+def warm_up(url: str) -> int:
+    with httpx.Client(base_url=url, timeout=300) as client:
+        return complete(client, {"choice": ["warm"]}, max_tokens=1).status_code
 
 
 def complete(client: httpx.Client, grammar: dict, **body) -> httpx.Response:

@@ -9,6 +9,7 @@ import re
 import time
 
 import openai
+import pytest
 from test_drain import DEFAULT_MODEL_ARGS
 from test_server import Launched
 
@@ -25,9 +26,24 @@ STATS_LINE = re.compile(
 )
 
 
-def launch(tmp_path, *extra: str) -> tuple[Launched, openai.OpenAI]:
-    args = [*DEFAULT_MODEL_ARGS, "--max-model-len", "512", "--log-stats-interval", "1", *extra]
-    launched = Launched(args, str(tmp_path / "launch.log"))
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory):
+    """The module's two servers, started together (their start-ups overlap: CI time); each test
+    stops its own."""
+    logs = tmp_path_factory.mktemp("logs")
+    args = [*DEFAULT_MODEL_ARGS, "--max-model-len", "512", "--log-stats-interval", "1"]
+    both = {
+        "stats": Launched(args, str(logs / "stats.log")),
+        "quiet": Launched([*args, "--disable-log-stats", "--log-prompts"], str(logs / "quiet.log")),
+    }
+    try:
+        yield both
+    finally:
+        for launched in both.values():
+            launched.stop()
+
+
+def ready(launched: Launched) -> tuple[Launched, openai.OpenAI]:
     url = launched.wait_ready()
     return launched, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
@@ -62,8 +78,8 @@ def wait_for(launched: Launched, pattern: re.Pattern, timeout: float) -> list[re
     return []
 
 
-def test_request_lines_and_stats_lines(tmp_path) -> None:
-    launched, client = launch(tmp_path)
+def test_request_lines_and_stats_lines(launches: dict[str, Launched]) -> None:
+    launched, client = ready(launches["stats"])
     try:
         expected = send_requests(client)
         stats = wait_for(launched, STATS_LINE, 15)
@@ -81,8 +97,8 @@ def test_request_lines_and_stats_lines(tmp_path) -> None:
     assert SECRET not in launched.output()  # no prompt text without --log-prompts
 
 
-def test_log_prompts_and_disable_log_stats(tmp_path) -> None:
-    launched, client = launch(tmp_path, "--disable-log-stats", "--log-prompts")
+def test_log_prompts_and_disable_log_stats(launches: dict[str, Launched]) -> None:
+    launched, client = ready(launches["quiet"])
     try:
         send_requests(client)
         time.sleep(2.5)  # over two --log-stats-interval periods

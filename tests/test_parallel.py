@@ -63,6 +63,13 @@ def llama(tmp_path_factory):
     return path, want
 
 
+@pytest.fixture(scope="module")
+def greedy_text(llama) -> tuple[str, list[str]]:
+    """tp=1 pp=1 greedy text of `prompts()`: the launch tests' reference (one engine for both)."""
+    with LLM(llama[0], device="cpu", dtype="float32") as llm:
+        return llama[0], [o.outputs[0].text for o in llm.generate(prompts(), PARAMS)]
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_equals_single(llama, tp, pp):
     path, want = llama
@@ -107,7 +114,7 @@ def test_indivisible_sizes_are_refused(tmp_path_factory):
         build_engine_config(path, pipeline_parallel_size=5)
 
 
-def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
+def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory, greedy_text):
     """`launch --tp 2 --pp 2` on CPU: greedy completions over the openai client equal tp=1 pp=1
     (text of token-id prompts);
     then kill -9 one of the four workers mid-stream: the stream ends with an error, launch exits 1
@@ -122,9 +129,7 @@ def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
 
     from proctools import descendants, wait_gone
 
-    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("par-launch")))
-    with LLM(path, device="cpu", dtype="float32") as llm:
-        want = [o.outputs[0].text for o in llm.generate(prompts(), PARAMS)]
+    path, want = greedy_text
     log = str(tmp_path_factory.mktemp("par-launch-log") / "launch.log")
     launched = Launched(launch_args(path, "--tp", "2", "--pp", "2"), log)
     try:
@@ -157,7 +162,7 @@ def test_launch_tp2_pp2_over_openai_and_worker_death(tmp_path_factory):
     assert wait_gone(pids, 10) == []
 
 
-def test_two_node_launch_on_one_machine(tmp_path_factory, monkeypatch):
+def test_two_node_launch_on_one_machine(tmp_path_factory, monkeypatch, greedy_text):
     """`launch --nnodes 2`: node 0 runs the EngineCore, the API server and TP rank 0; node 1 (a
     second `launch --node-rank 1`) runs TP rank 1 and joins over TCP. Greedy output equals tp=1.
     The plan and result ports listen on the master address only and talk CURVE with holders of
@@ -172,9 +177,7 @@ def test_two_node_launch_on_one_machine(tmp_path_factory, monkeypatch):
 
     from proctools import wait_gone
 
-    path = make_tiny_model("llama", str(tmp_path_factory.mktemp("two-node")))
-    with LLM(path, device="cpu", dtype="float32") as llm:
-        want = [o.outputs[0].text for o in llm.generate(prompts(), PARAMS)]
+    path, want = greedy_text
     port = free_port()
     common = [
         "--tp",

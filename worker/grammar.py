@@ -18,6 +18,7 @@ their specs by pagedserve/grammar_spec.py, which API servers use to check them).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -42,11 +43,24 @@ def tokenizer_info(model_path: str, vocab_size: int) -> Any:
     `vocab_size`): xgrammar takes ids past the tokenizer for special tokens and scans that list on
     every accepted token, so the LM head's padding is masked by worker/grammar_masks.py instead."""
     import xgrammar as xgr
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    # The class a tokenizer_config.json names when it is transformers' plain fast tokenizer is
+    # the one AutoTokenizer would pick, without first importing the model's config classes
+    # (torch.distributed among them: seconds of a server's first grammar).
+    plain = _tokenizer_class(model_path) in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    loader = PreTrainedTokenizerFast if plain else AutoTokenizer
+    tokenizer = loader.from_pretrained(model_path, local_files_only=True)
     own = max(tokenizer.get_vocab().values(), default=-1) + 1
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=min(own, vocab_size))
+
+
+def _tokenizer_class(model_path: str) -> str | None:
+    try:
+        with open(os.path.join(model_path, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def compile_threads() -> int:
