@@ -82,8 +82,7 @@ class IncrementalDetokenizer:
 def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool):
     """(the Rust tokenizer, a DecodeStream seeded with `context`), or (None, None) where the
     tokenizer's own decode would differ: not a fast tokenizer, or one that cleans up spaces."""
-    # The Rust tokenizer inside ours (frontend/tokenizer.py's FastTokenizer) or transformers'
-    backend = getattr(tokenizer, "_tk", None) or getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "_tokenizer", None)
     if DecodeStream is None or not isinstance(backend, Tokenizer):
         return None, None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):

@@ -11,16 +11,10 @@ from transformers import AutoTokenizer
 
 from pagedserve.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.frontend.hub import default_model_dir
-from pagedserve.frontend.tokenizer import load_tokenizer
-
-VOCAB = 4096  # the embedded model's
 
 
-@pytest.fixture(scope="module", params=["api-server", "transformers"])
-def tokenizer(request):
-    """The API server's torch-free tokenizer and transformers' (the offline LLM's)."""
-    if request.param == "api-server":
-        return load_tokenizer(default_model_dir())
+@pytest.fixture(scope="module")
+def tokenizer():
     return AutoTokenizer.from_pretrained(default_model_dir())
 
 
@@ -33,8 +27,8 @@ def _python_path(tokenizer, prompt: list[int], skip: bool) -> IncrementalDetoken
 @pytest.mark.parametrize("skip", [True, False])
 def test_stream_matches_python_path(tokenizer, skip):
     rng = random.Random(skip)
-    prompt = [rng.randrange(VOCAB) for _ in range(9)]
-    ids = [rng.randrange(VOCAB) for _ in range(400)] + [0, 1, 5, 1]
+    prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(9)]
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(400)] + [0, 1, 5, 1]
     fast = IncrementalDetokenizer(tokenizer, prompt, skip)
     slow = _python_path(tokenizer, prompt, skip)
     assert fast._stream is not None
@@ -49,7 +43,7 @@ def test_unknown_id_and_refusal(tokenizer):
     the stream raises (some tokenizers' decoders refuse a prefix), the Python path takes over
     with the text so far intact."""
     ids = tokenizer.encode("def f(x):\n    return x + 1\n", add_special_tokens=False)
-    ids = [*ids[:4], VOCAB + 1000, *ids[4:]]
+    ids = [*ids[:4], tokenizer.vocab_size + 1000, *ids[4:]]
     fast, slow = IncrementalDetokenizer(tokenizer, [], True), _python_path(tokenizer, [], True)
     for n, token_id in enumerate(ids):
         if n == 6:
