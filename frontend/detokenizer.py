@@ -4,22 +4,11 @@ Decoding a growing id list token by token must not split a multi-byte character 
 that a SentencePiece/BPE token carries only in context, so each step decodes a short window twice
 (`[prefix, read)` and `[prefix, end)`) and emits the difference once it is no longer a partial
 character (vLLM's approach). A few prompt tokens seed the window for the first output token.
-
-Where the tokenizer is a fast one (a `tokenizers.Tokenizer` inside) whose `decode` adds no
-clean-up of its own, the same algorithm runs in Rust instead (tokenizers' `DecodeStream`, as vLLM
-does): ~1.4 us a token instead of ~12 us for two Python-level `decode` calls (docs/cpu_avx.md).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from tokenizers import Tokenizer
-
-try:  # tokenizers >= 0.21
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # pragma: no cover
-    DecodeStream = None
 
 _CONTEXT_TOKENS = 5
 
@@ -34,7 +23,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
-        self._backend, self._stream = _decode_stream(tokenizer, self.ids, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -43,10 +31,6 @@ class IncrementalDetokenizer:
         """Append one token; return the text it completes (possibly empty)."""
         if self.tokenizer is None:  # skip_tokenizer_init: ids only
             return ""
-        if self._stream is not None:
-            new_text = self._stream_step(token_id)
-            if new_text is not None:
-                return new_text
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
@@ -58,39 +42,11 @@ class IncrementalDetokenizer:
         self.text += new_text
         return new_text
 
-    def _stream_step(self, token_id: int) -> str | None:
-        """The Rust path; None where it refused the token (the Python path takes over from here,
-        with the last few tokens as its window)."""
-        try:
-            new_text = self._stream.step(self._backend, token_id) or ""
-        except Exception:  # noqa: BLE001 (an id it cannot decode: decode() decides what it is)
-            self._stream = None
-            self.prefix_offset = max(0, len(self.ids) - _CONTEXT_TOKENS)
-            self.read_offset = len(self.ids)
-            return None
-        self.ids.append(token_id)
-        self.text += new_text
-        return new_text
-
     def decode_one(self, token_id: int) -> str | None:
         """A token's own text, for logprob entries."""
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool):
-    """(the Rust tokenizer, a DecodeStream seeded with `context`), or (None, None) where the
-    tokenizer's own decode would differ: not a fast tokenizer, or one that cleans up spaces."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if DecodeStream is None or not isinstance(backend, Tokenizer):
-        return None, None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None, None
-    try:
-        return backend, DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
-    except TypeError:  # a DecodeStream that takes no context (tokenizers < 0.22)
-        return None, None
 
 
 # Stop strings a request may carry. vLLM sets no limit; these are far above what clients send
