@@ -79,9 +79,9 @@ class HostTier:
     def spill_ahead(self, block_id: int, key: bytes) -> None:
         """A cached device block that is free, and so evicted soon, is copied to the host now,
         by a copy that runs beside this plan's forward (the plan does not write the block:
-        it was free once the plan's blocks were taken); its eviction then copies nothing."""
-        if self.pool.lookup(key) is None:  # no touch: a scan is not a use
-            self._spill(block_id, key, self.ahead)
+        it was free once the plan's blocks were taken); its eviction then copies nothing.
+        The caller checked that the host does not hold `key` (no touch: a scan is not a use)."""
+        self._spill(block_id, key, self.ahead)
 
     def _spill(self, block_id: int, key: bytes, copies: list[tuple[int, int]]) -> None:
         if not self.pool.num_free:

@@ -334,13 +334,13 @@ class Scheduler:
         finish)."""
         if not (self.async_scheduling and ahead and req.num_placeholders):
             return req.num_tokens
-        ahead = req.num_tokens + req.num_placeholders
+        with_placeholders = req.num_tokens + req.num_placeholders
         max_tokens = req.sampling.max_tokens
-        if ahead >= self.max_model_len or (
+        if with_placeholders >= self.max_model_len or (
             max_tokens is not None and req.num_output_tokens + req.num_placeholders >= max_tokens
         ):
             return req.num_tokens
-        return ahead
+        return with_placeholders
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
         while not self.kv.allocate_slots(req, num_new):

@@ -517,9 +517,7 @@ class ModelRunner:
         """(token indices, token ids) on the device for the input tokens the host lacks."""
         if not len(inputs.unknown):
             return None
-        if (
-            self.info.pp_size > 1
-        ):  # only the first stage embeds tokens: from the last, on the device
+        if self.info.pp_size > 1:  # only the first stage embeds tokens: from the last stage
             if self.sampled_in is None:
                 return None
             return self.sampled_in.fill(inputs.unknown, inputs.unknown_ids)

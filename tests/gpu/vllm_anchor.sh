@@ -89,6 +89,19 @@ PY
 W1="--input-len 1024 --output-len 128"
 VW1="--dataset-name random --random-input-len 1024 --random-output-len 128"
 VW3="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 3"
+vllm_pair() {  # MODEL NAME PROMPTS: vLLM's batch-1 latency and W1-shaped throughput
+  $T $VB latency --model $1 --load-format dummy --max-model-len 2048 $VW3 \
+    --output-json "$OUT/$2-vllm-w3.json" > "$OUT/$2-vllm-w3.log" 2>&1; tail -2 "$OUT/$2-vllm-w3.log"
+  $T $VB throughput --model $1 --load-format dummy --max-model-len 2048 $VW1 \
+    --num-prompts $3 --output-json "$OUT/$2-vllm-w1.json" > "$OUT/$2-vllm-w1.log" 2>&1
+  tail -2 "$OUT/$2-vllm-w1.log"
+}
+ours_pair() {  # the same two runs through pagedserve bench
+  $T $PS latency --model $1 --load-format dummy --dtype bfloat16 --max-model-len 2048 $VW3 \
+    --output-json "$OUT/$2-ours-w3.json" 2>&1 | tail -2
+  $T $PS throughput --model $1 --load-format dummy --dtype bfloat16 --max-model-len 2048 $W1 \
+    --num-prompts $3 --output-json "$OUT/$2-ours-w1.json" 2>&1 | tail -2
+}
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 t0=$(date +%s)
 for step in ${STEPS:-embed-vllm embed-ours}; do
@@ -98,17 +111,8 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
           > "$OUT/embed-vllm.log" 2>&1; tail -2 "$OUT/embed-vllm.log" ;;
     embed-ours) $T $PS embed --model $M8 --load-format dummy --dtype bfloat16 --input-len 512 \
           --num-prompts ${EMBED_PROMPTS:-10000} --output-json "$OUT/embed-ours.json" 2>&1 | tail -3 ;;
-    oss-vllm) M=$(oss_dir)
-      $T $VB latency --model $M --load-format dummy --max-model-len 2048 $VW3 \
-        --output-json "$OUT/oss-vllm-w3.json" > "$OUT/oss-vllm-w3.log" 2>&1; tail -2 "$OUT/oss-vllm-w3.log"
-      $T $VB throughput --model $M --load-format dummy --max-model-len 2048 $VW1 \
-        --num-prompts ${OSS_PROMPTS:-200} --output-json "$OUT/oss-vllm-w1.json" > "$OUT/oss-vllm-w1.log" 2>&1
-      tail -2 "$OUT/oss-vllm-w1.log" ;;
-    oss-ours) M=$(oss_dir)
-      $T $PS latency --model $M --load-format dummy --dtype bfloat16 --max-model-len 2048 $VW3 \
-        --output-json "$OUT/oss-ours-w3.json" 2>&1 | tail -2
-      $T $PS throughput --model $M --load-format dummy --dtype bfloat16 --max-model-len 2048 $W1 \
-        --num-prompts ${OSS_PROMPTS:-200} --output-json "$OUT/oss-ours-w1.json" 2>&1 | tail -2 ;;
+    oss-vllm) vllm_pair "$(oss_dir)" oss ${OSS_PROMPTS:-200} ;;
+    oss-ours) ours_pair "$(oss_dir)" oss ${OSS_PROMPTS:-200} ;;
     lora-vllm) L=$(lora_path)
       $T $VB throughput --model $M8 --load-format dummy $VW1 --num-prompts ${LORA_PROMPTS:-500} \
         --output-json "$OUT/lora-vllm-0.json" > "$OUT/lora-vllm-0.log" 2>&1; tail -2 "$OUT/lora-vllm-0.log"
@@ -120,17 +124,8 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
           --num-prompts ${LORA_PROMPTS:-500} --num-loras $n --lora-rank 16 \
           --output-json "$OUT/lora-ours-$n.json" 2>&1 | tail -2
       done ;;
-    qwen35-vllm) M=$(qwen_dir)
-      $T $VB latency --model $M --load-format dummy --max-model-len 2048 $VW3 \
-        --output-json "$OUT/qwen35-vllm-w3.json" > "$OUT/qwen35-vllm-w3.log" 2>&1; tail -2 "$OUT/qwen35-vllm-w3.log"
-      $T $VB throughput --model $M --load-format dummy --max-model-len 2048 $VW1 \
-        --num-prompts ${QWEN_PROMPTS:-200} --output-json "$OUT/qwen35-vllm-w1.json" > "$OUT/qwen35-vllm-w1.log" 2>&1
-      tail -2 "$OUT/qwen35-vllm-w1.log" ;;
-    qwen35-ours) M=$(qwen_dir)
-      $T $PS latency --model $M --load-format dummy --dtype bfloat16 --max-model-len 2048 $VW3 \
-        --output-json "$OUT/qwen35-ours-w3.json" 2>&1 | tail -2
-      $T $PS throughput --model $M --load-format dummy --dtype bfloat16 --max-model-len 2048 $W1 \
-        --num-prompts ${QWEN_PROMPTS:-200} --output-json "$OUT/qwen35-ours-w1.json" 2>&1 | tail -2 ;;
+    qwen35-vllm) vllm_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
+    qwen35-ours) ours_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
     *) echo "unknown step $step" ;;
   esac
 done
