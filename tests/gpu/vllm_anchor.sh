@@ -15,6 +15,9 @@
 #   lora-vllm lora-ours     8B shape, W1-shaped (LORA_PROMPTS x 1024/128), base vs 4 random rank-16
 #                           adapters on all seven projections, mixed uniformly
 #   qwen35-vllm qwen35-ours Qwen3.5-9B shape: batch-1 ms/token and W1-shaped req/s
+#   ds-vllm ds-ours         DeepSeek-V3 shape cut to 8 layers (3 dense + 5 MoE), FP8 block
+#                           weights (tests/gpu/deepseek_shape.py): batch-1 ms/token, W1-shaped
+#                           req/s (DS_PROMPTS x 1024/128)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ] && [ ! -f /tmp/site-ps/.done ]; then  # ours apart from vLLM's /tmp/site
@@ -59,6 +62,11 @@ from transformers import Qwen3_5TextConfig
 Qwen3_5TextConfig(dtype="bfloat16", architectures=["Qwen3_5ForCausalLM"]).save_pretrained(sys.argv[1])
 make_tokenizer().save_pretrained(sys.argv[1])
 PY
+  echo $d
+}
+ds_dir() {  # DeepSeek-V3's shape, 8 layers, FP8 blocks: tests/gpu/deepseek_gpu.sh's model
+  local d=/tmp/deepseek-v3-shape-8
+  [ -f $d/config.json ] || $OURS tests/gpu/deepseek_shape.py $d 8 >/dev/null
   echo $d
 }
 cat > /tmp/vllm_embed.py <<'PY'
@@ -126,6 +134,8 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
       done ;;
     qwen35-vllm) vllm_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
     qwen35-ours) ours_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
+    ds-vllm) vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
+    ds-ours) ours_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
     *) echo "unknown step $step" ;;
   esac
 done
