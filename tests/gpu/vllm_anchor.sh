@@ -15,7 +15,8 @@
 #   lora-vllm lora-ours     8B shape, W1-shaped (LORA_PROMPTS x 1024/128), base vs 4 random rank-16
 #                           adapters on all seven projections, mixed uniformly
 #   qwen35-vllm qwen35-ours Qwen3.5-9B shape: batch-1 ms/token and W1-shaped req/s
-#   ds-vllm ds-ours         DeepSeek-V3 shape cut to 8 layers (3 dense + 5 MoE), FP8 block
+#   ds-vllm ds-ours         DeepSeek-V3 shape cut to DS_LAYERS=6 (3 dense + 3 MoE; vLLM runs out of
+#                           memory loading 8 on an H100), FP8 block
 #                           weights (tests/gpu/deepseek_shape.py): batch-1 ms/token, W1-shaped
 #                           req/s (DS_PROMPTS x 1024/128)
 set -uo pipefail
@@ -52,21 +53,25 @@ write_tokenizer(sys.argv[1], 128000)
 PY
   echo $d
 }
-qwen_dir() {  # the Qwen3.5-9B shape of tests/gpu/hybrid_gpu.sh
-  local d=/tmp/qwen3.5-9b-shape
+qwen_dir() {  # the Qwen3.5-9B shape of tests/gpu/hybrid_gpu.sh, as the multimodal checkpoint
+  # (vLLM 0.26 serves Qwen3.5 only as Qwen3_5ForConditionalGeneration; both engines run it text-only)
+  local d=/tmp/qwen3.5-9b-mm-shape
   [ -f $d/config.json ] || $OURS - "$d" <<'PY'
 import sys
 sys.path.insert(0, "tests")
 from tiny_models import make_tokenizer
-from transformers import Qwen3_5TextConfig
-Qwen3_5TextConfig(dtype="bfloat16", architectures=["Qwen3_5ForCausalLM"]).save_pretrained(sys.argv[1])
+from transformers import Qwen3_5Config
+config = Qwen3_5Config(text_config={"dtype": "bfloat16"}, vision_config={"out_hidden_size": 4096},
+                       dtype="bfloat16")
+config.architectures = ["Qwen3_5ForConditionalGeneration"]
+config.save_pretrained(sys.argv[1])
 make_tokenizer().save_pretrained(sys.argv[1])
 PY
   echo $d
 }
-ds_dir() {  # DeepSeek-V3's shape, 8 layers, FP8 blocks: tests/gpu/deepseek_gpu.sh's model
-  local d=/tmp/deepseek-v3-shape-8
-  [ -f $d/config.json ] || $OURS tests/gpu/deepseek_shape.py $d 8 >/dev/null
+ds_dir() {  # DeepSeek-V3's shape cut to DS_LAYERS layers, FP8 blocks: tests/gpu/deepseek_gpu.sh's model
+  local d=/tmp/deepseek-v3-shape-${DS_LAYERS:-6}
+  [ -f $d/config.json ] || $OURS tests/gpu/deepseek_shape.py $d ${DS_LAYERS:-6} >/dev/null
   echo $d
 }
 cat > /tmp/vllm_embed.py <<'PY'
@@ -97,10 +102,10 @@ PY
 W1="--input-len 1024 --output-len 128"
 VW1="--dataset-name random --random-input-len 1024 --random-output-len 128"
 VW3="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 3"
-vllm_pair() {  # MODEL NAME PROMPTS: vLLM's batch-1 latency and W1-shaped throughput
-  $T $VB latency --model $1 --load-format dummy --max-model-len 2048 $VW3 \
+vllm_pair() {  # MODEL NAME PROMPTS [ARGS]: vLLM's batch-1 latency and W1-shaped throughput
+  $T $VB latency --model $1 --load-format dummy --max-model-len 2048 $VW3 "${@:4}" \
     --output-json "$OUT/$2-vllm-w3.json" > "$OUT/$2-vllm-w3.log" 2>&1; tail -2 "$OUT/$2-vllm-w3.log"
-  $T $VB throughput --model $1 --load-format dummy --max-model-len 2048 $VW1 \
+  $T $VB throughput --model $1 --load-format dummy --max-model-len 2048 $VW1 "${@:4}" \
     --num-prompts $3 --output-json "$OUT/$2-vllm-w1.json" > "$OUT/$2-vllm-w1.log" 2>&1
   tail -2 "$OUT/$2-vllm-w1.log"
 }
@@ -132,7 +137,8 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
           --num-prompts ${LORA_PROMPTS:-500} --num-loras $n --lora-rank 16 \
           --output-json "$OUT/lora-ours-$n.json" 2>&1 | tail -2
       done ;;
-    qwen35-vllm) vllm_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
+    qwen35-vllm) vllm_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} \
+          --limit-mm-per-prompt '{"image": 0, "video": 0}' ;;
     qwen35-ours) ours_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
     ds-vllm) vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
     ds-ours) ours_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
