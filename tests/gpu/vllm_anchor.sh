@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # vLLM 0.26 beside pagedserve in one lease, for the issues whose numbers want that anchor
-# (pooling #40, gpt-oss #42, LoRA #39, Qwen3.5 #37). vLLM travels as ../shared/gpu/vllm-bundle.sh's
-# four parts (.vla .vlb .vlc .vld, one device call each while the machine stays warm); the last
-# call installs it and runs the steps:
+# (pooling #40, gpt-oss #42, LoRA #39, Qwen3.5 #37). Qwen3.5 needs `--gdn-prefill-backend triton`
+# (the default FlashInfer / CuteDSL prefill kernels are unavailable offline: the engine dies with
+# "SM90 GDN prefill DSL kernel is unavailable"); DeepSeek runs without DeepGEMM (its warm-up JIT of
+# ~3,000 shapes outlasts a 10-minute call), on CUTLASS block-FP8 GEMMs.
+# vLLM travels as ../shared/gpu/vllm-bundle.sh's four parts (.vla .vlb .vlc .vld, one device call
+# each while the machine stays warm); the last call installs it and runs the steps:
 #   call 1-3: mkdir -p /tmp/vlp && cp .vlX/* /tmp/vlp/          (carry [".vlX"])
-#   call 4:   cp .vld/part_* /tmp/vlp/ && bash .vld/vllm-bundle.sh install && STEPS="..." \
-#             bash tests/gpu/vllm_anchor.sh                   (carry [".vld", ".whl", ".gpucarry"])
+#   call 4:   cp .vld/part_* /tmp/vlp/ && VLLM_SITE=/tmp/site-vllm bash .vld/vllm-bundle.sh install
+#             && VLLM_SITE=/tmp/site-vllm STEPS="..." bash tests/gpu/vllm_anchor.sh
+#             (carry [".vld", ".gpucarry"]; with .whl as well it passes the 64 MiB limit, so
+#             pagedserve's steps run in a fifth call carrying [".whl", ".gpucarry"])
 # Later calls on the same warm machine: STEPS="..." bash tests/gpu/vllm_anchor.sh.
 # Steps (each prints one line of the table at the end; logs and JSON in $OUT):
 #   embed-vllm embed-ours   10,000 x 512-token inputs through the Llama-3-8B-shaped decoder
@@ -28,7 +33,9 @@ fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's own site first (its pins), ours after; pagedserve runs with its wheels only
-VLLM="env PYTHONPATH=/tmp/site python3"
+# VLLM_SITE=/tmp/site-vllm (with the same for vllm-bundle.sh install) keeps vLLM apart from the
+# tests/gpu scripts that install our wheels into /tmp/site on the same warm machine
+VLLM="env PYTHONPATH=${VLLM_SITE:-/tmp/site} python3"
 OURS="env PYTHONPATH=/tmp/pkg:/tmp/site-ps python3"
 VB="$VLLM -m vllm.entrypoints.cli.main bench"
 PS="$OURS -m pagedserve.entrypoints.cli bench"
@@ -138,9 +145,9 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
           --output-json "$OUT/lora-ours-$n.json" 2>&1 | tail -2
       done ;;
     qwen35-vllm) vllm_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} \
-          --limit-mm-per-prompt '{"image": 0, "video": 0}' ;;
+          --limit-mm-per-prompt '{"image": 0, "video": 0}' --gdn-prefill-backend triton ;;
     qwen35-ours) ours_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
-    ds-vllm) vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
+    ds-vllm) VLLM_USE_DEEP_GEMM=0 vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
     ds-ours) ours_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
     *) echo "unknown step $step" ;;
   esac
