@@ -7,8 +7,7 @@
 # vLLM travels as ../shared/gpu/vllm-bundle.sh's four parts (.vla .vlb .vlc .vld, one device call
 # each while the machine stays warm); the last call installs it and runs the steps:
 #   call 1-3: mkdir -p /tmp/vlp && cp .vlX/* /tmp/vlp/          (carry [".vlX"])
-#   call 4:   cp .vld/part_* /tmp/vlp/ && VLLM_SITE=/tmp/site-vllm bash .vld/vllm-bundle.sh install
-#             && VLLM_SITE=/tmp/site-vllm STEPS="..." bash tests/gpu/vllm_anchor.sh
+#   call 4:   cp .vld/part_* /tmp/vlp/ && STEPS="vllm-install ..." bash tests/gpu/vllm_anchor.sh
 #             (carry [".vld", ".gpucarry"]; with .whl as well it passes the 64 MiB limit, so
 #             pagedserve's steps run in a fifth call carrying [".whl", ".gpucarry"])
 # Later calls on the same warm machine: STEPS="..." bash tests/gpu/vllm_anchor.sh.
@@ -33,9 +32,9 @@ fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's own site first (its pins), ours after; pagedserve runs with its wheels only
-# VLLM_SITE=/tmp/site-vllm (with the same for vllm-bundle.sh install) keeps vLLM apart from the
-# tests/gpu scripts that install our wheels into /tmp/site on the same warm machine
-VLLM="env PYTHONPATH=${VLLM_SITE:-/tmp/site} python3"
+# vLLM's own site dir, apart from /tmp/site where the other tests/gpu scripts install our wheels
+VS=${VLLM_SITE:-/tmp/site-vllm}
+VLLM="env PYTHONPATH=$VS python3"
 OURS="env PYTHONPATH=/tmp/pkg:/tmp/site-ps python3"
 VB="$VLLM -m vllm.entrypoints.cli.main bench"
 PS="$OURS -m pagedserve.entrypoints.cli bench"
@@ -127,6 +126,12 @@ t0=$(date +%s)
 for step in ${STEPS:-embed-vllm embed-ours}; do
   echo "=== $step ($(( $(date +%s) - t0 )) s)"
   case $step in
+    vllm-install) mkdir -p /tmp/vlb && cat /tmp/vlp/part_* | tar xf - -C /tmp/vlb
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target $VS /tmp/vlb/wh/*.whl
+      python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
+        /tmp/vlb/vllm-stripped.zip $VS
+      $VLLM -c "import vllm; print('vllm', vllm.__version__)" ;;
     embed-vllm) $T $VLLM /tmp/vllm_embed.py $M8 ${EMBED_PROMPTS:-10000} 512 "$OUT/embed-vllm.json" \
           > "$OUT/embed-vllm.log" 2>&1; tail -2 "$OUT/embed-vllm.log" ;;
     embed-ours) $T $PS embed --model $M8 --load-format dummy --dtype bfloat16 --input-len 512 \
