@@ -22,7 +22,7 @@ TOL = 1e-4  # float32 logprobs: rounding is ~1e-6 here, TF32 attention ~1e-3
 def arms(tmp_path_factory):
     path = tiny_model_dir("llama", tmp_path_factory.mktemp("spec-numerics"))
     batch = prompts(512, 4)
-    kw = dict(dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_memory="256M")
+    kw = dict(dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_memory=256 << 20)
     off = generate(path, None, batch, 64, **kw)
     on = generate(path, NGRAM, batch, 64, **kw)
     return path, batch, off, on

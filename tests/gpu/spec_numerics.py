@@ -25,6 +25,7 @@ import random
 import tempfile
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.entrypoints.args import parse_size
 
 ARCHS = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--kv-cache-memory", type=parse_size, default=None)
     ap.add_argument("--label", default="", help="a tag for the printed lines (e.g. the tree)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
