@@ -2,7 +2,7 @@
 row, the multi-token attention tiles) and a plain decode step (decode tiles, split-K, CUDA graphs)
 must give a float32 model the same logprobs to float32 rounding, and both the CPU reference's.
 A wrong position, stale KV or a rejected draft's KV read would show as a difference far above
-rounding; TF32 dots in a float32 model's attention (Triton's default) showed as one near 1e-3.
+rounding; TF32 dots in a float32 model's attention (Triton's default) showed as 1.9e-4.
 Skipped without CUDA (tests/gpu/spec_numerics.py measures the same on SmolLM2's shape)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pagedserve.tests.gpu.spec_numerics import NGRAM, compare, generate, prompts
 from tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-TOL = 1e-4  # float32 logprobs: rounding is ~1e-6 here, TF32 attention ~1e-3
+TOL = 1e-4  # float32 logprobs; H100: IEEE attention passes, TF32 attention gave 1.9e-4
 
 
 @pytest.fixture(scope="module")

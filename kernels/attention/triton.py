@@ -40,9 +40,9 @@ bfloat16 takes several: attention over an FP8 cache is bound by that conversion,
 its cast to float16, which keeps it far from float16's range limit; p is in [0, 1].
 
 Float32 models take IEEE float32 dots (`dot_precision`): Triton's default rounds float32 operands
-to TF32 (10-bit mantissa), which put the attention of a float32 model ~1e-3 off the CPU's and made
-a verification step (128-row tiles, no key splits) and a decode step (16-row tiles, split-K) round
-greedy near-ties apart (docs/speculative-decoding.md).
+to TF32 (10-bit mantissa), which made a speculative verification step (several queries a row,
+unsplit) and a decode step (a graph's split-K) of a float32 model differ by up to 7e-5 in a
+logprob instead of 1e-6 (H100, docs/speculative-decoding.md), enough to flip greedy near ties.
 
 Attention sinks (gpt-oss: one learned logit per query head whose value row is zero) join the
 softmax where it is normalized: in the epilogue of an unsplit launch, else once in
