@@ -18,6 +18,7 @@ before any uses it); `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,9 @@ def setup_one_shot(
 def _allocate(group_name: str, device: torch.device, max_bytes: int) -> OneShotAllReduce:
     import torch.distributed._symmetric_memory as symm_mem
 
+    with warnings.catch_warnings():  # needed before torch 2.9, a deprecated no-op since
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group_name)
     buffers = {}
     for dtype in DTYPES:
         buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
