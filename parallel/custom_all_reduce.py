@@ -97,7 +97,7 @@ def setup_one_shot(
 def _allocate(group_name: str, device: torch.device, max_bytes: int) -> OneShotAllReduce:
     import torch.distributed._symmetric_memory as symm_mem
 
-    with warnings.catch_warnings():  # needed before torch 2.9, a deprecated no-op since
+    with warnings.catch_warnings():  # older torch needs it; a deprecated no-op in newer
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(group_name)
     buffers = {}
