@@ -97,9 +97,11 @@ def setup_one_shot(
 def _allocate(group_name: str, device: torch.device, max_bytes: int) -> OneShotAllReduce:
     import torch.distributed._symmetric_memory as symm_mem
 
-    with warnings.catch_warnings():  # older torch needs it; a deprecated no-op in newer
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group_name)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # older torch needs it
+    if enable is not None:
+        with warnings.catch_warnings():  # deprecated, and no longer needed, in newer torch
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
     buffers = {}
     for dtype in DTYPES:
         buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
