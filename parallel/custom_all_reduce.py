@@ -63,7 +63,7 @@ def unavailable_reason(device: torch.device, tp_size: int, tp_ranks_per_host: in
         return "not on CUDA"
     if tp_size < 2:
         return "no tensor parallelism"
-    if tp_size > tp_ranks_per_host:
+    if tp_ranks_per_host % tp_size:  # TP groups are runs of tp ranks; hosts, of ranks_per_host
         return "the TP group spans hosts (NVLink peers only)"
     if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
         return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy_out"

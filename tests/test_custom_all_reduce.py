@@ -39,6 +39,7 @@ def test_unavailable_reasons():
     assert unavailable_reason(cpu, 2, 2) == "not on CUDA"
     assert unavailable_reason(gpu, 1, 8) == "no tensor parallelism"
     assert "spans hosts" in unavailable_reason(gpu, 4, 2)
+    assert "spans hosts" in unavailable_reason(gpu, 4, 6)  # tp 4 x pp 3 on two hosts
 
 
 def _worker(rank: int, port: int) -> None:
