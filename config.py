@@ -395,6 +395,7 @@ class ParallelConfig:
     # workers on its own GPUs (core `data_parallel_rank` uses GPUs [rank * tp * pp, ...)).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    disable_custom_all_reduce: bool = False  # NCCL for every TP all-reduce (no one-shot path)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

@@ -44,12 +44,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--disable-custom-all-reduce", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = [dest for dest, _, _ in ENGINE_FLAGS.values()]
-    flags = ["enable_prefix_caching", "enforce_eager", "async_scheduling"]
+    flags = [
+        "enable_prefix_caching",
+        "enforce_eager",
+        "async_scheduling",
+        "disable_custom_all_reduce",
+    ]
     kw = {k: getattr(args, k) for k in keys + flags}
     return {k: v for k, v in kw.items() if v is not None}
 

@@ -100,6 +100,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("-dp", "--data-parallel-size", dest="dp", type=_positive_int, default=1,
       help="engine cores on this host, each with its own tp x pp GPUs (core i: GPUs "
       "[i*tp*pp, (i+1)*tp*pp)); requests go to the core holding their prefix")  # fmt: skip
+    a("--disable-custom-all-reduce", action="store_true", help="NCCL for every tensor-parallel "
+      "all-reduce (default: small ones one-shot over NVLink)")  # fmt: skip
     a("--pp-layer-partition", type=int_list, help="layers per pipeline stage, e.g. 20,12")
     a("--nnodes", type=_positive_int, default=1, help="machines in one TP x PP group")
     a("--node-rank", type=_non_negative_int, default=0, help="0 runs the engine and API servers")
@@ -308,6 +310,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_parallel_size=args.pp,
         pp_layer_partition=args.pp_layer_partition,
         data_parallel_size=args.dp,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,

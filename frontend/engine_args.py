@@ -41,7 +41,7 @@ ENGINE_ARGS: dict[str, Any] = {
     # parallelism
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "device": "auto", "nnodes": 1,
     "node_rank": 0, "master_addr": "127.0.0.1", "master_port": None, "pp_layer_partition": None,
-    "data_parallel_size": 1,
+    "data_parallel_size": 1, "disable_custom_all_reduce": False,
     # LoRA adapters
     "enable_lora": False, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
     "lora_dtype": "auto", "lora_modules": None, "allow_runtime_lora_updating": False,
@@ -117,6 +117,7 @@ def build_engine_config(model: str, **kw: Any) -> EngineConfig:
             master_port=a["master_port"],
             pp_layer_partition=a["pp_layer_partition"],
             data_parallel_size=a["data_parallel_size"],
+            disable_custom_all_reduce=a["disable_custom_all_reduce"],
         ),
         lora=lora_config(a),
         speculative=SpeculativeConfig.from_value(a["speculative_config"]),

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.config import ParallelConfig
-from pagedserve.parallel.state import init_tp_group
+from pagedserve.parallel.custom_all_reduce import setup_one_shot
+from pagedserve.parallel.state import init_tp_group, set_one_shot
 
 INIT_TIMEOUT = timedelta(seconds=120)
 
@@ -77,9 +78,13 @@ def init_distributed(
     master_port: int,
     device: torch.device,
     sampled_links: bool = False,
+    custom_all_reduce: bool = False,
+    ranks_per_host: int | None = None,
 ):
     """Join the world group and build every TP group (all ranks must create all groups);
-    `sampled_links`: also the last stage's links back to the first (send_sampled)."""
+    `sampled_links`: also the last stage's links back to the first (send_sampled);
+    `custom_all_reduce`: small TP all-reduces one-shot over NVLink where the TP group lies on
+    one host of `ranks_per_host` ranks (parallel/custom_all_reduce.py)."""
     if info.world_size == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -111,6 +116,9 @@ def init_distributed(
             _LINKS.tokens = link
     if device.type == "cuda" and info.tp_size > 1:
         check_same_devices(gather_devices(device, info.world_size))
+    if custom_all_reduce and info.tp_size > 1:
+        per_host = ranks_per_host or info.world_size
+        set_one_shot(setup_one_shot(my_group, device, info.tp_size, per_host))
 
 
 _NAME_BYTES = 64

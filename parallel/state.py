@@ -18,6 +18,7 @@ class TPState:
     group: Any = None  # a torch.distributed ProcessGroup, or None for a group of one
     rank: int = 0
     size: int = 1
+    one_shot: Any = None  # a custom_all_reduce.OneShotAllReduce for small messages, or None
 
 
 _TP = TPState()
@@ -28,6 +29,11 @@ def init_tp_group(group: Any, rank: int, size: int) -> None:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"bad tensor-parallel rank {rank} of size {size}")
     _TP.group, _TP.rank, _TP.size = group, rank, size
+
+
+def set_one_shot(one_shot: Any) -> None:
+    """Sum small messages with this one-shot all-reduce (None: NCCL for every message)."""
+    _TP.one_shot = one_shot
 
 
 def tp_rank() -> int:
@@ -45,6 +51,8 @@ def _active() -> bool:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the TP group, in place; returns it."""
     if tp_size() > 1:
+        if _TP.one_shot is not None and _TP.one_shot.fits(x):
+            return _TP.one_shot.all_reduce(x)
         dist.all_reduce(x, group=_TP.group)
     return x
 

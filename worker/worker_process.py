@@ -77,7 +77,15 @@ def run_loop(
     info = rank_info(parallel, rank)
     local_rank = parallel.first_local_device + rank % parallel.ranks_per_node
     device = resolve_device(parallel.device, local_rank)
-    init_distributed(info, parallel.master_addr, dist_port, device, config.pipelined_async)
+    init_distributed(
+        info,
+        parallel.master_addr,
+        dist_port,
+        device,
+        config.pipelined_async,
+        custom_all_reduce=not parallel.disable_custom_all_reduce,
+        ranks_per_host=parallel.ranks_per_node,
+    )
     clock.mark("device and process groups")
     runner = ModelRunner(config, device, info)
     if device.type == "cpu":

@@ -16,6 +16,15 @@
 # instead of this one: the A/B of a change in the same lease. LAT_FLAGS / THR_FLAGS add engine
 # flags (the latency steps default to --max-num-seqs 8 --max-num-batched-tokens 512: batch 1
 # needs no more, and fewer CUDA graphs to capture start the 70B engine sooner).
+# Small TP all-reduces one-shot over NVLink (parallel/custom_all_reduce.py): `ar-tests` runs its
+# GPU test (equal to NCCL bit for bit, eager and in a graph) and the tp2-vs-tp1 equality test;
+# `ar-bench` times one all-reduce in a CUDA graph, NCCL vs one-shot, 8 KB to 2 MB, on every GPU;
+# the engine's A/B in one lease is `lat-tp2@--disable-custom-all-reduce lat-tp2`:
+#   ARCH=llama3-8b STEPS="ar-tests ar-bench lat-tp2@--disable-custom-all-reduce lat-tp2"
+# On four GPUs (nvidia-h100-x4 / nvidia-h200-x4), in calls of under 10 minutes each:
+#   STEPS="ar-tests ar-bench pp-tests lat-tp4@--disable-custom-all-reduce lat-tp4 lat-tp2pp2"
+#   STEPS="lat-pp2 lat-pp4 thr-tp4 thr-tp2pp2"; STEPS="serve-tp2pp2 serve-tp4"
+#   STEPS="w1-dp1 w1-dp4 mt-dp1 mt-dp4" (`w1-dpN`: the 8B shape, W1 = 1000 x 1024/128 at -dp N)
 # On two GPUs: `ARCH=llama3-8b STEPS="lat-pp2 base:lat-pp2 lat-tp1 lat-tp2 thr-pp2 thr-tp2"`
 # (batch 1 with async scheduling across stages: the first stage no longer waits for the core's
 # round trip; docs/parallelism.md).
@@ -60,6 +69,16 @@ for step in $STEPS; do
   json="$OUT/$name.json"
   if [ "${TRACE:-0}" = 1 ]; then export PAGEDSERVE_STEP_TRACE="$OUT/trace-$name"; fi
   case $step in
+    ar-tests) env PYTHONPATH=$tree:${PYTHONPATH:-} timeout ${STEP_TIMEOUT:-420} python3 -m pytest \
+          -q -m gpu -s tests/test_custom_all_reduce.py tests/test_gpu_equivalence.py \
+          -k "one_shot or tp2_bf16" 2>&1 | tail -8
+        table+=("$(printf '%-22s %s' "$name" "exit ${PIPESTATUS[0]}")") ;;
+    ar-bench) env PYTHONPATH=$tree:${PYTHONPATH:-} timeout ${STEP_TIMEOUT:-420} python3 \
+          tests/gpu/all_reduce_bench.py 2>&1 | tee "$OUT/$name.txt" | grep -v "^USDT" | tail -7 ;;
+    w1-dp*) [ -d $M8 ] || python3 .gpucarry/make_model_dir.py $M8 --arch llama3-8b >/dev/null
+        $PS bench throughput --model $M8 --load-format dummy --dtype bfloat16 -dp ${step#w1-dp} \
+          $X --input-len 1024 --output-len 128 --num-prompts ${W1_PROMPTS:-1000} \
+          --output-json "$json" 2>&1 | grep -v "^USDT" | tail -3 ;;
     pp-tests) env PYTHONPATH=$tree:${PYTHONPATH:-} timeout ${STEP_TIMEOUT:-420} python3 -m pytest \
           -q -m gpu -s tests/test_gpu_equivalence.py -k pipeline 2>&1 | tail -8
         table+=("$(printf '%-22s %s' "$name" "exit ${PIPESTATUS[0]}")") ;;
