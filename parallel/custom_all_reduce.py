@@ -18,6 +18,7 @@ before any uses it); `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class OneShotAllReduce:
 
 def unavailable_reason(device: torch.device, tp_size: int, tp_ranks_per_host: int) -> str | None:
     """Why the one-shot path cannot serve this TP group (None: it may, if its check passes)."""
+    if os.environ.get("PAGEDSERVE_CUSTOM_ALL_REDUCE") != "1":
+        return "opt-in until measured on GPUs (PAGEDSERVE_CUSTOM_ALL_REDUCE=1)"
     if device.type != "cuda":
         return "not on CUDA"
     if tp_size < 2:
