@@ -156,3 +156,23 @@ def test_fp8_without_block_scales_is_refused(checkpoints, tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="an FP8 checkpoint: .* block-FP8 checkpoints only"):
         ModelConfig(model=str(tmp_path / "m"))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_experts_stay_fp8_and_match_transformers(checkpoints):
+    """On a GPU (float32): the routed experts stay fp8 (the grouped Triton kernel scales each
+    tile by its block) and steps of at most 16 rows keep every FP8 linear weight-only, so greedy
+    tokens equal transformers' on the dequantized weights."""
+    fp8, dequant = checkpoints("qwen3-next")
+    prompts = random_seqs([16, 11], seed=8)
+    want, _ = hf_greedy(dequant, prompts, NUM_NEW)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    with LLM(
+        fp8, device="cuda", dtype="float32", max_num_batched_tokens=16, max_num_seqs=1,
+        max_model_len=64,
+    ) as llm:  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    ours = build_model(ModelConfig(model=fp8), torch.float32, torch.device("cuda"))
+    experts = ours.model.layers["0"].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w13_scale is not None
