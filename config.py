@@ -129,6 +129,26 @@ def has_recurrent_state(hf: dict[str, Any]) -> bool:
     return LINEAR_ATTENTION in (hf.get("layer_types") or [])
 
 
+def check_fp8_model(hf: dict[str, Any], quant: Fp8Scheme, requested: str | None) -> None:
+    """Refuse by name the FP8 weights a model family does not run: MoE experts take FP8 only
+    with block scales (DeepSeek-V3 / Kimi-K2, and the hybrids); hybrid models only from a
+    block-FP8 checkpoint (no load-time `--quantization fp8`, no per-tensor/channel scales)."""
+    model_type = hf.get("model_type")
+    source = "--quantization fp8" if requested else "an FP8 checkpoint"
+    if has_recurrent_state(hf):
+        if not quant.serialized or quant.block is None:
+            raise ValueError(
+                f"{source}: FP8 weights for hybrid linear-attention models ({model_type}) are "
+                "supported from block-FP8 checkpoints only (quant_method fp8 with "
+                "weight_block_size, as Qwen publishes them); serve such a checkpoint or bf16"
+            )
+    elif model_type in MOE_MODEL_TYPES and model_type not in MLA_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: FP8 weights are not supported for MoE models ({model_type}) yet; "
+            "serve the bf16 checkpoint"
+        )
+
+
 def kv_cache_groups(hf: dict[str, Any]) -> list[KVCacheGroup]:
     """The model's KV cache groups, in a fixed order (global kinds first, then by window).
     Linear-attention layers have no KV cache and are in no group."""
@@ -201,23 +221,8 @@ class ModelConfig:
         object.__setattr__(self, "quant", quant_scheme(self.hf, self.quantization))
         pooling = resolve_pooling(hf_dir, self.hf, self.runner, self.convert, self.pooler_config)
         object.__setattr__(self, "pooling", pooling)
-        model_type = self.hf.get("model_type")
-        if (
-            self.quant is not None
-            and model_type in MOE_MODEL_TYPES
-            and model_type not in MLA_MODEL_TYPES
-        ):
-            source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
-            raise ValueError(
-                f"{source}: FP8 weights are not supported for MoE models "
-                f"({self.hf['model_type']}) yet; serve the bf16 checkpoint"
-            )
-        if self.quant is not None and has_recurrent_state(self.hf):
-            source = "--quantization fp8" if self.quantization else "an FP8 checkpoint"
-            raise ValueError(
-                f"{source}: FP8 weights are not supported for hybrid linear-attention models "
-                f"({self.hf.get('model_type')}) yet; serve the bf16 checkpoint"
-            )
+        if self.quant is not None:
+            check_fp8_model(self.hf, self.quant, self.quantization)
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"--load-format {self.load_format!r}: choose auto or dummy")
         if self.load_format == "gguf" and gguf_file is None:

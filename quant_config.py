@@ -25,6 +25,14 @@ from typing import Any
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
 _HEAD_NAMES = {"lm_head", "re:.*lm_head", "model.embed_tokens"}
+# Modules we keep in the model dtype whatever the scheme (routers, the shared expert's gate, the
+# hybrids' b/a projections), as published FP8 MoE / hybrid checkpoints leave them, and parts we
+# never load (vision tower, MTP head): a checkpoint may list them as unquantized.
+_PLAIN_SUFFIXES = (
+    "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba", "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+)  # fmt: skip
+_UNLOADED_PARTS = ("mtp", "visual", "model.visual", "model.language_model.mtp")
 
 
 @dataclass(frozen=True)
@@ -119,12 +127,20 @@ def _compressed_tensors(qc: dict[str, Any]) -> Fp8Scheme:
     return Fp8Scheme(serialized=True, strategy=strategy)
 
 
+def _kept_plain(name: str) -> bool:
+    name = name.removeprefix("re:")
+    if name in _HEAD_NAMES or name.startswith(_UNLOADED_PARTS):
+        return True
+    return any(name == s or name.endswith("." + s) for s in _PLAIN_SUFFIXES)
+
+
 def _check_ignored(names: list[str]) -> None:
-    others = [n for n in names if n not in _HEAD_NAMES]
+    others = [n for n in names if not _kept_plain(n)]
     if others:
         raise ValueError(
             f"the checkpoint leaves layers unquantized ({', '.join(others[:3])}); only the LM "
-            "head may be (mixed quantized and plain layers are not supported)"
+            "head, routers and the hybrids' b/a projections may be (other mixed quantized and "
+            "plain layers are not supported)"
         )
 
 

@@ -272,7 +272,7 @@ def test_refusals_name_the_flag(tmp_path_factory):
         runner.profile_num_blocks()
     with pytest.raises(ValueError, match=r"--tp 4 does not divide .* linear-attention key heads"):
         build_engine_config(path, device="cpu", tensor_parallel_size=4)
-    with pytest.raises(ValueError, match="FP8 weights are not supported for hybrid"):
+    with pytest.raises(ValueError, match="hybrid linear-attention .* block-FP8 checkpoints only"):
         build_engine_config(path, device="cpu", quantization="fp8")
 
 

@@ -3,9 +3,11 @@ W3 (batch 1, 128-token prompt, 256 new tokens: ms per output token), one prefill
 1024-token prompt, one token out: the chunked delta rule's share of it comes from the
 bench-rule step) and W1-shaped throughput (N prompts of 1024 tokens, 128 out), beside the
 weight-read floor (the bytes a batch-1 decode step reads: every weight, for MoE only the routed
-experts' share, over HBM bandwidth).
+experts' share, over HBM bandwidth; bf16, or fp8 + block scales where the config has a
+`quantization_config`).
 
   python tests/gpu/hybrid_bench.py MODEL_DIR --prompts 200 [--hbm-tbps 3.35] [--json out.json]
+      [--max-num-seqs 256]
 """
 
 from __future__ import annotations
@@ -16,22 +18,39 @@ import time
 
 import torch
 
+PLAIN_PROJECTIONS = ("in_proj_ba", "in_proj_a", "in_proj_b")  # bf16 in FP8 checkpoints too
+
+
+def param_bytes(name: str, param: torch.Tensor, fp8: bool) -> int:
+    """A weight's bytes: bf16, or in a block-FP8 checkpoint 1 byte for the decoder's
+    projections (routed and shared experts too) plus one float32 scale per 128 x 128 block."""
+    parts = name.split(".")
+    module = parts[-2] if parts[-1] == "weight" else parts[-1]
+    if fp8 and "layers" in parts and "_proj" in module and module not in PLAIN_PROJECTIONS:
+        return param.numel() + param.numel() // (128 * 128) * 4
+    return 2 * param.numel()
+
 
 def floor_bytes(model_dir: str) -> tuple[float, float]:
-    """(all weights, weights a batch-1 decode reads) in bytes, bf16, from the config alone."""
+    """(all weights, weights a batch-1 decode reads) in bytes, from the config alone: bf16, or
+    the checkpoint's block FP8."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
+    fp8 = getattr(config, "quantization_config", None) is not None
+    if fp8:
+        del config.quantization_config  # a meta model of the layout, no quantizer
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = experts = 0
     for name, p in model.named_parameters():
-        total += p.numel()
+        size = param_bytes(name, p, fp8)
+        total += size
         if ".experts." in name and "shared_expert" not in name:
-            experts += p.numel()
+            experts += size
     routed = getattr(config, "num_experts_per_tok", 0) / max(getattr(config, "num_experts", 1), 1)
-    embed = config.vocab_size * config.hidden_size  # the input embedding: one row per token
-    return 2 * total, 2 * (total - experts + experts * routed - embed)
+    embed = 2 * config.vocab_size * config.hidden_size  # the input embedding: one row per token
+    return total, total - experts + experts * routed - embed
 
 
 def main() -> None:
@@ -40,6 +59,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--hbm-tbps", type=float, default=3.35)  # H100 SXM
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--json")
     args = ap.parse_args()
     from pagedserve import LLM, SamplingParams
@@ -66,7 +86,7 @@ def main() -> None:
     out["floor_ms_per_token"] = per_token / (args.hbm_tbps * 1e12) * 1e3
     t0 = time.perf_counter()
     with LLM(args.model, device=args.device, dtype=dtype, load_format="dummy",
-             max_model_len=4096) as llm:  # fmt: skip
+             max_model_len=4096, max_num_seqs=args.max_num_seqs) as llm:  # fmt: skip
         out["start_s"] = time.perf_counter() - t0
         print(f"started in {out['start_s']:.1f} s", flush=True)  # each result as it comes
         timed(prompts(1, 128), 16)  # warm-up

@@ -4,11 +4,16 @@
 # 8B-class Qwen3.5 shape, then tests/gpu/hybrid_bench.py (W3 batch-1 ms/token, one 1024-token
 # prefill step, W1-shaped throughput, the weight-read floor) with dummy weights in bfloat16 at
 # Qwen3.5's default shape (hidden 4096, 32 layers: 24 Gated DeltaNet with 16 key / 32 value heads
-# of 128, 8 full attention; vocab 248320) and at Qwen3-Next-80B-A3B's shape cut to
-# NEXT_LAYERS layers (512 experts, top 10; bf16: FP8 weights are refused for MoE models).
+# of 128, 8 full attention; vocab 248320) and at Qwen3-Next-80B-A3B's shape (transformers'
+# Qwen3NextConfig defaults: hidden 2048, 512 experts top 10 + a shared expert, 3 of 4 layers
+# Gated DeltaNet) cut to NEXT_LAYERS layers in bf16 ("qwen3-next"), or to NEXT_FP8_LAYERS of its
+# 48 in the block-FP8 checkpoint's layout ("qwen3-next-fp8": experts, projections and shared
+# expert fp8 with 128 x 128 block scales; 36 layers, ~60 GB, fit one H100 beside the state
+# slots of --max-num-seqs 128; all 48 would be ~80 GB).
 # A table last; outputs in $OUT (or /tmp/out).
 #   bash tests/gpu/hybrid_gpu.sh
 #   STEPS="bench-rule qwen3.5" W1_PROMPTS=1000 bash tests/gpu/hybrid_gpu.sh
+#   STEPS="qwen3-next-fp8 qwen3.5" W1_PROMPTS=100 bash tests/gpu/hybrid_gpu.sh
 #   OLD_RULE=/tmp/old_triton_chunk_gated_delta.py STEPS=bench-rule bash tests/gpu/hybrid_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -104,6 +109,13 @@ PY
 architectures=['Qwen3NextForCausalLM'])"
       $T python3 tests/gpu/hybrid_bench.py $M --prompts ${NEXT_PROMPTS:-100} \
         --json "$OUT/hybrid-qwen3-next.json" 2>&1 | tail -16 ;;
+    qwen3-next-fp8) M=/tmp/qwen3-next-fp8-cut  # the FP8 checkpoint's layout, dummy weights
+      make_dir $M "Qwen3NextConfig(num_hidden_layers=${NEXT_FP8_LAYERS:-36}, dtype='bfloat16', \
+architectures=['Qwen3NextForCausalLM'], quantization_config=dict(quant_method='fp8', fmt='e4m3', \
+activation_scheme='dynamic', weight_block_size=[128, 128]))"
+      $T python3 tests/gpu/hybrid_bench.py $M --prompts ${NEXT_PROMPTS:-100} --max-num-seqs 128 \
+        --json "$OUT/hybrid-qwen3-next-fp8.json" 2>&1 | tee "$OUT/hybrid-qwen3-next-fp8.log" \
+        | tail -16 ;;
     *) echo "unknown step $step" ;;
   esac
 done
@@ -118,7 +130,7 @@ def load(name):
 rule = load("hybrid-rule.json")
 print(f"{'model':<22}{'W3 ms/tok':>10}{'floor':>8}{'x':>6}{'prefill1k ms':>13}{'W1 out tok/s':>13}"
       f"{'W1 tot tok/s':>13}{'rule share':>11}")
-for name in ("qwen3.5", "qwen3-next"):
+for name in ("qwen3.5", "qwen3-next", "qwen3-next-fp8"):
     r = load(f"hybrid-{name}.json")
     if r is None:
         continue
@@ -127,6 +139,8 @@ for name in ("qwen3.5", "qwen3-next"):
     share = ""
     if rule and linear:
         share = f"{linear * rule['prefill_layer_ms'] / r['prefill_1024_ms']:.0%}"
+    if "w3_ms_per_token" not in r:
+        continue
     print(f"{name:<22}{r['w3_ms_per_token']:>10.2f}{r['floor_ms_per_token']:>8.2f}"
           f"{r['w3_over_floor']:>6.1f}{r['prefill_1024_ms']:>13.1f}{r['w1_output_tok_s']:>13.0f}"
           f"{r['w1_total_tok_s']:>13.0f}{share:>11}")

@@ -13,6 +13,10 @@ projections are column-parallel, `out_proj` row-parallel (one all-reduce). The c
 q | k | v, each part split like its heads. Qwen3-Next fuses q, k, v, z (and b, a) per key head in
 one matrix (`in_proj_qkvz`, `in_proj_ba`): a contiguous range of key heads is a contiguous range
 of its rows, so it splits as one column-parallel matrix.
+
+FP8 checkpoints (`quant`): the q/k/v(/z) and output projections are FP8; the b/a projections
+(`2 x Hv` rows, fewer than a 128-row block) stay in the model dtype, as the published FP8
+checkpoints leave them (`modules_to_not_convert`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.gated_delta import StateLayout, causal_conv1d, gated_delta_rule
 from pagedserve.parallel.state import tp_rank, tp_size
+from pagedserve.quant_config import Fp8Scheme
 from pagedserve.worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -40,7 +45,9 @@ from pagedserve.worker.layers.linear import (
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hf: dict[str, Any], fused_projections: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], fused_projections: bool, quant: Fp8Scheme | None = None
+    ) -> None:
         super().__init__()
         tp = tp_size()
         hidden = hf["hidden_size"]
@@ -59,11 +66,15 @@ class GatedDeltaNet(nn.Module):
         self.fused_projections = fused_projections
         key_all, value_all = num_k_heads * self.head_k_dim, num_v_heads * self.head_v_dim
         if fused_projections:  # Qwen3-Next: [q k v z] and [b a] grouped per key head
-            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * key_all + 2 * value_all)
+            self.in_proj_qkvz = ColumnParallelLinear(
+                hidden, 2 * key_all + 2 * value_all, quant=quant
+            )
             self.in_proj_ba = ColumnParallelLinear(hidden, 2 * num_v_heads)
         else:  # Qwen3.5
-            self.in_proj_qkv = MergedColumnParallelLinear(hidden, [key_all, key_all, value_all])
-            self.in_proj_z = ColumnParallelLinear(hidden, value_all)
+            self.in_proj_qkv = MergedColumnParallelLinear(
+                hidden, [key_all, key_all, value_all], quant=quant
+            )
+            self.in_proj_z = ColumnParallelLinear(hidden, value_all, quant=quant)
             self.in_proj_b = ColumnParallelLinear(hidden, num_v_heads)
             self.in_proj_a = ColumnParallelLinear(hidden, num_v_heads)
         self.conv_parts = [self.key_dim, self.key_dim, self.value_dim]  # q | k | v channels
@@ -72,7 +83,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _param(self.num_v_heads, loader=self._load_heads)
         self.A_log = _param(self.num_v_heads, loader=self._load_heads)
         self.norm_weight = _param(self.head_v_dim, loader=load_full)  # replicated
-        self.out_proj = RowParallelLinear(value_all, hidden)
+        self.out_proj = RowParallelLinear(value_all, hidden, quant=quant)
         # [S, conv_dim, K - 1] and [S, Hv, Dk, Dv]: allocate_states
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None

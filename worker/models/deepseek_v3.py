@@ -11,9 +11,7 @@
   scores, renormalized (`norm_topk_prob`) and times `routed_scaling_factor`.
 - FP8 block checkpoints (`weight_block_size [128, 128]`, `weight_scale_inv` per block): the
   linear layers run FP8 as for dense models; the routed experts load fp8 with their block scales
-  and stay FP8 on a GPU (the grouped Triton kernel scales each tile by its block:
-  `stack_expert_scales`), or are dequantized to the model dtype after loading elsewhere
-  (`dequantize_experts`).
+  and stay FP8 on a GPU or are dequantized elsewhere (worker/layers/fp8_moe.py).
 
 The multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.<N>.*`
 past the decoder) are skipped by name: speculative decoding with them is not implemented.
@@ -21,23 +19,17 @@ past the decoder) are skipped by name: speculative decoding with them is not imp
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.backend import triton_available
-from pagedserve.kernels.fp8 import FP8
-from pagedserve.kernels.moe import fused_moe
-from pagedserve.parallel.state import tp_all_reduce, tp_rank
+from pagedserve.parallel.state import tp_all_reduce
 from pagedserve.quant_config import Fp8Scheme
-from pagedserve.worker.layers.linear import _param, expect_shape, read_all
+from pagedserve.worker.layers.fp8_moe import Fp8BlockMoE, expert_scale_name, expert_scale_param
 from pagedserve.worker.layers.mla import MLAttention
-from pagedserve.worker.layers.moe import PROJECTIONS, FusedMoE
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.models.llama import (
     LlamaDecoderLayer,
@@ -48,10 +40,6 @@ from pagedserve.worker.models.llama import (
 )
 
 logger = logging.getLogger(__name__)
-
-# a routed expert's block scale: `...mlp.experts.<e>.<proj>.weight_scale_inv`
-EXPERT_SCALE = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight_scale_inv$")
-EXPERT_PROJECTION = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def check_deepseek_config(hf: dict[str, Any]) -> None:
@@ -100,113 +88,24 @@ class GroupedTopkRouter(nn.Module):
         return weights * self.scaling, ids
 
 
-class DeepseekV3MoE(FusedMoE):
+class DeepseekV3MoE(Fp8BlockMoE):
     """Routed experts (grouped top-k) plus the shared experts, all-reduced across TP ranks."""
 
     def __init__(self, hf: dict[str, Any], quant: Fp8Scheme | None) -> None:
         hidden, inter = hf["hidden_size"], hf["moe_intermediate_size"]
-        num_experts = hf["n_routed_experts"]
-        fp8 = quant is not None and quant.serialized
-        # FP8 experts replace the stacked weights: no transient model-dtype copies (22.5 GB per
-        # layer at DeepSeek-V3's shapes) before them
-        with torch.device("meta") if fp8 else contextlib.nullcontext():
-            super().__init__(num_experts, hf["num_experts_per_tok"], hidden, inter, True)
+        super().__init__(
+            hf["n_routed_experts"], hf["num_experts_per_tok"], hidden, inter, True, quant,
+            "DeepseekV3",
+        )  # fmt: skip
         self.gate = GroupedTopkRouter(hf)
-        self.dtype = torch.get_default_dtype()  # the model dtype the experts run in
-        self.block: tuple[int, int] | None = None
-        self.w13_scale: torch.Tensor | None = None  # FP8 experts kept (stack_expert_scales)
-        self.w2_scale: torch.Tensor | None = None
-        if fp8:
-            if quant.block is None:
-                raise ValueError("DeepseekV3: FP8 experts need block scales (weight_block_size)")
-            self.block = quant.block
-            self._fp8_expert_params(num_experts, hidden, inter)
         shared = hf.get("n_shared_experts") or 0
         self.shared_experts = (
             LlamaMLP({**hf, "intermediate_size": inter * shared}, quant) if shared else None
         )
 
-    def _fp8_expert_params(self, num_experts: int, hidden: int, inter: int) -> None:
-        """fp8 stacked weights (this rank's shard) and each expert's whole block-scale grid."""
-        w13, w2 = self.w13_weight, self.w2_weight
-        self.w13_weight = _param(*w13.shape, loader=self.weight_loader, dtype=FP8,
-                                 shard_ids=w13.shard_ids)  # fmt: skip
-        self.w2_weight = _param(*w2.shape, loader=self.weight_loader, dtype=FP8,
-                                shard_ids=w2.shard_ids)  # fmt: skip
-        b0, b1 = self.block  # type: ignore[misc]
-        for proj in PROJECTIONS:
-            rows, cols = (hidden, inter) if proj == "w2" else (inter, hidden)
-            shape = (num_experts, -(-rows // b0), -(-cols // b1))
-            ids = tuple((e, proj) for e in range(num_experts))
-            scale = _param(*shape, loader=self._scale_loader, shard_ids=ids, dtype=torch.float32)
-            setattr(self, f"{proj}_weight_scale", scale)
-
-    def _scale_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        expect_shape(loaded, tuple(param.shape[1:]))
-        param.data[shard_id[0]].copy_(read_all(loaded))
-
-    def after_loading(self) -> None:
-        if self.block is None:
-            return
-        b0, b1 = self.block
-        on_gpu = self.w13_weight.is_cuda and triton_available()
-        if on_gpu and b0 == b1 >= 16 and b0 & (b0 - 1) == 0 and self.inter_per_rank % b0 == 0:
-            self.stack_expert_scales()
-        else:
-            self.dequantize_experts()
-
-    def stack_expert_scales(self) -> None:
-        """Keep the experts in FP8 for the grouped kernel (kernels/triton_moe.py): this rank's
-        block scales stacked as its weights are, `w13_scale [E, 2I/tp/B, H/B]` (w1's, then
-        w3's) and `w2_scale [E, H/B, I/tp/B]`."""
-        b = self.block[0]  # type: ignore[index]
-        mine = slice(
-            tp_rank() * self.inter_per_rank // b, (tp_rank() + 1) * self.inter_per_rank // b
-        )
-        scales = {p: getattr(self, f"{p}_weight_scale").data for p in PROJECTIONS}
-        self.w13_scale = torch.cat([scales["w1"][:, mine], scales["w3"][:, mine]], 1).contiguous()
-        self.w2_scale = scales["w2"][:, :, mine].contiguous()
-        for proj in PROJECTIONS:
-            delattr(self, f"{proj}_weight_scale")
-        self.block = None
-
-    def dequantize_experts(self) -> None:
-        """fp8 experts -> the model dtype, `w = w_fp8 * scale` of each element's 128 x 128
-        block, one expert at a time (this rank's rows of w1/w3, columns of w2)."""
-        size, start = self.inter_per_rank, tp_rank() * self.inter_per_rank
-        b0, b1 = self.block  # type: ignore[misc]
-        w13, w2 = self.w13_weight.data, self.w2_weight.data
-        dev = w13.device
-        mine = torch.arange(start, start + size, device=dev)  # global intermediate indices
-        cols = torch.arange(w13.shape[2], device=dev)  # hidden
-        new13 = torch.empty(w13.shape, dtype=self.dtype, device=dev)
-        new2 = torch.empty(w2.shape, dtype=self.dtype, device=dev)
-        scales = {p: getattr(self, f"{p}_weight_scale").data for p in PROJECTIONS}
-        for e in range(w13.shape[0]):
-            for offset, proj in ((0, "w1"), (size, "w3")):
-                s = scales[proj][e][mine // b0][:, cols // b1]  # [I/tp, H]
-                part = w13[e, offset : offset + size].float() * s
-                new13[e, offset : offset + size] = part.to(self.dtype)
-            s = scales["w2"][e][cols // b0][:, mine // b1]  # [H, I/tp]
-            new2[e] = (w2[e].float() * s).to(self.dtype)
-        self.w13_weight = nn.Parameter(new13, requires_grad=False)
-        self.w2_weight = nn.Parameter(new2, requires_grad=False)
-        for proj in PROJECTIONS:
-            delattr(self, f"{proj}_weight_scale")
-        self.block = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(x)
-        if self.w13_scale is not None:  # FP8 experts (stack_expert_scales)
-            from pagedserve.kernels.triton_moe import triton_fused_moe
-
-            out = triton_fused_moe(
-                x, self.w13_weight, self.w2_weight, weights, ids, w13_scale=self.w13_scale,
-                w2_scale=self.w2_scale,
-            )  # fmt: skip
-        else:
-            out = fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
-        out = tp_all_reduce(out)
+        out = tp_all_reduce(self.routed(x, weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)  # (its down projection all-reduces)
         return out
@@ -274,18 +173,14 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return super().checkpoint_name_wanted(name)
 
     def checkpoint_to_param(self, name: str) -> tuple[str, Any]:
-        scale = EXPERT_SCALE.search(name)
+        scale = expert_scale_param(name)
         if scale is not None:
-            projection = EXPERT_PROJECTION[scale[2]]
-            return f"{name[: scale.start()]}.{projection}_weight_scale", (int(scale[1]), projection)
+            return scale
         if ".self_attn.q_proj." in name:  # q_lora_rank null: one plain matrix, no q/k/v
             return name.replace("_scale_inv", "_scale"), None
         return super().checkpoint_to_param(name)
 
     def checkpoint_name(self, param_name: str, shard_id: Any) -> str:
-        if param_name.endswith("_weight_scale") and isinstance(shard_id, tuple):
-            expert, projection = shard_id
-            theirs = {v: k for k, v in EXPERT_PROJECTION.items()}[projection]
-            stacked = param_name.rsplit(".", 1)[0]
-            return f"{stacked}.experts.{expert}.{theirs}.weight_scale_inv"
-        return super().checkpoint_name(param_name, shard_id)
+        return expert_scale_name(param_name, shard_id) or super().checkpoint_name(
+            param_name, shard_id
+        )

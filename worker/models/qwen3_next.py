@@ -28,10 +28,11 @@ from pagedserve.config import has_recurrent_state, layer_kv_slot
 from pagedserve.kernels.attention.interface import PagedAttention
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.rotary import rope_config
+from pagedserve.quant_config import Fp8Scheme
 from pagedserve.worker.layers.attention import Attention
+from pagedserve.worker.layers.fp8_moe import Fp8BlockMoE, expert_scale_name, expert_scale_param
 from pagedserve.worker.layers.gated_deltanet import GatedDeltaNet
 from pagedserve.worker.layers.linear import FusedShards, QKVParallelLinear, RowParallelLinear
-from pagedserve.worker.layers.moe import FusedMoE
 from pagedserve.worker.layers.norm import GemmaRMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 from pagedserve.worker.models.llama import (
@@ -98,16 +99,18 @@ class GatedAttention(nn.Module):
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts plus one shared expert gated per token (Qwen3-Next, Qwen3.5-MoE)."""
+    """Routed experts plus one shared expert gated per token (Qwen3-Next, Qwen3.5-MoE); from an
+    FP8 checkpoint the experts (block scales) and the shared expert are FP8, the router and the
+    shared expert's gate stay in the model dtype."""
 
-    def __init__(self, hf: dict[str, Any], renormalize: bool) -> None:
+    def __init__(self, hf: dict[str, Any], renormalize: bool, quant: Fp8Scheme | None) -> None:
         super().__init__()
-        self.experts = FusedMoE(
+        self.experts = Fp8BlockMoE(
             hf["num_experts"], hf["num_experts_per_tok"], hf["hidden_size"],
-            hf["moe_intermediate_size"], renormalize,
+            hf["moe_intermediate_size"], renormalize, quant, hf.get("model_type", "hybrid"),
         )  # fmt: skip
         self.shared_expert = LlamaMLP(
-            {**hf, "intermediate_size": hf["shared_expert_intermediate_size"]}, None
+            {**hf, "intermediate_size": hf["shared_expert_intermediate_size"]}, quant
         )
         self.shared_expert_gate = nn.Linear(hf["hidden_size"], 1, bias=False)  # replicated
 
@@ -119,11 +122,11 @@ class SharedExpertMoE(nn.Module):
 def make_hybrid_mlp(hf: dict[str, Any], layer_idx: int, opts: ModelOptions) -> nn.Module:
     model_type = hf.get("model_type")
     if model_type == "qwen3_5_moe_text":
-        return SharedExpertMoE(hf, renormalize=True)
+        return SharedExpertMoE(hf, True, opts.quant)
     if model_type == "qwen3_next" and hf.get("num_experts"):
         step = hf.get("decoder_sparse_step") or 1
         if layer_idx not in (hf.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0:
-            return SharedExpertMoE(hf, renormalize=bool(hf.get("norm_topk_prob", True)))
+            return SharedExpertMoE(hf, bool(hf.get("norm_topk_prob", True)), opts.quant)
     return LlamaMLP(hf, opts.quant)
 
 
@@ -135,7 +138,8 @@ class HybridDecoderLayer(nn.Module):
         eps = hf.get("rms_norm_eps", 1e-6)
         self.is_linear = hf["layer_types"][layer_idx] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(hf, fused_projections=hf["model_type"] == "qwen3_next")
+            fused = hf["model_type"] == "qwen3_next"
+            self.linear_attn = GatedDeltaNet(hf, fused_projections=fused, quant=opts.quant)
         else:
             self.self_attn = GatedAttention(hf, layer_idx, backend, opts)
         self.mlp = make_hybrid_mlp(hf, layer_idx, opts)
@@ -204,13 +208,19 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def checkpoint_to_param(self, name: str) -> tuple[str, Any]:
         name = self._ours(name)
-        if ".linear_attn.in_proj_qkv." in name:  # one tensor: q | k | v
-            return name, FusedShards((0, 1, 2))
+        scale = expert_scale_param(name.replace(".mlp.experts.", ".mlp.experts.experts.", 1))
+        if scale is not None:  # FP8 checkpoints: an expert's block scales
+            return scale
+        if ".linear_attn.in_proj_qkv." in name:  # one tensor: q | k | v (and its FP8 scales)
+            return name.replace(".weight_scale_inv", ".weight_scale"), FusedShards((0, 1, 2))
         name = name.replace(".mlp.experts.", ".mlp.experts.experts.", 1)
         name = name.replace(".mlp.gate.weight", ".mlp.experts.gate.weight")
         return super().checkpoint_to_param(name)
 
     def checkpoint_name(self, param_name: str, shard_id: Any) -> str:
+        scale = expert_scale_name(param_name, shard_id)
+        if scale is not None:
+            return scale.replace(".experts.experts.", ".experts.")
         name = param_name.replace(".mlp.experts.experts.", ".mlp.experts.")
         name = name.replace(".mlp.experts.gate.", ".mlp.gate.")
         name = name.replace(".linear_attn.conv_weight", ".linear_attn.conv1d.weight")
