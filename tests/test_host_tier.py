@@ -299,3 +299,16 @@ def test_worker_spills_ahead_after_the_plans_copies():
     tier.copy([], [(0, 5)], [(5, 4), (6, 2)])
     assert torch.equal(tier.host[4, 0], want) and torch.equal(tier.host[2, 0], a[6])
     assert (tier.num_plans, tier.num_out, tier.num_in) == (2, 3, 1)
+
+
+def test_start_up_line_states_the_preemption_choice():
+    """core/kv_tier.py: the cost model's per-block figures and its choice, as logged."""
+    from pagedserve.core.kv_tier import TierSpec, describe_costs
+
+    spec = TierSpec(num_blocks=8, swap_s_per_block=50e-6, recompute_s_per_token=30e-6)
+    text = describe_costs(spec, 16, caching=False)
+    assert "swap out and in 100.0 us, recompute >= 480.0 us; chosen: swap" in text
+    assert describe_costs(spec, 2, caching=False).endswith("chosen: recompute")
+    assert "lazy swap" in describe_costs(spec, 16, caching=True)
+    forced = TierSpec(num_blocks=8, mode="recompute")
+    assert describe_costs(forced, 16, caching=False).endswith("--preemption-mode recompute")
