@@ -312,3 +312,38 @@ def test_start_up_line_states_the_preemption_choice():
     assert "lazy swap" in describe_costs(spec, 16, caching=True)
     forced = TierSpec(num_blocks=8, mode="recompute")
     assert describe_costs(forced, 16, caching=False).endswith("--preemption-mode recompute")
+
+
+def test_runner_kv_caches_are_views_of_the_tiers_one_tensor(tmp_path):
+    """worker/model_runner.py: each layer's KV cache is a view of one tensor (`kv_stack`), the
+    one the host tier gathers from: a block copied out holds every layer's KV of that block, in
+    layer order, and comes back into another block of every layer."""
+    torch = pytest.importorskip("torch")
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", str(tmp_path / "llama"))
+    config = build_engine_config(
+        path,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_offloading_size=0.001,
+        enforce_eager=True,  # no background CPU compile
+    )
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    runner.init_cache(12, runner.num_host_blocks())
+    stack, caches = runner.kv_stack, runner.kv_caches
+    assert stack.shape[:2] == (len(caches), 12) and len(caches) > 1
+    assert [c.data_ptr() for c in caches] == [stack[i].data_ptr() for i in range(len(caches))]
+    for i, c in enumerate(caches):
+        c.fill_(i + 1)
+        c[5] = -(i + 1)
+    runner.host_tier.copy([(5, 3)], [])
+    runner.host_tier.copy([], [(3, 9)])
+    for i, c in enumerate(caches):
+        assert torch.equal(runner.host_tier.host[3, i], c[5])
+        assert torch.equal(c[9], c[5]) and bool((c[8] == i + 1).all())
