@@ -138,11 +138,9 @@ class HostKVTier:
         self.num_plans += 1
         self.num_out += len(to_host) + len(ahead)
         self.num_in += len(from_host)
-        if self.host is None:  # a stage without KV layers
-            pass
-        elif self.stream is None:
-            self._copy(to_host, from_host, ahead, None)
-        else:
+        if self.host is not None and self.stream is None:  # (None: a stage without KV layers)
+            self._copy(to_host, from_host, ahead)
+        elif self.host is not None:
             self._copy_on_stream(to_host, from_host, ahead)
         self.host_s += time.perf_counter() - t0
 
