@@ -44,6 +44,22 @@ class TierSpec:
     mode: str | None = None
 
 
+def describe_costs(spec: TierSpec, block_size: int, caching: bool) -> str:
+    """The preemption choice at start-up, from what the workers measured (the log line)."""
+    swap = 2 * spec.swap_s_per_block * 1e6
+    recompute = block_size * spec.recompute_s_per_token * 1e6
+    if spec.mode is not None:
+        choice = f"--preemption-mode {spec.mode}"
+    elif caching:
+        choice = "the prefix cache is on: recompute (a lazy swap)"
+    else:
+        choice = "swap" if swap < recompute else "recompute"
+    return (
+        f"preemption cost per {block_size}-token block: swap out and in {swap:.1f} us, "
+        f"recompute >= {recompute:.1f} us; chosen: {choice}"
+    )
+
+
 class HostTier:
     def __init__(self, spec: TierSpec, block_size: int) -> None:
         self.spec = spec

@@ -25,7 +25,7 @@ import zmq
 from pagedserve import settings
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore
-from pagedserve.core.kv_tier import TierSpec
+from pagedserve.core.kv_tier import TierSpec, describe_costs
 from pagedserve.errors import EngineDeadError, StepTimeoutError
 from pagedserve.ipc.curve import load_key, start_authenticator
 from pagedserve.ipc.messages import (
@@ -219,7 +219,12 @@ class ZmqTransport:
         ready = self.wait_workers("cache_ready")
         _say_timings(ready, self.config.settings.launch_t0)
         self.ready = EngineReady(num_blocks, block_size, max_len)
-        return num_blocks, tier_spec(ready, self.config) if num_host_blocks else None
+        if not num_host_blocks:
+            return num_blocks, None
+        spec = tier_spec(ready, self.config)
+        caching = self.config.cache.enable_prefix_caching
+        print(f"pagedserve: {describe_costs(spec, block_size, caching)}", file=sys.stderr)
+        return num_blocks, spec
 
     def fail(self, message: str) -> None:
         """Tell every client (also those whose hello is still queued) that the engine is dead."""

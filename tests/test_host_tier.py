@@ -249,22 +249,39 @@ test_tier_state_machine = TierMachine.TestCase
 
 
 def test_worker_copies_round_trip_through_the_staging_buffer():
-    """worker/host_tier.py: more blocks than one staged chunk, layers sharing a tensor, a layer
-    without KV, ids out of order: what goes out comes back into the blocks named."""
+    """worker/host_tier.py: more blocks than one staged chunk, layers sharing a slot, a layer
+    without KV, ids out of order: what goes out comes back into the blocks named, in every layer,
+    through one gather (scatter) over all layers per chunk and one host copy per run of host
+    blocks."""
     torch = pytest.importorskip("torch")
-    from pagedserve.worker.host_tier import STAGING_BLOCKS, HostKVTier, host_tier_blocks
+    from pagedserve.worker.host_tier import (
+        STAGING_BLOCKS,
+        HostKVTier,
+        host_tier_blocks,
+        new_kv_caches,
+    )
 
+    stack, caches = new_kv_caches([0, 0, None, 3], (60, 2, 4, 2, 8), torch.float32, "cpu")
+    a, b = caches[0], caches[3]
+    assert stack.shape == (2, 60, 2, 4, 2, 8) and caches[1] is a and caches[2] is None
+    assert a.data_ptr() == stack.data_ptr() and b.data_ptr() == stack[1].data_ptr()
     gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(60, 2, 4, 2, 8, generator=gen) for _ in range(2))
-    tier = HostKVTier([a, a, None, b], 70)
+    stack.copy_(torch.randn(stack.shape, generator=gen))
+    tier = HostKVTier(stack, 70)
     assert tier.block_bytes == 2 * a[0].numel() * 4 and host_tier_blocks(1e-6, 1024) == 1
     n = STAGING_BLOCKS + 5
     want_a, want_b = a[:n].clone(), b[:n].clone()
-    tier.copy([(i, 69 - i) for i in range(n)], [])
-    a.zero_(), b.zero_()
+    tier.copy([(i, 69 - i) for i in range(n)], [])  # sorted by host block: 2 runs, not n
+    assert tier.num_host_copies == 2
+    for i in range(n):
+        assert torch.equal(tier.host[69 - i, 0], want_a[i]) and torch.equal(
+            tier.host[69 - i, 1], want_b[i]
+        )
+    stack.zero_()
     tier.copy([], [(69 - i, (i * 7) % 60) for i in range(n)])
     for i in range(n):
         assert torch.equal(a[(i * 7) % 60], want_a[i]) and torch.equal(b[(i * 7) % 60], want_b[i])
+    assert stack.count_nonzero() == 2 * n * a[0].numel()  # no other block written
 
 
 def test_worker_spills_ahead_after_the_plans_copies():
@@ -274,10 +291,59 @@ def test_worker_spills_ahead_after_the_plans_copies():
     from pagedserve.worker.host_tier import HostKVTier
 
     gen = torch.Generator().manual_seed(1)
-    a = torch.randn(8, 2, 4, 2, 8, generator=gen)
-    tier = HostKVTier([a], 6)
+    stack = torch.randn(1, 8, 2, 4, 2, 8, generator=gen)
+    a = stack[0]
+    tier = HostKVTier(stack, 6)
     tier.copy([(3, 0)], [], [])
     want = a[3].clone()
     tier.copy([], [(0, 5)], [(5, 4), (6, 2)])
     assert torch.equal(tier.host[4, 0], want) and torch.equal(tier.host[2, 0], a[6])
     assert (tier.num_plans, tier.num_out, tier.num_in) == (2, 3, 1)
+
+
+def test_start_up_line_states_the_preemption_choice():
+    """core/kv_tier.py: the cost model's per-block figures and its choice, as logged."""
+    from pagedserve.core.kv_tier import TierSpec, describe_costs
+
+    spec = TierSpec(num_blocks=8, swap_s_per_block=50e-6, recompute_s_per_token=30e-6)
+    text = describe_costs(spec, 16, caching=False)
+    assert "swap out and in 100.0 us, recompute >= 480.0 us; chosen: swap" in text
+    assert describe_costs(spec, 2, caching=False).endswith("chosen: recompute")
+    assert "lazy swap" in describe_costs(spec, 16, caching=True)
+    forced = TierSpec(num_blocks=8, mode="recompute")
+    assert describe_costs(forced, 16, caching=False).endswith("--preemption-mode recompute")
+
+
+def test_runner_kv_caches_are_views_of_the_tiers_one_tensor(tmp_path):
+    """worker/model_runner.py: each layer's KV cache is a view of one tensor (`kv_stack`), the
+    one the host tier gathers from: a block copied out holds every layer's KV of that block, in
+    layer order, and comes back into another block of every layer."""
+    torch = pytest.importorskip("torch")
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", str(tmp_path / "llama"))
+    config = build_engine_config(
+        path,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_offloading_size=0.001,
+        enforce_eager=True,  # no background CPU compile
+    )
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    runner.init_cache(12, runner.num_host_blocks())
+    stack, caches = runner.kv_stack, runner.kv_caches
+    assert stack.shape[:2] == (len(caches), 12) and len(caches) > 1
+    assert [c.data_ptr() for c in caches] == [stack[i].data_ptr() for i in range(len(caches))]
+    for i, c in enumerate(caches):
+        c.fill_(i + 1)
+        c[5] = -(i + 1)
+    runner.host_tier.copy([(5, 3)], [])
+    runner.host_tier.copy([], [(3, 9)])
+    for i, c in enumerate(caches):
+        assert torch.equal(runner.host_tier.host[3, i], c[5])
+        assert torch.equal(c[9], c[5]) and bool((c[8] == i + 1).all())

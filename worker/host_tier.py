@@ -1,12 +1,15 @@
-"""This rank's host-memory KV tier: a copy of each KV cache tensor's block layout in host memory
-(pinned on a GPU), and the block copies each plan names (core/kv_tier.py decides them).
+"""This rank's host-memory KV tier: a copy of the KV cache's block layout in host memory (pinned
+on a GPU), and the block copies each plan names (core/kv_tier.py decides them).
 
-The host tier is block-major (`[host blocks, layers, 2, block_size, kv_heads, head_dim]`: one
-host block is one contiguous chunk), the device cache layer-major (a tensor per layer), so a plan's
-copies go through a device staging buffer of `STAGING_BLOCKS` blocks: one gather (out) or scatter
-(in) per layer for a whole chunk of blocks, and one host copy per run of consecutive host blocks;
-not a copy per block and layer (a cudaMemcpyAsync costs microseconds of host time, a block's
-layer tens of KiB).
+The device cache is one layer-major tensor (`kv_stack`, `[slots, blocks, 2, block_size, kv_heads,
+head_dim]`; each layer's cache is a view of its slot, `new_kv_caches`), the host tier block-major
+(`[host blocks, slots, ...]`: one host block is one contiguous chunk), so a plan's copies go
+through a device staging buffer of `STAGING_BLOCKS` blocks: one indexed gather (out) or scatter
+(in) over every layer at once for a whole chunk of blocks, and one host copy per run of
+consecutive host blocks (a chunk's pairs sorted by host block, so runs form wherever the host ids
+allow). The block ids of a whole plan reach the device in one transfer. A cudaMemcpyAsync through
+torch costs ~20 us of host time, a gather ~12 us (tests/gpu/host_tier_copy_bench.py): a copy per
+block and layer, or a gather per layer, made the copies cost more host time than the step.
 
 On a GPU the copies run on their own stream, ordered against the compute stream both ways: they
 start once every step queued before has written its KV (a block copied out holds its final
@@ -19,13 +22,16 @@ and forward come after them. On a CPU they are plain copies, in order.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 HOST_TIER_BLOCKS_IF_NO_KV = 1 << 30  # a stage without KV layers: the other stages decide
 STAGING_BLOCKS = 32  # blocks per staged chunk (64 MiB at the 8B shape)
+CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the (unified) addresses
 
 
 def host_tier_blocks(size_gib: float | None, block_bytes: int) -> int:
@@ -33,6 +39,21 @@ def host_tier_blocks(size_gib: float | None, block_bytes: int) -> int:
     if not size_gib:
         return 0
     return int(size_gib * (1 << 30)) // block_bytes if block_bytes else HOST_TIER_BLOCKS_IF_NO_KV
+
+
+def new_kv_caches(
+    kv_slots: list[int | None], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The KV cache of a stage's layers: one zeroed tensor `[num_slots, *shape]` (None: no KV
+    layer) and one cache per layer, a view of its slot's row (layers of one slot share the view
+    object; None: a layer without KV). One tensor lets the host tier move a block of every layer
+    in one indexed copy; each view is contiguous, as kernels expect."""
+    slots = sorted(set(kv_slots) - {None})
+    if not slots:
+        return None, [None] * len(kv_slots)
+    stack = torch.zeros((len(slots), *shape), dtype=dtype, device=device)
+    views = {slot: stack[i] for i, slot in enumerate(slots)}
+    return stack, [views.get(slot) for slot in kv_slots]
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -47,24 +68,55 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(s, d, n) for s, d, n in runs]
 
 
+def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """(device, host) pairs sorted by host block, in chunks of the staging buffer's size."""
+    pairs = sorted(pairs, key=lambda p: p[1])
+    return [pairs[i : i + STAGING_BLOCKS] for i in range(0, len(pairs), STAGING_BLOCKS)]
+
+
+def _load_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (its own instance: same streams and current device), for
+    cudaMemcpyAsync without torch's per-copy bookkeeping (dispatch, checks, an event recorded
+    for the pinned block: the host tier is never freed while copies run); None where torch
+    links it statically (copies then go through torch)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    if len(paths) != 1:
+        return None
+    lib = ctypes.CDLL(paths.pop())
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_size_t, ctypes.c_int]
+    lib.cudaMemcpyAsync.argtypes.append(ctypes.c_void_p)
+    lib.cudaMemcpyAsync.restype = ctypes.c_int
+    return lib
+
+
 class HostKVTier:
-    def __init__(self, kv_caches: list[torch.Tensor | None], num_blocks: int) -> None:
-        unique = {id(c): c for c in kv_caches if c is not None}  # layers may share a tensor
-        self.device_caches = list(unique.values())
-        pin = any(c.is_cuda for c in self.device_caches)
+    """`kv_stack`: this rank's device cache, `[slots, device blocks, *block]` (None: a stage
+    without KV layers); `num_blocks` host blocks of `[slots, *block]` each."""
+
+    def __init__(self, kv_stack: torch.Tensor | None, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.host: torch.Tensor | None = None  # [num_blocks, L, 2, block_size, kv_heads, head_dim]
-        self.staging: torch.Tensor | None = None  # [STAGING_BLOCKS, L, ...] on the device
-        if self.device_caches:
-            c = self.device_caches[0]
-            shape = (len(self.device_caches), *c.shape[1:])
-            self.host = torch.empty((num_blocks, *shape), dtype=c.dtype, pin_memory=pin)
-            self.staging = torch.empty((STAGING_BLOCKS, *shape), dtype=c.dtype, device=c.device)
-        self.stream = torch.cuda.Stream(self.device_caches[0].device) if pin else None
+        self.host: torch.Tensor | None = None  # [num_blocks, S, 2, block_size, kv_heads, head_dim]
+        self.staging: torch.Tensor | None = None  # [STAGING_BLOCKS, S, ...] on the device
+        self.stream = self.cudart = None
+        if kv_stack is not None:
+            s, n, *block = kv_stack.shape
+            self.num_slots, self.num_device_blocks = s, n
+            self.device_rows = kv_stack.view(s * n, -1)  # [S * N, E]: slot i's block b at i*N+b
+            pin = kv_stack.is_cuda
+            self.host = torch.empty((num_blocks, s, *block), dtype=kv_stack.dtype, pin_memory=pin)
+            self.staging = torch.empty(
+                (STAGING_BLOCKS, s, *block), dtype=kv_stack.dtype, device=kv_stack.device
+            )
+            self.staging_rows = self.staging.view(STAGING_BLOCKS * s, -1)  # block k's slot i: k*S+i
+            if pin:
+                self.stream = torch.cuda.Stream(kv_stack.device)
+                self.cudart = _load_cudart()
         # Where the copies' time goes (the report at shutdown): plans with copies, blocks, host
-        # seconds issuing them, and (GPU) seconds the copy stream ran before and beside the
-        # forward, from events read once done (the host never waits for them).
-        self.num_plans = self.num_out = self.num_in = 0
+        # copies (runs of host blocks), host seconds issuing them, and (GPU) seconds the copy
+        # stream ran before and beside the forward, from events read once done (the host never
+        # waits for them).
+        self.num_plans = self.num_out = self.num_in = self.num_host_copies = 0
         self.host_s = self.blocking_s = self.ahead_s = 0.0
         self._events: deque[list[torch.cuda.Event]] = deque()  # [start, mid, end] per plan
 
@@ -86,24 +138,41 @@ class HostKVTier:
         self.num_plans += 1
         self.num_out += len(to_host) + len(ahead)
         self.num_in += len(from_host)
-        if self.stream is None:
-            self._copy(to_host, from_host)
-            self._copy(ahead, [])
-        else:
-            compute = torch.cuda.current_stream()
-            self.stream.wait_stream(compute)
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            with torch.cuda.stream(self.stream):
-                events[0].record()
-                self._copy(to_host, from_host)
-                events[1].record()
-            compute.wait_stream(self.stream)
-            with torch.cuda.stream(self.stream):  # the next plan's copies and forward follow
-                self._copy(ahead, [])
-                events[2].record()
-            self._events.append(events)
-            self._drain_events()
+        if self.host is not None and self.stream is None:  # (None: a stage without KV layers)
+            self._copy(to_host, from_host, ahead)
+        elif self.host is not None:
+            self._copy_on_stream(to_host, from_host, ahead)
         self.host_s += time.perf_counter() - t0
+
+    def _copy_on_stream(self, to_host, from_host, ahead) -> None:
+        compute = torch.cuda.current_stream()
+        self.stream.wait_stream(compute)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+
+        def step_waits() -> None:  # for the copies so far; the spills ahead run beside it
+            events[1].record()
+            compute.wait_stream(self.stream)
+
+        with torch.cuda.stream(self.stream):
+            events[0].record()
+            self._copy(to_host, from_host, ahead, step_waits)
+            events[2].record()
+        self._events.append(events)
+        self._drain_events()
+
+    def _copy(self, to_host, from_host, ahead, step_waits=None) -> None:
+        """The plan's copies in order: out, in, `step_waits()`, spills ahead."""
+        phases = [(_chunks(to_host), True), (_chunks([(d, h) for h, d in from_host]), False)]
+        phases.append((_chunks(ahead), True))
+        ids = self._ids([c for chunks, _ in phases for c in chunks])
+        start = 0
+        for i, (chunks, out) in enumerate(phases):
+            if i == 2 and step_waits is not None:
+                step_waits()
+            for chunk in chunks:
+                rows = ids[start : start + len(chunk) * self.num_slots]
+                start += len(rows)
+                self._out(chunk, rows) if out else self._in(chunk, rows)
 
     def _drain_events(self) -> None:
         while self._events and self._events[0][2].query():
@@ -118,38 +187,49 @@ class HostKVTier:
             self._drain_events()
         return (
             f"host KV tier copies: {self.num_plans} plans, {self.num_out} blocks out, "
-            f"{self.num_in} in ({(self.num_out + self.num_in) * self.block_bytes / 1e9:.2f} GB); "
+            f"{self.num_in} in ({(self.num_out + self.num_in) * self.block_bytes / 1e9:.2f} GB) "
+            f"in {self.num_host_copies} host copies"
+            f"{' (cudaMemcpyAsync)' if self.cudart is not None else ''}; "
             f"{self.host_s:.3f} s of host time issuing them; on the copy stream "
             f"{self.blocking_s:.3f} s that steps waited for, {self.ahead_s:.3f} s of spills ahead "
             "beside the forward"
         )
 
-    def _copy(self, to_host: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> None:
-        if self.host is None:  # a stage without KV layers
-            return
-        for i in range(0, len(to_host), STAGING_BLOCKS):
-            chunk = to_host[i : i + STAGING_BLOCKS]
-            n = len(chunk)
-            ids = self._ids([d for d, _ in chunk])
-            for layer, dev in enumerate(self.device_caches):  # gather each layer's blocks
-                self.staging[:n, layer].copy_(dev.index_select(0, ids))
-            for k, dst, m in _runs([(k, h) for k, (_, h) in enumerate(chunk)]):
-                self.host[dst : dst + m].copy_(self.staging[k : k + m], non_blocking=True)
-        for i in range(0, len(from_host), STAGING_BLOCKS):
-            chunk = from_host[i : i + STAGING_BLOCKS]
-            n = len(chunk)
-            for src, k, m in _runs([(h, k) for k, (h, _) in enumerate(chunk)]):
-                self.staging[k : k + m].copy_(self.host[src : src + m], non_blocking=True)
-            ids = self._ids([d for _, d in chunk])
-            for layer, dev in enumerate(self.device_caches):  # scatter into each layer
-                dev.index_copy_(0, ids, self.staging[:n, layer])
+    def _out(self, chunk: list[tuple[int, int]], rows: torch.Tensor) -> None:
+        """Gather the chunk's blocks of every layer into the staging buffer, then to the host."""
+        torch.index_select(self.device_rows, 0, rows, out=self.staging_rows[: len(rows)])
+        for k, dst, m in _runs([(k, h) for k, (_, h) in enumerate(chunk)]):
+            self._host_copy(self.host[dst : dst + m], self.staging[k : k + m])
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        """Block ids on the device, without waiting for the step the copy stream waits for: a
-        small copy from pageable memory is staged by the driver at once (on an H100 with the
-        compute stream busy, 0.07-0.13 ms a plan against 0.14-0.21 ms through a freshly pinned
-        tensor: tests/gpu/host_tier_copy_bench.py)."""
-        t = torch.tensor(ids, dtype=torch.int64)
+    def _in(self, chunk: list[tuple[int, int]], rows: torch.Tensor) -> None:
+        """The chunk's host blocks into the staging buffer, then scattered into every layer."""
+        for k, src, m in _runs([(k, h) for k, (_, h) in enumerate(chunk)]):
+            self._host_copy(self.staging[k : k + m], self.host[src : src + m])
+        self.device_rows.index_copy_(0, rows, self.staging_rows[: len(rows)])
+
+    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy between contiguous slices of the host tier and the staging buffer."""
+        self.num_host_copies += 1
+        if self.cudart is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        stream = torch.cuda.current_stream().cuda_stream
+        nbytes = src.numel() * src.element_size()
+        err = self.cudart.cudaMemcpyAsync(
+            dst.data_ptr(), src.data_ptr(), nbytes, CUDA_MEMCPY_DEFAULT, stream
+        )
+        if err:
+            raise RuntimeError(f"cudaMemcpyAsync of a host KV tier block failed: error {err}")
+
+    def _ids(self, chunks: list[list[tuple[int, int]]]) -> torch.Tensor:
+        """The rows of `device_rows` each chunk's blocks occupy, all chunks' in one tensor (block
+        k of a chunk, slot i: row k * S + i of the chunk's slice). On a GPU it is sent without
+        waiting for the step the copy stream waits for: a small copy from pageable memory is
+        staged by the driver at once (on an H100 with the compute stream busy, 0.07-0.13 ms
+        against 0.14-0.21 ms through a freshly pinned tensor: tests/gpu/host_tier_copy_bench.py)."""
+        blocks = np.fromiter((d for c in chunks for d, _ in c), dtype=np.int64)
+        offsets = np.arange(self.num_slots, dtype=np.int64) * self.num_device_blocks
+        t = torch.from_numpy((blocks[:, None] + offsets[None, :]).reshape(-1))
         if self.stream is None:
             return t
         return t.to(self.staging.device, non_blocking=True)

@@ -41,7 +41,12 @@ from pagedserve.worker.cuda_graphs import (
 from pagedserve.worker.draft_model import Drafted, DraftRunner, merge_fills
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
-from pagedserve.worker.host_tier import HostKVTier, host_tier_blocks, measure_recompute
+from pagedserve.worker.host_tier import (
+    HostKVTier,
+    host_tier_blocks,
+    measure_recompute,
+    new_kv_caches,
+)
 from pagedserve.worker.input_batch import InputBatch, RequestRow, StepInputs
 from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.memory_profile import worst_sampling_rows, worst_step_inputs
@@ -153,6 +158,7 @@ class ModelRunner:
         self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_stack: torch.Tensor | None = None  # [slots, blocks, *block]: kv_caches' tensor
         self.host_tier: HostKVTier | None = None  # --kv-offloading-size (worker/host_tier.py)
         self.tier_costs: dict[str, float] = {}  # what init_cache measured for the core
         self.graphs: DecodeGraphs | None = None
@@ -191,14 +197,13 @@ class ModelRunner:
         draft = self.drafter.block_bytes() if self.drafter is not None else 0
         return per_layer * len(set(self.kv_slots) - {None}) + draft
 
-    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor | None]:
-        """One cache per layer of this stage; layers of one slot share it (None: no KV)."""
+    def _new_kv_caches(
+        self, num_blocks: int
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """One cache per layer of this stage; layers of one slot share it (None: no KV); all
+        views of one tensor, returned first (worker/host_tier.py: the host tier's copies)."""
         shape = (num_blocks, *self._kv_block_shape())
-        tensors = {
-            slot: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for slot in sorted(set(self.kv_slots) - {None})
-        }
-        return [tensors.get(slot) for slot in self.kv_slots]
+        return new_kv_caches(self.kv_slots, shape, self.kv_dtype, self.device)
 
     def _allocate_states(self) -> None:
         """Linear-attention layers' recurrent state, one row per state slot of the core
@@ -253,7 +258,7 @@ class ModelRunner:
             sched.max_num_batched_tokens, sched.max_num_seqs, self.config.max_model_len,
             self.block_size,
         )  # fmt: skip
-        caches = self._new_kv_caches(num_blocks)
+        _, caches = self._new_kv_caches(num_blocks)
         self._allocate_states()
         if self.states_ready:  # the worst step's rows, each in a slot of its own
             inputs.state_slots = np.arange(len(inputs.seq_lens), dtype=np.int64)
@@ -291,7 +296,7 @@ class ModelRunner:
         """Allocate the KV cache (and its host tier) and capture the CUDA graphs; seconds spent
         on each."""
         t0 = time.perf_counter()
-        self.kv_caches = self._new_kv_caches(num_blocks)
+        self.kv_stack, self.kv_caches = self._new_kv_caches(num_blocks)
         if self.drafter is not None:
             self.drafter.init_cache(num_blocks)
         self._allocate_states()
@@ -344,7 +349,7 @@ class ModelRunner:
     def _init_host_tier(self, num_blocks: int, num_host_blocks: int) -> None:
         """Allocate the host tier, measure its copies and the recompute cost (the core's
         preemption cost model)."""
-        self.host_tier = tier = HostKVTier(self.kv_caches, num_host_blocks)
+        self.host_tier = tier = HostKVTier(self.kv_stack, num_host_blocks)
         swap_s, out_bw, in_bw = tier.measure_swap(num_blocks)
         plain_out, plain_in = tier.measure_plain()  # the ceiling, beside the tier's own
         recompute_s = measure_recompute(self.model, self.hidden_size, self.dtype, self.device)

@@ -8,6 +8,7 @@
 #  3. `w1`: W1's shape (1024 in, 128 out) with --kv-cache-memory at a quarter of its need,
 #     recompute (tier off) against `--kv-offloading-size 16`, auto (a lazy swap: recompute
 #     with spills and host hits) and `--preemption-mode swap` (eager);
+#  4. `copy-bench`: tests/gpu/host_tier_copy_bench.py (host time per plan's copies; a round trip);
 #  the host<->device bandwidth the workers measured at start-up beside a plain torch copy of the
 #  same bytes (their log line), and where each run's copies spent their time (the shutdown line).
 #   STEPS="multi-turn w1 gpu-tests" bash tests/gpu/kv_tier_run.sh
@@ -31,6 +32,7 @@ for step in ${STEPS:-multi-turn w1 gpu-tests}; do
   case $step in
     gpu-tests) timeout 120 python3 -m pytest -q -x -m gpu tests/test_host_tier_engine.py \
         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu-tests.txt" ;;
+    copy-bench) timeout 120 python3 tests/gpu/host_tier_copy_bench.py 2>&1 | tee "$OUT/copy-bench.txt" ;;
     multi-turn)
       for tier in off on; do
         flags=""; [ $tier = on ] && flags="--kv-offloading-size ${TIER_GIB:-64}"
