@@ -134,7 +134,9 @@ class LoRAManager:
             return
         segments = self.batch.segments or ([0], [])
         host, _, _ = group_layout(*segments, self.graph_rows, self.config.max_loras)
-        self.graph_buf.copy_(torch.from_numpy(host), non_blocking=True)
+        # from pinned memory: a copy from pageable memory first waits for the GPU's queue to
+        # drain, so the host could not queue the next step behind this one (async scheduling)
+        self.graph_buf.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         self.graph_empty = self.batch.segments is None
 
     def _slot(self, lora: LoRARequest, needed: set[int]) -> int:
