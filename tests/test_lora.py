@@ -299,6 +299,7 @@ def test_triton_graph_rows_staged_without_waiting_for_the_gpu():
     manager = LoRAManager(config, torch.nn.Module(), {}, dev, torch.bfloat16, 64)
     segments = (np.array([0, 1, 2, 3]), [1, -1, 0])
     manager.batch.set(segments=segments)
+    manager.stage_graph()  # the first one pins its buffers
     torch.cuda.synchronize()
     torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU time queued ahead of the copy
     done = torch.cuda.Event()

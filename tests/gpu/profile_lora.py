@@ -181,23 +181,27 @@ def profile_mixed(runner: ModelRunner, decodes: int, prompt: int, loras: list | 
     runner.execute(with_loras(prefill_plan(decodes, CTX, runner.block_size), loras))
     lora = None if loras is None else loras[decodes % len(loras)]
 
-    def run(step: int) -> None:
-        runner.execute(mixed_plan(step, decodes, prompt, runner.block_size, lora))
+    def run(step: int) -> float:  # host ms of `start` (queueing the step)
+        t0 = time.perf_counter()
+        started = runner.start(mixed_plan(step, decodes, prompt, runner.block_size, lora), None)
+        host_ms = 1000 * (time.perf_counter() - t0)
+        runner.finish(runner.sample(started))
         runner.execute(StepPlan(101 + 2 * step, [], [], finished_ids=["p"]))
+        return host_ms
 
     for step in range(3):
         run(step)
     sync()
     t0 = time.perf_counter()
-    for step in range(3, 6):
-        run(step)
+    host_ms = sum(run(step) for step in range(3, 6)) / 3
     sync()
     ms = 1000 * (time.perf_counter() - t0) / 3
     with torch.profiler.profile(activities=ACTIVITIES) as prof:
         run(6)
         sync()
     print(f"=== mixed {decodes} decodes + {prompt}-token prompt, {tag}: {ms:.1f} ms a step "
-          f"(2 executes); {step_kinds(prof)}")  # fmt: skip
+          f"(2 executes; start() {host_ms:.1f} ms of host); {kernel_gaps(prof)}; "
+          f"{step_kinds(prof)}")  # fmt: skip
     runner.execute(StepPlan(199, [], [], finished_ids=[f"r{i}" for i in range(decodes)]))
     return top_kernels(prof)
 
