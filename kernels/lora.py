@@ -52,6 +52,40 @@ def group_layout(
     return out, rows, groups
 
 
+class PinnedRing:
+    """Pinned host buffers taken round robin for the per-step copies of LoRA rows to a CUDA
+    device: the copy goes out without waiting for the GPU (from pageable memory it would wait
+    for the queue to drain), and no step pins a fresh tensor (the host allocator's work). A
+    buffer is written again only once its last copy is done (its event; normally long since)."""
+
+    def __init__(self, device: torch.device, count: int = 3) -> None:
+        self.device, self.size, self.next = device, 0, 0
+        self.bufs: list[torch.Tensor] = []
+        self.events: list[torch.cuda.Event | None] = [None] * count
+
+    def copy(self, host: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """int32 `host` into `out[: len(host)]` (None: a new device tensor), asynchronously."""
+        if len(host) > self.size:  # (re)size: every earlier copy done first
+            for event in self.events:
+                if event is not None:
+                    event.synchronize()
+            self.size = max(len(host), 2 * self.size)
+            self.bufs = [
+                torch.empty(self.size, dtype=torch.int32, pin_memory=True) for _ in self.events
+            ]
+        i, self.next = self.next, (self.next + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        buf = self.bufs[i][: len(host)]
+        buf.numpy()[:] = host
+        if out is None:
+            out = torch.empty(len(host), dtype=torch.int32, device=self.device)
+        out[: len(host)].copy_(buf, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out
+
+
 class SlotRows:
     """One step's LoRA rows on the device: `order` [rows] int32 token indices grouped by slot,
     `group_starts` [G + 1] (offsets into `order`), `group_slots` [G] (-1: an empty group),
@@ -73,14 +107,20 @@ class SlotRows:
 
     @classmethod
     def from_segments(
-        cls, seg_starts: list[int] | np.ndarray, seg_slots: list[int], device: torch.device
+        cls,
+        seg_starts: list[int] | np.ndarray,
+        seg_slots: list[int],
+        device: torch.device,
+        ring: PinnedRing | None = None,  # on CUDA: the copy's host buffers (None: pin one)
     ) -> SlotRows:
         host, num_rows, num_groups = group_layout(seg_starts, seg_slots)
         longest = int(np.diff(host[num_rows : num_rows + num_groups + 1]).max(initial=0))
-        packed = torch.from_numpy(host)
-        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
+        if ring is not None:
+            packed = ring.copy(host)
+        elif torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
+            packed = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
+        else:
+            packed = torch.from_numpy(host).to(device)
         rows = cls(packed, num_rows, num_groups, longest)
         rows.host = host
         return rows

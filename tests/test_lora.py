@@ -285,6 +285,32 @@ def test_dense_lora_equals_reference():
     torch.testing.assert_close(out.float().cpu(), want, rtol=2e-2, atol=tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_triton_graph_rows_staged_without_waiting_for_the_gpu():
+    """A graph step's LoRA rows reach the graphs' buffer without the host waiting for the GPU's
+    queue (a copy from pageable memory waits: the next step could not be queued behind)."""
+    import numpy as np
+
+    from pagedserve.config import LoRAConfig
+    from pagedserve.worker.lora.manager import LoRAManager
+
+    config, dev = LoRAConfig(max_loras=2), torch.device("cuda", 0)
+    manager = LoRAManager(config, torch.nn.Module(), {}, dev, torch.bfloat16, 64)
+    segments = (np.array([0, 1, 2, 3]), [1, -1, 0])
+    manager.batch.set(segments=segments)
+    manager.stage_graph()  # the first one pins its buffers
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU time queued ahead of the copy
+    done = torch.cuda.Event()
+    done.record()
+    manager.stage_graph()
+    assert not done.query(), "staging the rows waited for the GPU"
+    torch.cuda.synchronize()
+    want, _, _ = group_layout(*segments, 64, 2)
+    assert manager.graph_buf.cpu().tolist() == want.tolist()
+
+
 # ---------------------------------------------------------------- the core's adapter rules
 def _add(s, req_id: str, prompt: list[int], lora: LoRARequest | None) -> None:
     from pagedserve.ipc.messages import AddRequest

@@ -8,7 +8,11 @@
 #               the fused decode/prompt paths against peft); LORA_TESTS_ARGS: more pytest arguments
 # lora-ktests:  only its kernel tests (compiled) and the bf16 engine test against peft
 # lora-profile: tests/gpu/profile_lora.py: decode batch 1 and 256 and an 8 x 1024 prompt step,
-#               base rows against 4 adapters in one runner (graph ms, kernels a layer, by kind)
+#               base rows against 4 adapters in one runner (graph ms, kernels a layer, by kind,
+#               the kernels' differences); PROFILE_ARGS: its arguments (W1's decode and mixed
+#               steps: "--decode 64 256 --mixed 248:776 128:8064 --pipelined 256 --prefill 0")
+# lora-swiglu:  a prompt's gate/up deltas inside silu-and-mul against the dense expand + the
+#               activation, 8,192 tokens (bench_lora --swiglu)
 # lora-kernels: shrink + expand (Triton) against the torch reference and the base matmul at the
 #               8B shapes, 4 adapters rank 16 (python -m pagedserve.benchmarks.kernels.bench_lora)
 # lora-w1:      W1 (1,000 prompts, 1024 in / 128 out) base alone, then 4 random rank-16 adapters
@@ -37,7 +41,9 @@ for name in ${STEPS:-lora-tests lora-kernels lora-w1 lora-w3 lora-table}; do
     lora-ktests) $T python3 -m pytest -q tests/test_lora.py \
           -k "triton or decode_lora or dense or fused_decode" 2>&1 | tee "$OUT/lora-ktests.txt" | tail -8 ;;
     lora-profile) $T python3 tests/gpu/profile_lora.py $M ${PROFILE_ARGS:-} 2>&1 \
-          | tee "$OUT/lora-profile.txt" | grep "===" ;;
+          | tee "$OUT/lora-profile.txt" | grep -A14 "===\|^---" ;;
+    lora-swiglu) $T python3 -m pagedserve.benchmarks.kernels.bench_lora --swiglu 2>&1 \
+          | tee "$OUT/lora-swiglu.txt" ;;
     lora-kernels) $T python3 -m pagedserve.benchmarks.kernels.bench_lora \
           --json "$OUT/lora-kernels.json" 2>&1 | tee "$OUT/lora-kernels.txt" ;;
     lora-w1) for n in ${W1_NS:-0 4}; do

@@ -3,11 +3,19 @@ with `--max-loras 4` random rank-16 adapters on all seven projections (benchmark
 the same steps once with every row on an adapter and once with base-model rows only:
 
     python3 tests/gpu/profile_lora.py MODEL_DIR [--decode 1 256] [--prefill 8] [--device cuda]
+        [--mixed 248:776 200:7992] [--pipelined 256]
 
 - decode at each batch size: GPU ms of one decode-graph replay, the kernels of one step and
   kernels per layer (torch profiler), top kernels;
 - one eager prefill step of `--prefill` prompts of `--prompt-len` tokens (1,024: W1's prompt
-  steps): ms and the step's CUDA time by kind (profile_step's `step_kinds`).
+  steps): ms and the step's CUDA time by kind (profile_step's `step_kinds`);
+- `--mixed D:P`: one step of D decodes plus a P-token prompt (W1's mixed steps: up to 1,024
+  tokens a mixed graph, above that eager), GPU ms and kernels;
+- `--pipelined B`: host ms a decode step of B rows takes when steps are queued as the worker
+  queues them (async scheduling), with the graph's LoRA rows staged as now and as the lora39b
+  tree staged them (a pageable copy, which waits for the GPU);
+- every case: base rows against adapter rows by kernel, the largest differences first
+  (`kernel_diff`).
 
 Adapter rows run round robin over the 4 adapters. Base rows in a LoRA runner still replay the
 graphs' LoRA kernels (they exit at once); eager base rows skip LoRA. `PAGEDSERVE_DISABLE_FUSIONS=
@@ -20,12 +28,14 @@ import argparse
 import time
 
 import torch
-from profile_step import decode_plan, kernel_gaps, prefill_plan, step_kinds
+from profile_step import decode_plan, kernel_gaps, pipelined, prefill_plan, step_kinds
 
 from pagedserve.benchmarks.lora import write_random_adapter
 from pagedserve.frontend.llm import build_engine_config
-from pagedserve.ipc.messages import LoRARequest, StepPlan
+from pagedserve.ipc.messages import CachedDelta, LoRARequest, NewRequest, SamplingParams, StepPlan
+from pagedserve.kernels.lora import group_layout
 from pagedserve.parallel.groups import rank_info
+from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.model_runner import ModelRunner
 
 NUM_LORAS, RANK, CTX = 4, 16, 128
@@ -77,7 +87,32 @@ def graph_replay_ms(runner: ModelRunner, batch: int, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
-def profile_decode(runner: ModelRunner, batch: int, loras: list | None, tag: str) -> None:
+def top_kernels(prof: torch.profiler.profile) -> dict[str, tuple[int, float]]:
+    """Kernels of a profile (ops' CPU time on a CPU smoke): name -> (calls, us)."""
+    cuda = torch.cuda.is_available()
+    out: dict[str, tuple[int, float]] = {}
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            out[event.key] = (event.count, us)
+    return out
+
+
+def kernel_diff(base: dict, lora: dict, tag: str, top: int = 12) -> None:
+    """Adapter rows against base rows by kernel, the largest time differences first."""
+    total = sum(us for _, us in lora.values()) - sum(us for _, us in base.values())
+    print(f"--- {tag}: by kernel, {NUM_LORAS} adapters - base rows = {total:+.0f} us")
+    print(f"{'kernel':<64} {'calls':>11} {'base us':>9} {'lora us':>9} {'diff us':>9}")
+    names = sorted(
+        set(base) | set(lora),
+        key=lambda n: -abs(lora.get(n, (0, 0.0))[1] - base.get(n, (0, 0.0))[1]),
+    )
+    for name in names[:top]:
+        (bc, bu), (lc, lu) = base.get(name, (0, 0.0)), lora.get(name, (0, 0.0))
+        print(f"{name[:64]:<64} {bc:>5}/{lc:<5} {bu:>9.0f} {lu:>9.0f} {lu - bu:>+9.0f}")
+
+
+def profile_decode(runner: ModelRunner, batch: int, loras: list | None, tag: str) -> dict:
     runner.execute(with_loras(prefill_plan(batch, CTX, runner.block_size), loras))
     for step in range(5):
         runner.execute(decode_plan(step + 1, batch, CTX + step))
@@ -90,14 +125,90 @@ def profile_decode(runner: ModelRunner, batch: int, loras: list | None, tag: str
     layers = runner.config.model.hf["num_hidden_layers"]
     print(f"=== decode batch {batch}, {tag}: graph replay {replay_ms:.3f} ms, "
           f"{kernels} kernels ({kernels / layers:.1f} a layer): {kernel_gaps(prof)}")  # fmt: skip
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
-                                    max_name_column_width=60))  # fmt: skip
     runner.execute(StepPlan(21, [], [], finished_ids=[f"r{i}" for i in range(batch)]))
+    return top_kernels(prof)
+
+
+def stage_pageable(self) -> None:
+    """The lora39b tree's `LoRAManager.stage_graph`: a copy from pageable memory, which waits
+    for the GPU's queue to drain before it starts (CUDA's rule for pageable host-to-device)."""
+    if self.batch.segments is None and self.graph_empty:
+        return
+    host, _, _ = group_layout(*(self.batch.segments or ([0], [])), self.graph_rows,
+                              self.config.max_loras)  # fmt: skip
+    self.graph_buf.copy_(torch.from_numpy(host), non_blocking=True)
+    self.graph_empty = self.batch.segments is None
+
+
+def pipelined_ms(runner: ModelRunner, batch: int, loras: list | None, n: int = 30) -> float:
+    """Host ms per decode step queued as the worker queues them: step N + 1 starts before step
+    N's sampled ids are read back (profile_step's `pipelined`, after a prefill of `loras`)."""
+    runner.execute(with_loras(prefill_plan(batch, CTX, runner.block_size), loras))
+    for step in range(3):
+        runner.execute(decode_plan(step + 1, batch, CTX + step))
+    ms = pipelined(runner, batch, CTX + 3, 10, n)
+    runner.execute(StepPlan(10 + n + 2, [], [], finished_ids=[f"r{i}" for i in range(batch)]))
+    return ms
+
+
+def profile_pipelined(runner: ModelRunner, batch: int, loras: list) -> None:
+    base = pipelined_ms(runner, batch, None)
+    now = pipelined_ms(runner, batch, loras)
+    staged = LoRAManager.stage_graph
+    LoRAManager.stage_graph = stage_pageable
+    try:
+        before = pipelined_ms(runner, batch, loras)
+    finally:
+        LoRAManager.stage_graph = staged
+    print(
+        f"=== pipelined decode batch {batch}: host ms a step: base rows {base:.3f}, "
+        f"{NUM_LORAS} adapters {now:.3f}, with the pageable staging copy {before:.3f}"
+    )
+
+
+def mixed_plan(step: int, decodes: int, prompt: int, block_size: int, lora) -> StepPlan:
+    """D running decodes (`prefill_plan`'s requests) and one new P-token prompt."""
+    first = decodes * -(-(CTX + 160) // block_size)  # past the decodes' blocks
+    new = NewRequest("p", list(range(10, 10 + prompt)),
+                     list(range(first, first + -(-prompt // block_size))),
+                     SamplingParams(temperature=0, max_tokens=8), 0, lora=lora)  # fmt: skip
+    cached = [CachedDelta(f"r{i}", [], [], CTX + step) for i in range(decodes)]
+    ids = [c.req_id for c in cached] + ["p"]
+    return StepPlan(100 + 2 * step, ids, [1] * decodes + [prompt], [new], cached=cached)
+
+
+def profile_mixed(runner: ModelRunner, decodes: int, prompt: int, loras: list | None, tag: str):
+    runner.execute(with_loras(prefill_plan(decodes, CTX, runner.block_size), loras))
+    lora = None if loras is None else loras[decodes % len(loras)]
+
+    def run(step: int) -> float:  # host ms of `start` (queueing the step)
+        t0 = time.perf_counter()
+        started = runner.start(mixed_plan(step, decodes, prompt, runner.block_size, lora), None)
+        host_ms = 1000 * (time.perf_counter() - t0)
+        runner.finish(runner.sample(started))
+        runner.execute(StepPlan(101 + 2 * step, [], [], finished_ids=["p"]))
+        return host_ms
+
+    for step in range(3):
+        run(step)
+    sync()
+    t0 = time.perf_counter()
+    host_ms = sum(run(step) for step in range(3, 6)) / 3
+    sync()
+    ms = 1000 * (time.perf_counter() - t0) / 3
+    with torch.profiler.profile(activities=ACTIVITIES) as prof:
+        run(6)
+        sync()
+    print(f"=== mixed {decodes} decodes + {prompt}-token prompt, {tag}: {ms:.1f} ms a step "
+          f"(2 executes; start() {host_ms:.1f} ms of host); {kernel_gaps(prof)}; "
+          f"{step_kinds(prof)}")  # fmt: skip
+    runner.execute(StepPlan(199, [], [], finished_ids=[f"r{i}" for i in range(decodes)]))
+    return top_kernels(prof)
 
 
 def profile_prefill(
     runner: ModelRunner, num_seqs: int, prompt_len: int, loras: list | None, tag: str
-) -> None:
+) -> dict:
     plan = prefill_plan(num_seqs, prompt_len, runner.block_size)
     ids = plan.scheduled_ids
 
@@ -118,8 +229,14 @@ def profile_prefill(
         run(400)
         sync()
     print(f"=== prefill {num_seqs} x {prompt_len}, {tag}: {ms:.1f} ms a step; {step_kinds(prof)}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
-                                    max_name_column_width=60))  # fmt: skip
+    return top_kernels(prof)
+
+
+def both(fn, runner: ModelRunner, loras: list, tag: str, *args) -> None:
+    """`fn` on base rows, then on adapter rows, and their difference by kernel."""
+    base = fn(runner, *args, None, "base rows")
+    lora = fn(runner, *args, loras, f"{NUM_LORAS} adapters")
+    kernel_diff(base, lora, tag)
 
 
 def main() -> None:
@@ -127,6 +244,8 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--decode", type=int, nargs="*", default=[1, 256])
     ap.add_argument("--prefill", type=int, default=8)
+    ap.add_argument("--mixed", nargs="*", default=[], help="D:P, D decodes + a P-token prompt")
+    ap.add_argument("--pipelined", type=int, nargs="*", default=[])
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--adapters", default="/tmp/profile-loras")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of a tiny model")
@@ -140,12 +259,16 @@ def main() -> None:
     runner = ModelRunner(config, device, rank_info(config.parallel, 0))
     runner.init_cache(runner.profile_num_blocks())
     loras = load_adapters(runner, args.adapters)
+    for batch in args.pipelined:
+        profile_pipelined(runner, batch, loras)
     for batch in args.decode:
-        profile_decode(runner, batch, None, "base rows")
-        profile_decode(runner, batch, loras, f"{NUM_LORAS} adapters")
+        both(profile_decode, runner, loras, f"decode batch {batch}", batch)
+    for case in args.mixed:
+        decodes, prompt = (int(v) for v in case.split(":"))
+        both(profile_mixed, runner, loras, f"mixed {case}", decodes, prompt)
     if args.prefill:
-        for loras_or_none, tag in ((None, "base rows"), (loras, f"{NUM_LORAS} adapters")):
-            profile_prefill(runner, args.prefill, args.prompt_len, loras_or_none, tag)
+        both(profile_prefill, runner, loras, f"prefill {args.prefill}", args.prefill,
+             args.prompt_len)  # fmt: skip
 
 
 if __name__ == "__main__":

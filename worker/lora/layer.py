@@ -23,7 +23,7 @@ import torch
 
 from pagedserve.kernels.backend import fusion_enabled
 from pagedserve.kernels.linear import GEMV_MAX_M, use_gemv
-from pagedserve.kernels.lora import SlotRows, lora_apply, lora_uses_triton
+from pagedserve.kernels.lora import PinnedRing, SlotRows, lora_apply, lora_uses_triton
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class LoRABatch:
         self.device = device
         self.segments: tuple[np.ndarray, list[int]] | None = None  # query_start_loc, slots
         self._rows: SlotRows | None = None
+        # the per-step copies of rows (here and the graphs' buffer's): pinned buffers reused
+        self.ring = PinnedRing(device) if device.type == "cuda" else None
 
     def set(
         self, segments: tuple[np.ndarray, list[int]] | None = None, static: SlotRows | None = None
@@ -61,7 +63,7 @@ class LoRABatch:
     @property
     def rows(self) -> SlotRows | None:
         if self._rows is None and self.segments is not None:
-            self._rows = SlotRows.from_segments(*self.segments, self.device)
+            self._rows = SlotRows.from_segments(*self.segments, self.device, self.ring)
         return self._rows
 
 

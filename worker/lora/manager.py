@@ -134,7 +134,7 @@ class LoRAManager:
             return
         segments = self.batch.segments or ([0], [])
         host, _, _ = group_layout(*segments, self.graph_rows, self.config.max_loras)
-        self.graph_buf.copy_(torch.from_numpy(host), non_blocking=True)
+        self.batch.ring.copy(host, out=self.graph_buf)  # pinned: it does not wait for the GPU
         self.graph_empty = self.batch.segments is None
 
     def _slot(self, lora: LoRARequest, needed: set[int]) -> int:
