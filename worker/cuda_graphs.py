@@ -40,6 +40,7 @@ batches, and steps without a shared prefix, replay the graphs of before.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -98,6 +99,7 @@ class _GraphSet:
         block_size: int,
         device: torch.device,
         state_scratch: int | None = None,
+        group_rows: int = 0,
     ) -> None:
         self.forward = forward
         self.sizes = sizes  # largest first
@@ -106,15 +108,19 @@ class _GraphSet:
         self.max_model_len = max_model_len
         self.block_size = block_size
         rows64 = 3 if state_scratch is None else 4  # + the rows' state slots
+        self.groups_at = rows64  # then KV cache groups 1..'s slot mappings
+        rows64 += group_rows
         self.dev64 = torch.zeros((rows64, max_tokens), dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(int32_len, dtype=torch.int32, device=device)
-        self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
-        self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
+        pin = dict(device="cpu", pin_memory=device.type == "cuda")  # (CPU: layout tests)
+        self.host64 = [torch.zeros_like(self.dev64, **pin) for _ in range(2)]
+        self.host32 = [torch.zeros_like(self.dev32, **pin) for _ in range(2)]
         self._flip = 0
         self.input_ids, self.positions, self.slot_mapping = self.dev64[:3]
         self.slot_mapping.fill_(-1)
         self.state_scratch = state_scratch
         self.state_slots = None if state_scratch is None else self.dev64[3].fill_(state_scratch)
+        self.group_slots = self.dev64[self.groups_at :].fill_(-1)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, GraphOutputs] = {}
         # Each graph's metadata, kept: what layers derive from it in the warm-up before capture
@@ -180,20 +186,27 @@ class _GraphSet:
             a64[3, :n] = inputs.state_slots
         return a64, a32
 
+    def _upload(self, size: int, int32_end: int, more32: tuple[tuple[int, int], ...]) -> None:
+        """Copy the staged host set: tokens up to `size`, int32 up to `int32_end` and the
+        ranges `more32` (other KV cache groups' tables)."""
+        h64, h32 = self.host64[self._flip], self.host32[self._flip]
+        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
+        self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
+        for start, end in more32:
+            self.dev32[start:end].copy_(h32[start:end], non_blocking=True)
+
     def _replay(
         self,
         key: GraphKey,
         num_tokens: int,
         int32_end: int,
-        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        more32: tuple[tuple[int, int], ...] = (),
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> GraphOutputs:
         """Copy the staged host set (tokens up to the bucket, int32 up to `int32_end`), fill
         the tokens only on the device, replay graph `key`; its outputs for the real tokens
         (static buffers: valid until the next replay of that graph)."""
-        size = key[0]
-        h64, h32 = self.host64[self._flip], self.host32[self._flip]
-        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
-        self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
+        self._upload(key[0], int32_end, more32)
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[key].replay()
@@ -202,7 +215,9 @@ class _GraphSet:
 
 class DecodeGraphs(_GraphSet):
     """Decode-only steps, one graph per batch-size bucket (and `cascade`: a cascade one per
-    cascade bucket); int32 = [seq_lens | prefix length (CASCADE_SLOT) | block_tables]. `head`:
+    cascade bucket); int32 = [seq_lens | prefix length (CASCADE_SLOT) | block_tables per KV
+    cache group (`num_groups` of them, each b x max_blocks)], int64 adds the slot mappings of KV
+    cache groups 1.. (their layers attend over `meta.group_metas`). `head`:
     hidden [n, H] -> (logits [n, V] float32, argmax ids [n]), run inside the graphs of buckets up
     to HEAD_MAX_BATCH."""
 
@@ -217,19 +232,21 @@ class DecodeGraphs(_GraphSet):
         head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         cascade: bool = False,
         state_scratch: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         self.head = head
         sizes = capture_sizes(max_batch)
         b = sizes[0]
         self.tables_at = t = b + CASCADE_SLOT
         super().__init__(
-            forward, sizes, b, t + b * max_blocks, max_blocks, max_model_len, block_size, device,
-            state_scratch,
+            forward, sizes, b, t + num_groups * b * max_blocks, max_blocks, max_model_len,
+            block_size, device, state_scratch, num_groups - 1,
         )  # fmt: skip
         self.seq_lens = self.dev32[:b]
         self.seq_lens.fill_(1)
         self.cascade_len = self.dev32[b : b + 1]
-        self.block_tables = self.dev32[t:].view(b, max_blocks)
+        tables = self.dev32[t:].view(num_groups, b, max_blocks)
+        self.block_tables, self.group_tables = tables[0], tables[1:]
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.cascade_sizes = cascade_sizes(sizes) if cascade else []
         self.keys += [(s, True) for s in self.cascade_sizes]
@@ -239,6 +256,13 @@ class DecodeGraphs(_GraphSet):
         meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
         if self.state_slots is not None:  # on the device only (kernels/gated_delta.py decode)
             meta.state_slots = self.state_slots[:size]
+        if len(self.group_tables):  # the other groups: their own tables and slots, no cascade
+            meta.group_metas = [
+                dataclasses.replace(
+                    meta, slot_mapping=slots[:size], block_tables=table[:size], scratch={}
+                )
+                for slots, table in zip(self.group_slots, self.group_tables, strict=True)
+            ]
         if cascade:  # an upper bound on the host; each replay writes the step's value
             meta.cascade_len, meta.cascade_len_dev = self.max_model_len, self.cascade_len
         return meta
@@ -268,18 +292,30 @@ class DecodeGraphs(_GraphSet):
         the head, logits [n, V] and argmax ids [n]). `fill`: (token indices, ids) of input
         tokens that are only on the device. A cascade graph's padding rows attend the prefix
         too (their output is dropped)."""
+        return self._replay(key, len(inputs.input_ids), *self.stage(inputs, key), fill=fill)
+
+    def stage(self, inputs: StepInputs, key: GraphKey) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Lay a decode batch out in the next host set; the int32 extent `_upload` copies."""
         (size, cascade), t = key, self.tables_at
-        n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
+        n, b = len(inputs.input_ids), self.sizes[0]
         a64, a32 = self._host_buffers(inputs)
         a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
         if self.state_slots is not None:
             a64[3, n:size] = self.state_scratch  # and step in the scratch state slot
         a32[:n], a32[n:size] = inputs.seq_lens, 1
         a32[b] = inputs.cascade_len if cascade else 0
-        tables = a32[t : t + size * self.max_blocks].reshape(size, self.max_blocks)
-        tables[:n, :width] = inputs.block_tables
-        tables[n:size, 0] = 0
-        return self._replay(key, n, t + size * self.max_blocks, fill)
+        stride, more32 = b * self.max_blocks, []
+        group_tables = [inputs.block_tables, *inputs.group_block_tables]
+        for g, table in enumerate(group_tables):
+            start = t + g * stride
+            tables = a32[start : start + size * self.max_blocks].reshape(size, self.max_blocks)
+            tables[:n, : table.shape[1]] = table
+            tables[n:size, 0] = 0
+            if g:
+                more32.append((start, start + size * self.max_blocks))
+                a64[self.groups_at + g - 1, :n] = inputs.group_slot_mappings[g - 1]
+                a64[self.groups_at + g - 1, n:size] = -1
+        return t + size * self.max_blocks, tuple(more32)
 
 
 class MixedGraphs(_GraphSet):
@@ -327,7 +363,7 @@ class MixedGraphs(_GraphSet):
         stage before the last, the residual [T, H])."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay((size, False), len(inputs.input_ids), end, fill)
+        return self._replay((size, False), len(inputs.input_ids), end, fill=fill)
 
 
 def max_graph_tokens(config: EngineConfig) -> int:
@@ -348,11 +384,13 @@ def capture_graphs(
     cascade: bool,
     state_scratch: int | None = None,
     mixed: bool = True,
+    num_groups: int = 1,
 ) -> tuple[DecodeGraphs, MixedGraphs | None]:
     """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
     activations first: one pool for all), then the decode graphs into the same pool. A model
     with recurrent state (`state_scratch`: its scratch slot) or whose prompt attention reads
-    host lengths (`mixed` False: MLA) gets decode graphs only."""
+    host lengths (`mixed` False: MLA) or with several KV cache groups (`num_groups`: only the
+    decode graphs hold the other groups' tables) gets decode graphs only."""
     shape = dict(
         max_blocks=max_blocks,
         max_model_len=config.max_model_len,
@@ -362,7 +400,7 @@ def capture_graphs(
     sched = config.scheduler
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
     mixed_graphs = None
-    if state_scratch is None and mixed:
+    if state_scratch is None and mixed and num_groups == 1:
         mixed_graphs = MixedGraphs(
             forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
         )
@@ -370,7 +408,7 @@ def capture_graphs(
     max_batch = min(sched.max_num_seqs, DECODE_MAX_BATCH)
     decode = DecodeGraphs(
         forward, max_batch=max_batch, head=head, cascade=cascade, state_scratch=state_scratch,
-        **shape,
+        num_groups=num_groups, **shape,
     )  # fmt: skip
     decode.capture(pool=mixed_graphs.pool if mixed_graphs is not None else None)
     return decode, mixed_graphs
