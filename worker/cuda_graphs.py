@@ -40,7 +40,6 @@ batches, and steps without a shared prefix, replay the graphs of before.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -49,6 +48,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention.cascade import CASCADE_MIN_ROWS
 from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.worker.graph_kv_groups import stage_groups, with_groups
 from pagedserve.worker.input_batch import StepInputs
 
 # Token buckets of mixed-step graphs, captured largest first: 128 apart up to 1024 (online
@@ -99,7 +99,7 @@ class _GraphSet:
         block_size: int,
         device: torch.device,
         state_scratch: int | None = None,
-        group_rows: int = 0,
+        num_groups: int = 1,
     ) -> None:
         self.forward = forward
         self.sizes = sizes  # largest first
@@ -109,7 +109,7 @@ class _GraphSet:
         self.block_size = block_size
         rows64 = 3 if state_scratch is None else 4  # + the rows' state slots
         self.groups_at = rows64  # then KV cache groups 1..'s slot mappings
-        rows64 += group_rows
+        rows64 += num_groups - 1
         self.dev64 = torch.zeros((rows64, max_tokens), dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(int32_len, dtype=torch.int32, device=device)
         pin = dict(device="cpu", pin_memory=device.type == "cuda")  # (CPU: layout tests)
@@ -127,6 +127,14 @@ class _GraphSet:
         # (its `scratch`, e.g. kernels/gated_delta.py's decode layout) is read by the replays.
         self.metas: dict[GraphKey, AttentionMetadata] = {}
         self.pool = None
+
+    def _set_tables(self, tables_at: int, rows: int, num_groups: int) -> None:
+        """The block tables, one [rows, max_blocks] per KV cache group from `tables_at` in the
+        int32 buffer (worker/graph_kv_groups.py)."""
+        self.tables_at, self.table_stride = tables_at, rows * self.max_blocks
+        end = tables_at + num_groups * self.table_stride
+        tables = self.dev32[tables_at:end].view(num_groups, rows, self.max_blocks)
+        self.block_tables, self.group_tables = tables[0], tables[1:]
 
     def _meta(self, key: GraphKey) -> AttentionMetadata:
         raise NotImplementedError
@@ -216,8 +224,7 @@ class _GraphSet:
 class DecodeGraphs(_GraphSet):
     """Decode-only steps, one graph per batch-size bucket (and `cascade`: a cascade one per
     cascade bucket); int32 = [seq_lens | prefix length (CASCADE_SLOT) | block_tables per KV
-    cache group (`num_groups` of them, each b x max_blocks)], int64 adds the slot mappings of KV
-    cache groups 1.. (their layers attend over `meta.group_metas`). `head`:
+    cache group (worker/graph_kv_groups.py)]. `head`:
     hidden [n, H] -> (logits [n, V] float32, argmax ids [n]), run inside the graphs of buckets up
     to HEAD_MAX_BATCH."""
 
@@ -237,16 +244,15 @@ class DecodeGraphs(_GraphSet):
         self.head = head
         sizes = capture_sizes(max_batch)
         b = sizes[0]
-        self.tables_at = t = b + CASCADE_SLOT
+        t = b + CASCADE_SLOT
         super().__init__(
             forward, sizes, b, t + num_groups * b * max_blocks, max_blocks, max_model_len,
-            block_size, device, state_scratch, num_groups - 1,
+            block_size, device, state_scratch, num_groups,
         )  # fmt: skip
         self.seq_lens = self.dev32[:b]
         self.seq_lens.fill_(1)
         self.cascade_len = self.dev32[b : b + 1]
-        tables = self.dev32[t:].view(num_groups, b, max_blocks)
-        self.block_tables, self.group_tables = tables[0], tables[1:]
+        self._set_tables(t, b, num_groups)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.cascade_sizes = cascade_sizes(sizes) if cascade else []
         self.keys += [(s, True) for s in self.cascade_sizes]
@@ -256,13 +262,7 @@ class DecodeGraphs(_GraphSet):
         meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
         if self.state_slots is not None:  # on the device only (kernels/gated_delta.py decode)
             meta.state_slots = self.state_slots[:size]
-        if len(self.group_tables):  # the other groups: their own tables and slots, no cascade
-            meta.group_metas = [
-                dataclasses.replace(
-                    meta, slot_mapping=slots[:size], block_tables=table[:size], scratch={}
-                )
-                for slots, table in zip(self.group_slots, self.group_tables, strict=True)
-            ]
+        with_groups(self, meta, size, size)  # (before the cascade: group 0's prefix only)
         if cascade:  # an upper bound on the host; each replay writes the step's value
             meta.cascade_len, meta.cascade_len_dev = self.max_model_len, self.cascade_len
         return meta
@@ -304,23 +304,17 @@ class DecodeGraphs(_GraphSet):
             a64[3, n:size] = self.state_scratch  # and step in the scratch state slot
         a32[:n], a32[n:size] = inputs.seq_lens, 1
         a32[b] = inputs.cascade_len if cascade else 0
-        stride, more32 = b * self.max_blocks, []
-        group_tables = [inputs.block_tables, *inputs.group_block_tables]
-        for g, table in enumerate(group_tables):
-            start = t + g * stride
-            tables = a32[start : start + size * self.max_blocks].reshape(size, self.max_blocks)
-            tables[:n, : table.shape[1]] = table
-            tables[n:size, 0] = 0
-            if g:
-                more32.append((start, start + size * self.max_blocks))
-                a64[self.groups_at + g - 1, :n] = inputs.group_slot_mappings[g - 1]
-                a64[self.groups_at + g - 1, n:size] = -1
-        return t + size * self.max_blocks, tuple(more32)
+        tables = a32[t : t + size * self.max_blocks].reshape(size, self.max_blocks)
+        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
+        tables[n:size, 0] = 0
+        more32 = stage_groups(self, a64, a32, inputs, size, size)
+        return t + size * self.max_blocks, more32
 
 
 class MixedGraphs(_GraphSet):
     """Steps with prompt chunks, one graph per token bucket (see the module docstring); int32 =
-    [query_start_loc (slots + 1) | seq_lens (slots) | block_tables (slots x max_blocks)]."""
+    [query_start_loc (slots + 1) | seq_lens (slots) | block_tables (slots x max_blocks) per KV
+    cache group (worker/graph_kv_groups.py)]."""
 
     def __init__(
         self,
@@ -331,23 +325,26 @@ class MixedGraphs(_GraphSet):
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         # Buckets up to the first that holds a whole step (`max_tokens`), if one does.
         fits = [t for t in MIXED_TOKEN_SIZES if t >= max_tokens]
         cap = min(fits) if fits else MIXED_MAX_TOKENS
         sizes = [t for t in MIXED_TOKEN_SIZES if t <= cap]
         s = self.slots = max_seqs + 1  # real rows, empty rows, the padding row last
-        int32_len = 2 * s + 1 + s * max_blocks
+        int32_len = 2 * s + 1 + num_groups * s * max_blocks
         super().__init__(
-            forward, sizes, sizes[0], int32_len, max_blocks, max_model_len, block_size, device
-        )
+            forward, sizes, sizes[0], int32_len, max_blocks, max_model_len, block_size, device,
+            num_groups=num_groups,
+        )  # fmt: skip
         self.query_start_loc = self.dev32[: s + 1]
         self.seq_lens = self.dev32[s + 1 : 2 * s + 1]
-        self.block_tables = self.dev32[2 * s + 1 :].view(s, max_blocks)
+        self._set_tables(2 * s + 1, s, num_groups)
 
     def _meta(self, key: GraphKey) -> AttentionMetadata:
         unknown = np.zeros(self.slots + 1, dtype=np.int32)  # set per replay, on the device only
-        return self._metadata(key[0], self.slots, key[0], unknown)
+        meta = self._metadata(key[0], self.slots, key[0], unknown)
+        return with_groups(self, meta, key[0], self.slots)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         pad_capacity = self.max_blocks * self.block_size
@@ -361,9 +358,14 @@ class MixedGraphs(_GraphSet):
     ) -> GraphOutputs:
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H] (and on a
         stage before the last, the residual [T, H])."""
+        staged = self.stage(inputs, size)
+        return self._replay((size, False), len(inputs.input_ids), *staged, fill=fill)
+
+    def stage(self, inputs: StepInputs, size: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Lay a mixed batch out in the next host set; the int32 extent `_upload` copies."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay((size, False), len(inputs.input_ids), end, fill=fill)
+        return end, stage_groups(self, a64, a32, inputs, len(inputs.seq_lens), size)
 
 
 def max_graph_tokens(config: EngineConfig) -> int:
@@ -389,8 +391,8 @@ def capture_graphs(
     """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
     activations first: one pool for all), then the decode graphs into the same pool. A model
     with recurrent state (`state_scratch`: its scratch slot) or whose prompt attention reads
-    host lengths (`mixed` False: MLA) or with several KV cache groups (`num_groups`: only the
-    decode graphs hold the other groups' tables) gets decode graphs only."""
+    host lengths (`mixed` False: MLA) gets decode graphs only. `num_groups`: the model's KV
+    cache groups (each one's block table and slot mapping a graph input)."""
     shape = dict(
         max_blocks=max_blocks,
         max_model_len=config.max_model_len,
@@ -400,10 +402,11 @@ def capture_graphs(
     sched = config.scheduler
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
     mixed_graphs = None
-    if state_scratch is None and mixed and num_groups == 1:
+    if state_scratch is None and mixed:
         mixed_graphs = MixedGraphs(
-            forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
-        )
+            forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, num_groups=num_groups,
+            **shape,
+        )  # fmt: skip
         mixed_graphs.capture()
     max_batch = min(sched.max_num_seqs, DECODE_MAX_BATCH)
     decode = DecodeGraphs(
@@ -448,6 +451,6 @@ def lay_out_mixed(
     qsl, seq_lens = a32[: s + 1], a32[s + 1 : 2 * s + 1]
     qsl[: n + 1], qsl[n + 1 : s], qsl[s] = inputs.query_start_loc, t, size
     seq_lens[:n], seq_lens[n : s - 1], seq_lens[s - 1] = inputs.seq_lens, 0, size - t
-    tables = a32[2 * s + 1 :].reshape(s, max_blocks)
+    tables = a32[2 * s + 1 : 2 * s + 1 + s * max_blocks].reshape(s, max_blocks)  # group 0's
     tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
     return 2 * s + 1 + n * max_blocks

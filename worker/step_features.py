@@ -28,9 +28,9 @@ class StepFeatures:
     # it (under `auto`, one of its candidates).
     cascade: bool
     # Decode and mixed-step CUDA graphs (worker/cuda_graphs.py), on every pipeline stage:
-    # capturable attention (every backend the model may run). Models with recurrent state or
-    # several KV cache groups get decode graphs only (their state slots, or the other groups'
-    # block tables and slot mappings, are graph inputs; cuda_graphs.py).
+    # capturable attention (every backend the model may run). Models with recurrent state get
+    # decode graphs only (their state slots are a graph input; cuda_graphs.py); with several KV
+    # cache groups, each group's block table and slots are (worker/graph_kv_groups.py).
     cuda_graphs: bool
     # LM head and greedy argmax inside small decode graphs (one TP rank: no collective inside;
     # the last pipeline stage, which holds the head).
