@@ -6,7 +6,7 @@
 # 128 in / 128 out) and W1-shaped throughput (1024 in / 128 out), each beside its weight-read
 # floor. Outputs in $OUT (or /tmp/out). Through the device tool like tests/gpu/lora_run.sh:
 # The experts run the grouped Triton kernel (kernels/triton_moe.py, biases and clamped SwiGLU);
-# steps stay eager (two KV cache groups: no CUDA graphs yet).
+# steps replay CUDA graphs (each KV cache group's tables are graph inputs).
 #   STEPS="sinks w3 w1 table" bash tests/gpu/gpt_oss_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
