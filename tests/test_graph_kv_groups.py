@@ -5,11 +5,19 @@ the host and copied per step. On CPU: the buffers a replay reads equal the eager
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+from gpt_oss_model import make_gpt_oss
 
+from pagedserve import LLM, SamplingParams
+from pagedserve.frontend.llm import build_engine_config
+from pagedserve.parallel.groups import rank_info
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.input_batch import StepInputs
+from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.step_metadata import attention_metadata
+
+from tiny_models import make_tiny_model
 
 BLOCK_SIZE, MAX_BLOCKS = 4, 16  # (mixed graphs pad up to 64 tokens over one table)
 
@@ -79,3 +87,35 @@ def test_mixed_graph_inputs_hold_every_group():
         graphs._upload(size, *graphs.stage(inputs, size))
         _check_groups(meta, inputs, 2)
         assert (meta.for_group(1).block_tables[-1] == 0).all()  # the padding row's table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma3"])
+def test_graphs_equal_eager_with_two_groups_on_gpu(kind, tmp_path_factory):
+    """On a GPU, gpt-oss's and Gemma 3's two KV cache groups keep CUDA graphs on, and decode and
+    mixed-step graphs (a 24-token budget chunks the prompts beside running decodes; 4-token
+    blocks, so rows run far past the 8-token window and the windowed group drops blocks) give
+    the eager tokens, fp32."""
+    base = tmp_path_factory.getbasetemp()
+    path = make_gpt_oss(str(base / "gpt-oss")) if kind == "gpt-oss" else (
+        make_tiny_model(kind, str(base / kind))
+    )  # fmt: skip
+    config = build_engine_config(path, device="cuda", dtype="float32")
+    assert len(config.model.kv_group_windows) == 2
+    runner = ModelRunner(config, torch.device("cuda"), rank_info(config.parallel, 0))
+    assert runner.features.cuda_graphs
+    del runner
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        {"prompt_token_ids": torch.randint(3, 400, (n,), generator=gen).tolist()}
+        for n in (5, 17, 40, 3, 29, 11)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    runs = []
+    for eager in (True, False):
+        with LLM(
+            path, device="cuda", dtype="float32", enforce_eager=eager, block_size=4,
+            max_num_batched_tokens=24, max_model_len=128, gpu_memory_utilization=0.3,
+        ) as llm:  # fmt: skip
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert runs[0] == runs[1]
