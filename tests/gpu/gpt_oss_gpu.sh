@@ -8,6 +8,13 @@
 # The experts run the grouped Triton kernel (kernels/triton_moe.py, biases and clamped SwiGLU);
 # steps replay CUDA graphs (each KV cache group's tables are graph inputs).
 #   STEPS="sinks w3 w1 table" bash tests/gpu/gpt_oss_gpu.sh
+# Further steps: `tests` (the CUDA tests of gpt-oss: Triton's sinks, graphs against eager with
+# two KV cache groups for gpt-oss and Gemma 3, the grouped MoE kernel at the 20b shape),
+# `profile` (tests/gpu/profile_step.py at batch 1: graph replay vs execute, and one eager decode
+# step by kernel), `tiles` (tests/gpu/moe_tiles.py: the MoE kernel's tiles at batch 1, 8, 64).
+# DEADLINE=S skips the steps that would start after S seconds (a device call's cap).
+# The check of issue 42 in one call (kind nvidia-h100-x1, ~4 min):
+#   DEADLINE=170 W1_PROMPTS=100 STEPS="tests w3 w1 tiles profile table" bash tests/gpu/gpt_oss_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -36,9 +43,18 @@ fi
 COMMON="--model $M --load-format dummy --dtype bfloat16 --max-model-len 2048"
 T="timeout ${STEP_TIMEOUT:-240}"
 for step in ${STEPS:-sinks w3 w1 table}; do
-  echo "=== $step"
+  if [ -n "${DEADLINE:-}" ] && [ "$SECONDS" -ge "$DEADLINE" ]; then
+    echo "=== $step skipped: ${SECONDS}s past DEADLINE=$DEADLINE"; continue
+  fi
+  echo "=== $step (at ${SECONDS}s)"
   case $step in
     sinks) $T python3 -m pytest -q tests/test_gpt_oss.py -k triton 2>&1 | tee "$OUT/gpt-oss-sinks.txt" | tail -3 ;;
+    tests) $T python3 -m pytest -q -rs -s tests/test_gpt_oss.py::test_triton_sinks_match_reference \
+          tests/test_graph_kv_groups.py tests/test_moe_fast_path.py::test_gpu_gpt_oss_20b_moe_shape \
+          2>&1 | tee "$OUT/gpt-oss-tests.txt" | grep -E "moe batch|passed|failed|Error|assert" | tail -12 ;;
+    profile) $T python3 tests/gpu/profile_step.py $M --batch 1 --decode-only --max-model-len 2048 \
+          2>&1 | tee "$OUT/gpt-oss-profile.txt" | grep -E "^---|replay|^ +1 " | tail -12 ;;
+    tiles) $T python3 tests/gpu/moe_tiles.py 2>&1 | tee "$OUT/gpt-oss-tiles.txt" | tail -34 ;;
     w3) $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 128 \
           --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/gpt-oss-w3.json" 2>&1 | tail -4 ;;
     w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
