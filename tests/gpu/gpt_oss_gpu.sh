@@ -14,8 +14,10 @@
 # step by kernel), `tiles` (tests/gpu/moe_tiles.py: the MoE kernels' tiles at batch 1 to 64),
 # `w3-off` (w3 with the few-token MoE GEMVs off: the grouped kernel, PAGEDSERVE_DISABLE_FUSIONS).
 # DEADLINE=S skips the steps that would start after S seconds (a device call's cap).
-# The check of issue 42 in one call (kind nvidia-h100-x1, ~4 min):
-#   DEADLINE=170 W1_PROMPTS=100 STEPS="tests w3 w3-off w1 tiles table" bash tests/gpu/gpt_oss_gpu.sh
+# The check of issue 42 in two calls (kind nvidia-h100-x1; `tests` alone takes over 2 minutes:
+# five engines start, each compiling its Triton kernels):
+#   STEP_TIMEOUT=300 STEPS=tests bash tests/gpu/gpt_oss_gpu.sh
+#   W1_PROMPTS=100 STEPS="w3 w3-off w1 tiles profile table" bash tests/gpu/gpt_oss_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
