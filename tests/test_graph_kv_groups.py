@@ -14,7 +14,8 @@ from pagedserve.frontend.llm import build_engine_config
 from pagedserve.parallel.groups import rank_info
 from pagedserve.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagedserve.worker.input_batch import StepInputs
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models import build_model
+from pagedserve.worker.step_features import step_features
 from pagedserve.worker.step_metadata import attention_metadata
 
 from tiny_models import make_tiny_model
@@ -102,9 +103,9 @@ def test_graphs_equal_eager_with_two_groups_on_gpu(kind, tmp_path_factory):
     )  # fmt: skip
     config = build_engine_config(path, device="cuda", dtype="float32")
     assert len(config.model.kv_group_windows) == 2
-    runner = ModelRunner(config, torch.device("cuda"), rank_info(config.parallel, 0))
-    assert runner.features.cuda_graphs
-    del runner
+    model = build_model(config.model, torch.float32, torch.device("cpu"))  # (no GPU memory held)
+    info = rank_info(config.parallel, 0)
+    assert step_features(config, torch.device("cuda"), info, model, torch.float32).cuda_graphs
     gen = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(3, 400, (n,), generator=gen).tolist()}
