@@ -22,8 +22,10 @@ import triton.language as tl
 
 from pagedserve.kernels.backend import fusion_enabled
 
-# At most this many (token, slot) pairs take the GEMV path (gpt-oss: batch <= 4; top-8: <= 2).
-MAX_DECODE_PAIRS = 16
+# At most this many (token, slot) pairs take the GEMV path (gpt-oss, Mixtral: batch <= 2 and 4;
+# top-8: 1). Timed end to end at 1 token (4 pairs); past that, pairs on a shared expert read it
+# again, so the bound stays low until tests/gpu/moe_tiles.py has timed 2 and 4 tokens.
+MAX_DECODE_PAIRS = 8
 Tiles = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
 DECODE_TILES: Tiles = (16, 256, 4, 3)
 

@@ -45,7 +45,7 @@ def test_gpt_oss_biases_and_clamped_swiglu(num_tokens):
 
 
 @tiny
-@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("num_tokens", [1, 2])
 def test_decode_gemvs_equal_the_references(num_tokens):
     """The few-token path (two GEMVs, the activation in the first one's epilogue, the K slots
     summed in the second): gpt-oss's clamped SwiGLU with biases, a clamp that bites, and plain
