@@ -43,6 +43,7 @@ FUSIONS = (
     "gemv", "gated-gemv", "rope-cache", "graph-head", "cascade", "fp8-fast-accum", "norm-quant",
     "l2-prefetch", "qkv-rope", "swiglu-gemm", "lora-gemv",
     "lora-swiglu",
+    "moe-gemv",
 )  # fmt: skip
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 CURVE_KEY_ENV = "PAGEDSERVE_CURVE_KEY"

@@ -39,7 +39,10 @@ def fused_moe(
 ) -> torch.Tensor:  # [T, H]
     if use_triton(x):
         from pagedserve.kernels.triton_moe import triton_fused_moe
+        from pagedserve.kernels.triton_moe_decode import triton_moe_decode, use_moe_decode
 
+        if use_moe_decode(*topk_ids.shape):  # a few tokens: two GEMVs, no sort by expert
+            return triton_moe_decode(x, w13, w2, topk_weights, topk_ids)
         return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 

@@ -45,6 +45,32 @@ def test_gpt_oss_biases_and_clamped_swiglu(num_tokens):
 
 
 @tiny
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_decode_gemvs_equal_the_references(num_tokens):
+    """The few-token path (two GEMVs, the activation in the first one's epilogue, the K slots
+    summed in the second): gpt-oss's clamped SwiGLU with biases, a clamp that bites, and plain
+    SiLU-and-mul, against the torch references; tile edges that do not divide the sizes."""
+    from pagedserve.kernels.gpt_oss_moe import gpt_oss_experts_ref, route
+    from pagedserve.kernels.moe import fused_moe_ref
+    from pagedserve.kernels.triton_moe_decode import triton_moe_decode, use_moe_decode
+
+    assert use_moe_decode(num_tokens, 3) and not use_moe_decode(64, 4)
+    w13, w2, gen = experts(8, 48, 40, torch.float32)
+    w13 = w13 * 8  # gate/up values beyond the limit of 7
+    bias = torch.randn(8, 80, generator=gen).to(DEV)
+    x = torch.randn(num_tokens, 48, generator=gen).to(DEV)
+    weights, ids = route(torch.randn(num_tokens, 8, generator=gen).to(DEV), 3)
+    tiles = (16, 32, 4, 3)
+    out = triton_moe_decode(
+        x, w13, w2, weights, ids, w13_bias=bias, clamp=(1.702, 7.0), tiles=tiles
+    )
+    ref = gpt_oss_experts_ref(x, w13, bias, w2, weights, ids, 1.702, 7.0)
+    torch.testing.assert_close(out, ref, **TOL)
+    out = triton_moe_decode(x, w13 / 8, w2, weights, ids, tiles=tiles)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13 / 8, w2, weights, ids), **TOL)
+
+
+@tiny
 def test_fp8_block_scaled_experts():
     """FP8 expert weights with one float32 scale per 32 x 32 block equal the reference over
     the dequantized weights; malformed scales are refused."""

@@ -48,6 +48,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention.cascade import CASCADE_MIN_ROWS
 from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.worker.graph_kv_groups import stage_groups, with_groups
 from pagedserve.worker.input_batch import StepInputs
 
 # Token buckets of mixed-step graphs, captured largest first: 128 apart up to 1024 (online
@@ -98,6 +99,7 @@ class _GraphSet:
         block_size: int,
         device: torch.device,
         state_scratch: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         self.forward = forward
         self.sizes = sizes  # largest first
@@ -106,21 +108,33 @@ class _GraphSet:
         self.max_model_len = max_model_len
         self.block_size = block_size
         rows64 = 3 if state_scratch is None else 4  # + the rows' state slots
+        self.groups_at = rows64  # then KV cache groups 1..'s slot mappings
+        rows64 += num_groups - 1
         self.dev64 = torch.zeros((rows64, max_tokens), dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(int32_len, dtype=torch.int32, device=device)
-        self.host64 = [torch.zeros_like(self.dev64, device="cpu").pin_memory() for _ in range(2)]
-        self.host32 = [torch.zeros_like(self.dev32, device="cpu").pin_memory() for _ in range(2)]
+        pin = dict(device="cpu", pin_memory=device.type == "cuda")  # (CPU: layout tests)
+        self.host64 = [torch.zeros_like(self.dev64, **pin) for _ in range(2)]
+        self.host32 = [torch.zeros_like(self.dev32, **pin) for _ in range(2)]
         self._flip = 0
         self.input_ids, self.positions, self.slot_mapping = self.dev64[:3]
         self.slot_mapping.fill_(-1)
         self.state_scratch = state_scratch
         self.state_slots = None if state_scratch is None else self.dev64[3].fill_(state_scratch)
+        self.group_slots = self.dev64[self.groups_at :].fill_(-1)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, GraphOutputs] = {}
         # Each graph's metadata, kept: what layers derive from it in the warm-up before capture
         # (its `scratch`, e.g. kernels/gated_delta.py's decode layout) is read by the replays.
         self.metas: dict[GraphKey, AttentionMetadata] = {}
         self.pool = None
+
+    def _set_tables(self, tables_at: int, rows: int, num_groups: int) -> None:
+        """The block tables, one [rows, max_blocks] per KV cache group from `tables_at` in the
+        int32 buffer (worker/graph_kv_groups.py)."""
+        self.tables_at, self.table_stride = tables_at, rows * self.max_blocks
+        end = tables_at + num_groups * self.table_stride
+        tables = self.dev32[tables_at:end].view(num_groups, rows, self.max_blocks)
+        self.block_tables, self.group_tables = tables[0], tables[1:]
 
     def _meta(self, key: GraphKey) -> AttentionMetadata:
         raise NotImplementedError
@@ -180,20 +194,27 @@ class _GraphSet:
             a64[3, :n] = inputs.state_slots
         return a64, a32
 
+    def _upload(self, size: int, int32_end: int, more32: tuple[tuple[int, int], ...]) -> None:
+        """Copy the staged host set: tokens up to `size`, int32 up to `int32_end` and the
+        ranges `more32` (other KV cache groups' tables)."""
+        h64, h32 = self.host64[self._flip], self.host32[self._flip]
+        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
+        self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
+        for start, end in more32:
+            self.dev32[start:end].copy_(h32[start:end], non_blocking=True)
+
     def _replay(
         self,
         key: GraphKey,
         num_tokens: int,
         int32_end: int,
-        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        more32: tuple[tuple[int, int], ...] = (),
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> GraphOutputs:
         """Copy the staged host set (tokens up to the bucket, int32 up to `int32_end`), fill
         the tokens only on the device, replay graph `key`; its outputs for the real tokens
         (static buffers: valid until the next replay of that graph)."""
-        size = key[0]
-        h64, h32 = self.host64[self._flip], self.host32[self._flip]
-        self.dev64[:, :size].copy_(h64[:, :size], non_blocking=True)
-        self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
+        self._upload(key[0], int32_end, more32)
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         self.graphs[key].replay()
@@ -202,7 +223,8 @@ class _GraphSet:
 
 class DecodeGraphs(_GraphSet):
     """Decode-only steps, one graph per batch-size bucket (and `cascade`: a cascade one per
-    cascade bucket); int32 = [seq_lens | prefix length (CASCADE_SLOT) | block_tables]. `head`:
+    cascade bucket); int32 = [seq_lens | prefix length (CASCADE_SLOT) | block_tables per KV
+    cache group (worker/graph_kv_groups.py)]. `head`:
     hidden [n, H] -> (logits [n, V] float32, argmax ids [n]), run inside the graphs of buckets up
     to HEAD_MAX_BATCH."""
 
@@ -217,19 +239,20 @@ class DecodeGraphs(_GraphSet):
         head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         cascade: bool = False,
         state_scratch: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         self.head = head
         sizes = capture_sizes(max_batch)
         b = sizes[0]
-        self.tables_at = t = b + CASCADE_SLOT
+        t = b + CASCADE_SLOT
         super().__init__(
-            forward, sizes, b, t + b * max_blocks, max_blocks, max_model_len, block_size, device,
-            state_scratch,
+            forward, sizes, b, t + num_groups * b * max_blocks, max_blocks, max_model_len,
+            block_size, device, state_scratch, num_groups,
         )  # fmt: skip
         self.seq_lens = self.dev32[:b]
         self.seq_lens.fill_(1)
         self.cascade_len = self.dev32[b : b + 1]
-        self.block_tables = self.dev32[t:].view(b, max_blocks)
+        self._set_tables(t, b, num_groups)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.cascade_sizes = cascade_sizes(sizes) if cascade else []
         self.keys += [(s, True) for s in self.cascade_sizes]
@@ -239,6 +262,7 @@ class DecodeGraphs(_GraphSet):
         meta = self._metadata(size, size, 1, np.arange(size + 1, dtype=np.int32))
         if self.state_slots is not None:  # on the device only (kernels/gated_delta.py decode)
             meta.state_slots = self.state_slots[:size]
+        with_groups(self, meta, size, size)  # (before the cascade: group 0's prefix only)
         if cascade:  # an upper bound on the host; each replay writes the step's value
             meta.cascade_len, meta.cascade_len_dev = self.max_model_len, self.cascade_len
         return meta
@@ -268,8 +292,12 @@ class DecodeGraphs(_GraphSet):
         the head, logits [n, V] and argmax ids [n]). `fill`: (token indices, ids) of input
         tokens that are only on the device. A cascade graph's padding rows attend the prefix
         too (their output is dropped)."""
+        return self._replay(key, len(inputs.input_ids), *self.stage(inputs, key), fill=fill)
+
+    def stage(self, inputs: StepInputs, key: GraphKey) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Lay a decode batch out in the next host set; the int32 extent `_upload` copies."""
         (size, cascade), t = key, self.tables_at
-        n, b, width = len(inputs.input_ids), self.sizes[0], inputs.block_tables.shape[1]
+        n, b = len(inputs.input_ids), self.sizes[0]
         a64, a32 = self._host_buffers(inputs)
         a64[2, n:size] = -1  # padding rows: no cache write, attend to one token of block 0
         if self.state_slots is not None:
@@ -277,14 +305,16 @@ class DecodeGraphs(_GraphSet):
         a32[:n], a32[n:size] = inputs.seq_lens, 1
         a32[b] = inputs.cascade_len if cascade else 0
         tables = a32[t : t + size * self.max_blocks].reshape(size, self.max_blocks)
-        tables[:n, :width] = inputs.block_tables
+        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
         tables[n:size, 0] = 0
-        return self._replay(key, n, t + size * self.max_blocks, fill)
+        more32 = stage_groups(self, a64, a32, inputs, size, size)
+        return t + size * self.max_blocks, more32
 
 
 class MixedGraphs(_GraphSet):
     """Steps with prompt chunks, one graph per token bucket (see the module docstring); int32 =
-    [query_start_loc (slots + 1) | seq_lens (slots) | block_tables (slots x max_blocks)]."""
+    [query_start_loc (slots + 1) | seq_lens (slots) | block_tables (slots x max_blocks) per KV
+    cache group (worker/graph_kv_groups.py)]."""
 
     def __init__(
         self,
@@ -295,23 +325,26 @@ class MixedGraphs(_GraphSet):
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         # Buckets up to the first that holds a whole step (`max_tokens`), if one does.
         fits = [t for t in MIXED_TOKEN_SIZES if t >= max_tokens]
         cap = min(fits) if fits else MIXED_MAX_TOKENS
         sizes = [t for t in MIXED_TOKEN_SIZES if t <= cap]
         s = self.slots = max_seqs + 1  # real rows, empty rows, the padding row last
-        int32_len = 2 * s + 1 + s * max_blocks
+        int32_len = 2 * s + 1 + num_groups * s * max_blocks
         super().__init__(
-            forward, sizes, sizes[0], int32_len, max_blocks, max_model_len, block_size, device
-        )
+            forward, sizes, sizes[0], int32_len, max_blocks, max_model_len, block_size, device,
+            num_groups=num_groups,
+        )  # fmt: skip
         self.query_start_loc = self.dev32[: s + 1]
         self.seq_lens = self.dev32[s + 1 : 2 * s + 1]
-        self.block_tables = self.dev32[2 * s + 1 :].view(s, max_blocks)
+        self._set_tables(2 * s + 1, s, num_groups)
 
     def _meta(self, key: GraphKey) -> AttentionMetadata:
         unknown = np.zeros(self.slots + 1, dtype=np.int32)  # set per replay, on the device only
-        return self._metadata(key[0], self.slots, key[0], unknown)
+        meta = self._metadata(key[0], self.slots, key[0], unknown)
+        return with_groups(self, meta, key[0], self.slots)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         pad_capacity = self.max_blocks * self.block_size
@@ -325,9 +358,14 @@ class MixedGraphs(_GraphSet):
     ) -> GraphOutputs:
         """Copy a mixed batch into the static buffers, replay; hidden states [T, H] (and on a
         stage before the last, the residual [T, H])."""
+        staged = self.stage(inputs, size)
+        return self._replay((size, False), len(inputs.input_ids), *staged, fill=fill)
+
+    def stage(self, inputs: StepInputs, size: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Lay a mixed batch out in the next host set; the int32 extent `_upload` copies."""
         a64, a32 = self._host_buffers(inputs)
         end = lay_out_mixed(a64, a32, inputs, size, self.slots, self.max_blocks)
-        return self._replay((size, False), len(inputs.input_ids), end, fill)
+        return end, stage_groups(self, a64, a32, inputs, len(inputs.seq_lens), size)
 
 
 def max_graph_tokens(config: EngineConfig) -> int:
@@ -348,11 +386,13 @@ def capture_graphs(
     cascade: bool,
     state_scratch: int | None = None,
     mixed: bool = True,
+    num_groups: int = 1,
 ) -> tuple[DecodeGraphs, MixedGraphs | None]:
     """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
     activations first: one pool for all), then the decode graphs into the same pool. A model
     with recurrent state (`state_scratch`: its scratch slot) or whose prompt attention reads
-    host lengths (`mixed` False: MLA) gets decode graphs only."""
+    host lengths (`mixed` False: MLA) gets decode graphs only. `num_groups`: the model's KV
+    cache groups (each one's block table and slot mapping a graph input)."""
     shape = dict(
         max_blocks=max_blocks,
         max_model_len=config.max_model_len,
@@ -364,13 +404,14 @@ def capture_graphs(
     mixed_graphs = None
     if state_scratch is None and mixed:
         mixed_graphs = MixedGraphs(
-            forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, **shape
-        )
+            forward, max_seqs=sched.max_num_seqs, max_tokens=max_tokens, num_groups=num_groups,
+            **shape,
+        )  # fmt: skip
         mixed_graphs.capture()
     max_batch = min(sched.max_num_seqs, DECODE_MAX_BATCH)
     decode = DecodeGraphs(
         forward, max_batch=max_batch, head=head, cascade=cascade, state_scratch=state_scratch,
-        **shape,
+        num_groups=num_groups, **shape,
     )  # fmt: skip
     decode.capture(pool=mixed_graphs.pool if mixed_graphs is not None else None)
     return decode, mixed_graphs
@@ -410,6 +451,6 @@ def lay_out_mixed(
     qsl, seq_lens = a32[: s + 1], a32[s + 1 : 2 * s + 1]
     qsl[: n + 1], qsl[n + 1 : s], qsl[s] = inputs.query_start_loc, t, size
     seq_lens[:n], seq_lens[n : s - 1], seq_lens[s - 1] = inputs.seq_lens, 0, size - t
-    tables = a32[2 * s + 1 :].reshape(s, max_blocks)
+    tables = a32[2 * s + 1 : 2 * s + 1 + s * max_blocks].reshape(s, max_blocks)  # group 0's
     tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
     return 2 * s + 1 + n * max_blocks

@@ -333,6 +333,7 @@ class ModelRunner:
                 forward, self.config, max_blocks, self.device, self._graph_head(),
                 self.features.cascade, self.config.num_state_slots,
                 mixed=getattr(self.model, "mixed_cuda_graphs", True),
+                num_groups=self.batch.block_tables.shape[0],
             )  # fmt: skip
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
         if (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.config import EngineConfig, kv_cache_groups
+from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention.registry import backend_caps
 from pagedserve.kernels.attention.selection import attention_backend_name
 from pagedserve.kernels.backend import fusion_enabled
@@ -28,9 +28,9 @@ class StepFeatures:
     # it (under `auto`, one of its candidates).
     cascade: bool
     # Decode and mixed-step CUDA graphs (worker/cuda_graphs.py), on every pipeline stage:
-    # capturable attention (every backend the model may run) and one KV cache group (the
-    # graphs' static buffers hold one block table). Models with recurrent state get decode
-    # graphs only (their state slots are a graph input; cuda_graphs.py).
+    # capturable attention (every backend the model may run). Models with recurrent state get
+    # decode graphs only (their state slots are a graph input; cuda_graphs.py); with several KV
+    # cache groups, each group's block table and slots are (worker/graph_kv_groups.py).
     cuda_graphs: bool
     # LM head and greedy argmax inside small decode graphs (one TP rank: no collective inside;
     # the last pipeline stage, which holds the head).
@@ -53,7 +53,6 @@ def step_features(
     cuda_graphs = (
         is_cuda
         and not model_config.enforce_eager
-        and len(kv_cache_groups(model_config.hf)) == 1
         and model_config.pooling is None  # prefill only: the pooler reads eager hidden states
         and getattr(model, "cuda_graphs", True)  # False: its attention reads host metadata
         and all(c.cuda_graphs for c in caps)

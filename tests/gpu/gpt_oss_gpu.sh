@@ -6,8 +6,18 @@
 # 128 in / 128 out) and W1-shaped throughput (1024 in / 128 out), each beside its weight-read
 # floor. Outputs in $OUT (or /tmp/out). Through the device tool like tests/gpu/lora_run.sh:
 # The experts run the grouped Triton kernel (kernels/triton_moe.py, biases and clamped SwiGLU);
-# steps stay eager (two KV cache groups: no CUDA graphs yet).
+# steps replay CUDA graphs (each KV cache group's tables are graph inputs).
 #   STEPS="sinks w3 w1 table" bash tests/gpu/gpt_oss_gpu.sh
+# Further steps: `tests` (the CUDA tests of gpt-oss: Triton's sinks, graphs against eager with
+# two KV cache groups for gpt-oss and Gemma 3, the grouped MoE kernel at the 20b shape),
+# `profile` (tests/gpu/profile_step.py at batch 1: graph replay vs execute, and one eager decode
+# step by kernel), `tiles` (tests/gpu/moe_tiles.py: the MoE kernels' tiles at batch 1 to 64),
+# `w3-off` (w3 with the few-token MoE GEMVs off: the grouped kernel, PAGEDSERVE_DISABLE_FUSIONS).
+# DEADLINE=S skips the steps that would start after S seconds (a device call's cap).
+# The check of issue 42 in two calls (kind nvidia-h100-x1; `tests` alone takes over 2 minutes:
+# five engines start, each compiling its Triton kernels):
+#   STEP_TIMEOUT=300 STEPS=tests bash tests/gpu/gpt_oss_gpu.sh
+#   W1_PROMPTS=100 STEPS="w3 w3-off w1 tiles profile table" bash tests/gpu/gpt_oss_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -36,11 +46,23 @@ fi
 COMMON="--model $M --load-format dummy --dtype bfloat16 --max-model-len 2048"
 T="timeout ${STEP_TIMEOUT:-240}"
 for step in ${STEPS:-sinks w3 w1 table}; do
-  echo "=== $step"
+  if [ -n "${DEADLINE:-}" ] && [ "$SECONDS" -ge "$DEADLINE" ]; then
+    echo "=== $step skipped: ${SECONDS}s past DEADLINE=$DEADLINE"; continue
+  fi
+  echo "=== $step (at ${SECONDS}s)"
   case $step in
     sinks) $T python3 -m pytest -q tests/test_gpt_oss.py -k triton 2>&1 | tee "$OUT/gpt-oss-sinks.txt" | tail -3 ;;
+    tests) $T python3 -m pytest -q -rs -s tests/test_gpt_oss.py::test_triton_sinks_match_reference \
+          tests/test_graph_kv_groups.py tests/test_moe_fast_path.py -k "not deepseek" \
+          2>&1 | tee "$OUT/gpt-oss-tests.txt" | grep -E "moe batch|passed|failed|Error|assert" | tail -12 ;;
+    profile) $T python3 tests/gpu/profile_step.py $M --batch 1 --decode-only --max-model-len 2048 \
+          2>&1 | tee "$OUT/gpt-oss-profile.txt" | grep -E "^---|replay|^ +1 " | tail -12 ;;
+    tiles) $T python3 tests/gpu/moe_tiles.py 2>&1 | tee "$OUT/gpt-oss-tiles.txt" | tail -34 ;;
     w3) $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 128 \
           --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/gpt-oss-w3.json" 2>&1 | tail -4 ;;
+    w3-off) PAGEDSERVE_DISABLE_FUSIONS=moe-gemv $T $PS bench latency $COMMON --batch-size 1 \
+          --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 2 \
+          --output-json "$OUT/gpt-oss-w3-off.json" 2>&1 | tail -1 ;;
     w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
           --num-prompts ${W1_PROMPTS:-200} --output-json "$OUT/gpt-oss-w1.json" 2>&1 | tail -4 ;;
     table) python3 - "$OUT" "$M" <<'PY'
@@ -61,11 +83,14 @@ every = 2 * (attn + head + L * E * expert) / bw * 1e3
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
-w3, w1 = load("gpt-oss-w3.json"), load("gpt-oss-w1.json")
-print("| gpt-oss-20b shape, bf16 experts (grouped Triton), H100 | measured | weight-read floor |")
+w3, w3off, w1 = load("gpt-oss-w3.json"), load("gpt-oss-w3-off.json"), load("gpt-oss-w1.json")
+print("| gpt-oss-20b shape, bf16 experts, H100 | measured | weight-read floor |")
 print("| --- | --- | --- |")
 if w3:
     print(f"| batch 1 ms/token (128 in / 128 out) | {w3['ms_per_output_token']:.2f} | {one:.2f} ms (4 of 32 experts) |")
+if w3off:
+    print(f"| the same, PAGEDSERVE_DISABLE_FUSIONS=moe-gemv (grouped MoE kernel) | "
+          f"{w3off['ms_per_output_token']:.2f} | {one:.2f} ms |")
 if w1:
     print(f"| W1-shaped ({w1.get('num_prompts', '?')} x 1024 in / 128 out) | "
           f"{w1['requests_per_s']:.2f} req/s, {w1['output_tokens_per_s']:.0f} out tok/s | "

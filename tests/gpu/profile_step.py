@@ -24,6 +24,7 @@ from pagedserve.parallel.groups import rank_info
 from pagedserve.worker.model_runner import ModelRunner
 
 KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("moe", ("grouped_gemm", "moe", "argsort", "scatter", "searchsorted", "topk")),
     ("fp8 gemv", ("fp8_gemv",)),
     ("act quant", ("quant_token", "quant_groups")),
     ("fp8 block gemm", ("w8a8_block",)),
@@ -116,9 +117,30 @@ def profile_batch(runner: ModelRunner, batch: int, ctx: int) -> dict[str, float]
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60)
     )
+    profile_eager(runner, batch, ctx + 43 + n)
     runner.execute(StepPlan(100, [], [], finished_ids=[f"r{i}" for i in range(batch)]))
     return {"batch": batch, "graph_replay_ms": replay_ms, "execute_ms": host_ms,
             "pipelined_ms": pipelined_ms}  # fmt: skip
+
+
+def profile_eager(runner: ModelRunner, batch: int, ctx: int) -> None:
+    """The same decode step run eagerly (the graphs set aside), so the profiler names every
+    kernel of the step (inside a replay the kernels are one opaque span on some builds)."""
+    graphs = runner.graphs, runner.mixed_graphs
+    runner.graphs = runner.mixed_graphs = None
+    try:
+        for step in range(3):  # warm-up of the eager shapes
+            runner.execute(decode_plan(120 + step, batch, ctx + step))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runner.execute(decode_plan(130, batch, ctx + 3))
+            torch.cuda.synchronize()
+    finally:
+        runner.graphs, runner.mixed_graphs = graphs
+    print(f"--- batch {batch}: one EAGER decode step by kind: {step_kinds(prof)}")
+    print(f"--- batch {batch}: eager {kernel_gaps(prof)}")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70)
+    )
 
 
 def pipelined(runner: ModelRunner, batch: int, ctx: int, first_step: int, n: int) -> float:
@@ -207,15 +229,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--fp8", action="store_true", help="FP8 weights and KV cache")
+    ap.add_argument("--decode-only", action="store_true", help="no prefill and mixed steps")
+    ap.add_argument("--max-model-len", type=int, default=None)
     args = ap.parse_args()
     fp8 = dict(quantization="fp8", kv_cache_dtype="fp8") if args.fp8 else {}
+    if args.max_model_len:
+        fp8["max_model_len"] = args.max_model_len
     config = build_engine_config(args.model, load_format="dummy", dtype="bfloat16",
                                  gpu_memory_utilization=0.85, **fp8)  # fmt: skip
     runner = ModelRunner(config, torch.device("cuda", 0), rank_info(config.parallel, 0))
     runner.init_cache(runner.profile_num_blocks())
     rows = [profile_batch(runner, b, args.ctx) for b in args.batch]
-    profile_prefill(runner, 8, 1024)
-    profile_mixed_host(runner, 48, 512, 600)
+    if not args.decode_only:
+        profile_prefill(runner, 8, 1024)
+        profile_mixed_host(runner, 48, 512, 600)
     print(f"{'batch':>6} {'graph replay ms':>16} {'execute() ms':>13} {'pipelined ms':>13}")
     for r in rows:
         print(f"{r['batch']:>6} {r['graph_replay_ms']:>16.3f} {r['execute_ms']:>13.3f} "

@@ -1,6 +1,7 @@
 """gpt-oss's MoE block: a biased top-k router and tensor-parallel experts with biases
 (kernels/gpt_oss_moe.py computes them; on CUDA the grouped kernel of kernels/triton_moe.py with
-its bias and clamped SwiGLU: no host sync, CUDA-graph safe).
+its bias and clamped SwiGLU, or for a few tokens the two GEMVs of kernels/triton_moe_decode.py:
+no host sync, CUDA-graph safe).
 
 Checkpoint tensors per layer, under `mlp.experts.`, in one of two forms:
 - plain (transformers' `save_pretrained` of a dequantized model): `gate_up_proj [E, H, 2I]` and
@@ -109,14 +110,8 @@ class GptOssExperts(nn.Module):
         weights: torch.Tensor,  # [T, K] float32
         ids: torch.Tensor,  # [T, K] int64
     ) -> torch.Tensor:  # [T, H]
-        if use_triton(x):  # the grouped kernel: one launch per projection for all experts
-            from pagedserve.kernels.triton_moe import triton_fused_moe
-
-            act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
-            out = triton_fused_moe(
-                x, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
-                activation=act,
-            )  # fmt: skip
+        if use_triton(x):
+            out = self._triton(x, weights, ids)
         else:
             out = gpt_oss_experts_ref(
                 x, self.w13_weight, self.w13_bias, self.w2_weight, weights, ids, self.alpha,
@@ -124,6 +119,22 @@ class GptOssExperts(nn.Module):
             )  # fmt: skip
         out = tp_all_reduce(out)
         return out + down_bias_sum(self.w2_bias, weights, ids).to(out.dtype)
+
+    def _triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A few tokens: two GEMVs; more: the grouped kernel, one launch per projection."""
+        from pagedserve.kernels.triton_moe import triton_fused_moe
+        from pagedserve.kernels.triton_moe_decode import triton_moe_decode, use_moe_decode
+
+        if use_moe_decode(*ids.shape):
+            return triton_moe_decode(
+                x, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
+                clamp=(self.alpha, self.limit),
+            )  # fmt: skip
+        act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
+        return triton_fused_moe(
+            x, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
+            activation=act,
+        )  # fmt: skip
 
 
 class GptOssMoE(nn.Module):
