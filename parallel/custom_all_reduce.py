@@ -18,12 +18,13 @@ before any uses it); `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pagedserve import settings
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class OneShotAllReduce:
 
 def unavailable_reason(device: torch.device, tp_size: int, tp_ranks_per_host: int) -> str | None:
     """Why the one-shot path cannot serve this TP group (None: it may, if its check passes)."""
-    if os.environ.get("PAGEDSERVE_CUSTOM_ALL_REDUCE") != "1":
+    if not settings.current().custom_all_reduce:
         return "opt-in until measured on GPUs (PAGEDSERVE_CUSTOM_ALL_REDUCE=1)"
     if device.type != "cuda":
         return "not on CUDA"

@@ -11,7 +11,9 @@ import os
 import pytest
 import torch
 
+from pagedserve import settings
 from pagedserve.parallel.custom_all_reduce import MAX_BYTES, unavailable_reason
+from pagedserve.settings import Settings
 
 
 def test_disable_flag_reaches_the_config_from_launch_bench_and_llm(tmp_path):
@@ -37,9 +39,9 @@ def test_disable_flag_reaches_the_config_from_launch_bench_and_llm(tmp_path):
 
 def test_unavailable_reasons(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.delenv("PAGEDSERVE_CUSTOM_ALL_REDUCE", raising=False)
+    monkeypatch.setattr(settings, "_active", Settings())
     assert "opt-in" in unavailable_reason(gpu, 2, 2)  # off until GPUs have run it
-    monkeypatch.setenv("PAGEDSERVE_CUSTOM_ALL_REDUCE", "1")
+    monkeypatch.setattr(settings, "_active", Settings(custom_all_reduce=True))
     assert unavailable_reason(cpu, 2, 2) == "not on CUDA"
     assert unavailable_reason(gpu, 1, 8) == "no tensor parallelism"
     assert "spans hosts" in unavailable_reason(gpu, 4, 2)
