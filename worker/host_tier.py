@@ -22,7 +22,6 @@ and forward come after them. On a CPU they are plain copies, in order.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections import deque
 
@@ -31,7 +30,6 @@ import torch
 
 HOST_TIER_BLOCKS_IF_NO_KV = 1 << 30  # a stage without KV layers: the other stages decide
 STAGING_BLOCKS = 32  # blocks per staged chunk (64 MiB at the 8B shape)
-CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the (unified) addresses
 
 
 def host_tier_blocks(size_gib: float | None, block_bytes: int) -> int:
@@ -74,22 +72,6 @@ def _chunks(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return [pairs[i : i + STAGING_BLOCKS] for i in range(0, len(pairs), STAGING_BLOCKS)]
 
 
-def _load_cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime torch loaded (its own instance: same streams and current device), for
-    cudaMemcpyAsync without torch's per-copy bookkeeping (dispatch, checks, an event recorded
-    for the pinned block: the host tier is never freed while copies run); None where torch
-    links it statically (copies then go through torch)."""
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-    if len(paths) != 1:
-        return None
-    lib = ctypes.CDLL(paths.pop())
-    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_size_t, ctypes.c_int]
-    lib.cudaMemcpyAsync.argtypes.append(ctypes.c_void_p)
-    lib.cudaMemcpyAsync.restype = ctypes.c_int
-    return lib
-
-
 class HostKVTier:
     """`kv_stack`: this rank's device cache, `[slots, device blocks, *block]` (None: a stage
     without KV layers); `num_blocks` host blocks of `[slots, *block]` each."""
@@ -98,7 +80,7 @@ class HostKVTier:
         self.num_blocks = num_blocks
         self.host: torch.Tensor | None = None  # [num_blocks, S, 2, block_size, kv_heads, head_dim]
         self.staging: torch.Tensor | None = None  # [STAGING_BLOCKS, S, ...] on the device
-        self.stream = self.cudart = None
+        self.stream = None
         if kv_stack is not None:
             s, n, *block = kv_stack.shape
             self.num_slots, self.num_device_blocks = s, n
@@ -111,7 +93,6 @@ class HostKVTier:
             self.staging_rows = self.staging.view(STAGING_BLOCKS * s, -1)  # block k's slot i: k*S+i
             if pin:
                 self.stream = torch.cuda.Stream(kv_stack.device)
-                self.cudart = _load_cudart()
         # Where the copies' time goes (the report at shutdown): plans with copies, blocks, host
         # copies (runs of host blocks), host seconds issuing them, and (GPU) seconds the copy
         # stream ran before and beside the forward, from events read once done (the host never
@@ -189,7 +170,7 @@ class HostKVTier:
             f"host KV tier copies: {self.num_plans} plans, {self.num_out} blocks out, "
             f"{self.num_in} in ({(self.num_out + self.num_in) * self.block_bytes / 1e9:.2f} GB) "
             f"in {self.num_host_copies} host copies"
-            f"{' (cudaMemcpyAsync)' if self.cudart is not None else ''}; "
+            "; "
             f"{self.host_s:.3f} s of host time issuing them; on the copy stream "
             f"{self.blocking_s:.3f} s that steps waited for, {self.ahead_s:.3f} s of spills ahead "
             "beside the forward"
@@ -210,16 +191,7 @@ class HostKVTier:
     def _host_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One copy between contiguous slices of the host tier and the staging buffer."""
         self.num_host_copies += 1
-        if self.cudart is None:
-            dst.copy_(src, non_blocking=True)
-            return
-        stream = torch.cuda.current_stream().cuda_stream
-        nbytes = src.numel() * src.element_size()
-        err = self.cudart.cudaMemcpyAsync(
-            dst.data_ptr(), src.data_ptr(), nbytes, CUDA_MEMCPY_DEFAULT, stream
-        )
-        if err:
-            raise RuntimeError(f"cudaMemcpyAsync of a host KV tier block failed: error {err}")
+        dst.copy_(src, non_blocking=True)
 
     def _ids(self, chunks: list[list[tuple[int, int]]]) -> torch.Tensor:
         """The rows of `device_rows` each chunk's blocks occupy, all chunks' in one tensor (block

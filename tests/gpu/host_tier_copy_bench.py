@@ -2,8 +2,7 @@
 (32 layers, 8 KV heads of 128, blocks of 16, bf16: 2 MiB a block), while the compute stream is
 busy (as when the worker queues step N+1 behind step N): host milliseconds per copy() of 73 blocks
 out (spills to scattered host blocks) or in, the part spent moving block ids to the device, and
-the same with the ids sent through freshly pinned tensors (as the tier did before); the host
-copies through torch (`torch`) or cudaMemcpyAsync (`cudart`, the tier's choice where it can).
+the same with the ids sent through freshly pinned tensors (as the tier did before).
   python3 tests/gpu/host_tier_copy_bench.py"""
 
 from __future__ import annotations
@@ -62,13 +61,7 @@ def main() -> None:
     dev = torch.device("cuda")
     stack = torch.zeros(LAYERS, BLOCKS, 2, 16, 8, 128, dtype=torch.bfloat16, device=dev)
     tier = HostKVTier(stack, HOST_BLOCKS)
-    cudart = tier.cudart
-    for label, lib in (("cudart", cudart), ("torch", None)):
-        if label == "cudart" and lib is None:
-            continue
-        tier.cudart = lib
-        run_cases(tier, HostKVTier._ids.__get__(tier), label)
-    tier.cudart = cudart
+    run_cases(tier, HostKVTier._ids.__get__(tier), "torch")
     run_cases(tier, lambda chunks: pinned_ids(tier, chunks), "pinned")
     print(tier.report())
     check_round_trip(tier, stack)
