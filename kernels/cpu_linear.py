@@ -1,4 +1,4 @@
-"""Linear layers on a CPU with the weight packed once, at load time, in oneDNN's blocked layout.
+"""Linear layers on a CPU: the weight prepared once, at load time, for oneDNN or our C++ kernel.
 
 `F.linear` on a CPU calls MKL's sgemm with the plain `[N, K]` weight, which repacks panels of it
 on every call: a decode step (M = 1..32 rows) pays that per matmul, and at M = 16 it runs at about
@@ -16,7 +16,16 @@ float32 at M = 8-32 on a 2-core AMD EPYC, docs/cpu_avx.md), so there a bfloat16 
 as float32 (twice its memory, a warning says so once) and `packed_linear` computes in float32 and
 rounds the result to bfloat16: more precise than a bfloat16 GEMM, and faster.
 
-`PAGEDSERVE_CPU_LINEAR=torch` (read once per process) keeps every CPU linear on `F.linear`.
+A float32 weight stays in its plain layout where the C++ kernels load (kernels/cpu_native.py):
+a step of at most `SMALL_M` rows (decode) runs `small_linear`, which reads the weight once, in
+order (on the 2-core AVX2 EPYC, one thread: 1.4-1.8x faster than oneDNN's blocked layout at
+M = 1, 1.1x at M = 16, equal at 24-32; docs/cpu_avx.md), and larger steps (prefill) run oneDNN's
+inner product on the plain weight (as fast as the prepacked one from M ~ 64 up: oneDNN packs
+inside the call). One copy either way, and a tied LM head shares the embedding's.
+
+`PAGEDSERVE_CPU_LINEAR` (read once per process): `onednn` (the default, as above), `packed`
+(every weight in oneDNN's blocked layout, the previous default; the A/B arm) or `torch` (every CPU
+linear on `F.linear`).
 """
 
 from __future__ import annotations
@@ -27,15 +36,26 @@ import logging
 import torch
 
 from pagedserve import settings
+from pagedserve.kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 19  # e.g. 4096 x 128: measured faster packed from here on, at M >= 1
+SMALL_M = 32  # rows up to which `small_linear` beats oneDNN on the plain weight (measured: 48)
 
 
 def packing_enabled() -> bool:
-    return settings.current().cpu_linear == "onednn" and torch.backends.mkldnn.is_available()
+    return settings.current().cpu_linear != "torch" and torch.backends.mkldnn.is_available()
+
+
+def keeps_plain(weight: torch.Tensor) -> bool:
+    """Whether a float32 weight stays plain for `small_linear` (else it goes to oneDNN's layout)."""
+    return (
+        weight.dtype == torch.float32
+        and settings.current().cpu_linear == "onednn"
+        and cpu_native.available()
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -48,6 +68,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if not packing_enabled():
         return None
+    if keeps_plain(weight):
+        return weight.detach().contiguous()  # no copy for a contiguous (or tied) weight
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     except RuntimeError:  # a build or CPU without this oneDNN path
@@ -72,6 +94,10 @@ def _warn_bf16_as_float32() -> None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x [..., K] @ W^T + bias` -> `[..., N]` in x's dtype with `packed = pack_weight(W)`."""
+    if packed.layout == torch.strided and x.numel() <= SMALL_M * x.shape[-1]:
+        rows = x.reshape(-1, x.shape[-1]).to(packed.dtype)
+        out = cpu_native.small_linear(rows, packed, bias)  # plain float32 weight, a few rows
+        return out.reshape(*x.shape[:-1], packed.shape[0]).to(x.dtype)
     if x.dtype == packed.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     bias = None if bias is None else bias.to(packed.dtype)  # a bfloat16 layer packed as float32
