@@ -16,17 +16,17 @@ float32 at M = 8-32 on a 2-core AMD EPYC, docs/cpu_avx.md), so there a bfloat16 
 as float32 (twice its memory, a warning says so once) and `packed_linear` computes in float32 and
 rounds the result to bfloat16: more precise than a bfloat16 GEMM, and faster.
 
-A float32 weight of a model too large for the CPU's caches (`STREAMED_MODEL_BYTES`, whose decode
+A float32 weight of a model too large for the CPU's caches (`STREAMED_MODEL_BYTES`: its decode
 steps are bound by reading the weights from memory) stays in its plain layout where the C++
-kernels load (kernels/cpu_native.py):
-a step of at most `SMALL_M` rows (decode) runs `small_linear`, which reads the weight once, in
-order (on the 2-core AVX2 EPYC, one thread: 1.4-1.8x faster than oneDNN's blocked layout at
-M = 1, 1.1x at M = 16, equal at 24-32; docs/cpu_avx.md), and larger steps (prefill) run oneDNN's
-inner product on the plain weight (as fast as the prepacked one from M ~ 64 up: oneDNN packs
-inside the call). One copy either way, and a tied LM head shares the embedding's. A smaller
-model's weights sit in cache, where the step is compute-bound and oneDNN's blocked GEMM is the
-faster one (the embedded model's 4096 x 128 LM head: 0.24 against 0.39 ms at M = 8), so
-`settle_layouts` packs them once the whole model is loaded.
+kernels load (kernels/cpu_native.py): a step of at most `SMALL_M` rows (decode) runs
+`small_linear`, which reads the weight once, in order (on the 2-core AVX2 EPYC, one thread:
+1.4-1.8x faster than oneDNN's blocked layout at M = 1, 1.1x at M = 16, 0.9-1.0x at 24-32;
+docs/cpu_avx.md), and larger steps (prefill) run oneDNN's inner product on the plain weight (as
+fast as the prepacked one from M ~ 64 up: oneDNN packs inside the call). One copy either way,
+and a tied LM head shares the embedding's. A smaller model's weights sit in cache, where the
+step is compute-bound and oneDNN's blocked GEMM is the faster one (the embedded model's 4096 x
+128 LM head: 0.24 against 0.39 ms at M = 8), so `settle_layouts` packs them once the whole
+model is loaded.
 
 `PAGEDSERVE_CPU_LINEAR` (read once per process): `onednn` (the default, as above), `packed`
 (every weight in oneDNN's blocked layout, the previous default; the A/B arm) or `torch` (every CPU
