@@ -3,11 +3,13 @@
 //
 // Built beside the decode attention by kernels/cpu_native.py; `x @ w.T + b` is its oracle. At so
 // few rows the step is bound by reading the weight from memory once: each thread takes whole
-// groups of 4 weight rows, which stay in L1 while every row of x passes over them (3 at a time,
-// 12 accumulators in vector registers), so every weight byte is read from memory once and in
-// order, which the hardware prefetcher follows. oneDNN's blocked layout read ~1.4-1.8x slower
-// than this at M = 1 on an AVX2 EPYC (docs/cpu_avx.md). The vector width is the build's: 16
-// floats where the variant has AVX-512, 8 otherwise.
+// groups of 5 weight rows (4 for a single row), which stay in L1 while every row of x passes
+// over them, 2 at a time: per step along K, 5 weight vectors held in registers and 2 of x feed
+// 10 accumulators (16 vector registers on AVX2; 3 rows of x by 4 read each weight vector again
+// per row, load-bound). Every weight byte is read from memory once and in order, which the
+// hardware prefetcher follows. oneDNN's blocked layout read ~1.4x slower than this at M = 1 on
+// an AVX2 EPYC (docs/cpu_avx.md). The vector width is the build's: 16 floats where the variant
+// has AVX-512, 8 otherwise.
 
 #include <cstdint>
 #include <cstring>
@@ -41,7 +43,10 @@ inline void tile(const float* x, const float* w, const float* bias, float* y, in
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     Vec wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load(w + j * K + k);
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = load(w + j * K + k);
+      if constexpr (MR > 1) asm("" : "+v"(wv[j]));  // in a register, not re-read per row
+    }
     for (int i = 0; i < MR; ++i) {
       Vec xv = load(x + i * K + k);
       for (int j = 0; j < NR; ++j) acc[i][j] += wv[j] * xv;
@@ -62,9 +67,18 @@ void weight_rows(const float* x, const float* w, const float* bias, float* y, in
                  int64_t N, int64_t K, int64_t n) {
   const float* b = bias ? bias + n : nullptr;
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) tile<3, NR>(x + m * K, w + n * K, b, y + m * N + n, K, N);
-  if (M - m == 2) tile<2, NR>(x + m * K, w + n * K, b, y + m * N + n, K, N);
+  for (; m + 2 <= M; m += 2) tile<2, NR>(x + m * K, w + n * K, b, y + m * N + n, K, N);
   if (M - m == 1) tile<1, NR>(x + m * K, w + n * K, b, y + m * N + n, K, N);
+}
+
+// Groups of NR weight rows across the threads, then the rows left over.
+template <int NR>
+void each_group(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                int64_t N, int64_t K) {
+  const int64_t groups = N / NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) weight_rows<NR>(x, w, bias, y, M, N, K, NR * g);
+  for (int64_t n = NR * groups; n < N; ++n) weight_rows<1>(x, w, bias, y, M, N, K, n);
 }
 
 }  // namespace
@@ -74,10 +88,11 @@ extern "C" {
 // x [M, K], w [N, K], bias [N] or null, y [M, N]: all contiguous float32. Returns 0.
 int pagedserve_small_linear(const float* x, const float* w, const float* bias, float* y,
                             int64_t M, int64_t N, int64_t K) {
-  const int64_t groups = N / 4;
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < groups; ++g) weight_rows<4>(x, w, bias, y, M, N, K, 4 * g);
-  for (int64_t n = 4 * groups; n < N; ++n) weight_rows<1>(x, w, bias, y, M, N, K, n);
+  if (M == 1) {
+    each_group<4>(x, w, bias, y, M, N, K);
+  } else {
+    each_group<5>(x, w, bias, y, M, N, K);
+  }
   return 0;
 }
 
