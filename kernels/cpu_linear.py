@@ -20,7 +20,7 @@ A float32 weight of a model too large for the CPU's caches (`STREAMED_MODEL_BYTE
 steps are bound by reading the weights from memory) stays in its plain layout where the C++
 kernels load (kernels/cpu_native.py): a step of at most `SMALL_M` rows (decode) runs
 `small_linear`, which reads the weight once, in order (on the 2-core AVX2 EPYC, one thread:
-1.4-1.8x faster than oneDNN's blocked layout at M = 1, 1.1x at M = 16, 0.9-1.0x at 24-32;
+1.4x faster than oneDNN's blocked layout at M = 1, 1.1x at M = 16, even at 32;
 docs/cpu_avx.md), and larger steps (prefill) run oneDNN's inner product on the plain weight (as
 fast as the prepacked one from M ~ 64 up: oneDNN packs inside the call). One copy either way,
 and a tied LM head shares the embedding's. A smaller model's weights sit in cache, where the
