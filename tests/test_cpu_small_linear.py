@@ -47,7 +47,7 @@ def test_small_linear_matches_matmul(variant, env):
     env("PAGEDSERVE_CPU_KERNELS", variant)
     assert cpu_native.available()
     torch.manual_seed(0)
-    # 37 weight rows: 9 groups of 4 and one left over; 131 columns: a tail after 8 or 16 lanes
+    # 37 weight rows: rows left over after groups of 4 (one row) or 5; 131 columns: a lane tail
     weight, bias = torch.randn(37, 131), torch.randn(37)
     for rows in (0, 1, 2, 3, 4, 5, 7, 32):
         x = torch.randn(rows, 131)
