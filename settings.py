@@ -19,7 +19,7 @@ the process that needs them.
 | PAGEDSERVE_DISABLE_TRITON | disable_triton | 0, 1: every op on its torch reference |
 | PAGEDSERVE_DISABLE_FUSIONS | disabled_fusions | comma list of FUSIONS, or all |
 | PAGEDSERVE_MIXED_SPLIT_TOKENS | mixed_split_tokens | 1024; 0: never split eager mixed steps |
-| PAGEDSERVE_CPU_LINEAR | cpu_linear | onednn, torch |
+| PAGEDSERVE_CPU_LINEAR | cpu_linear | onednn, packed, torch |
 | PAGEDSERVE_CPU_KERNELS | cpu_kernels | native, avx2, avx512, torch |
 | PAGEDSERVE_CPU_COMPILE | cpu_compile | auto, off |
 | PAGEDSERVE_CACHE | cache_dir | $XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve |
@@ -122,7 +122,7 @@ class Settings:
             disable_triton=env.get("PAGEDSERVE_DISABLE_TRITON", "0") not in ("", "0"),
             disabled_fusions=_fusions(env),
             mixed_split_tokens=_int(env, "PAGEDSERVE_MIXED_SPLIT_TOKENS", 1024),
-            cpu_linear=_choice(env, "PAGEDSERVE_CPU_LINEAR", ("onednn", "torch")),
+            cpu_linear=_choice(env, "PAGEDSERVE_CPU_LINEAR", ("onednn", "packed", "torch")),
             cpu_kernels=_choice(env, "PAGEDSERVE_CPU_KERNELS", CPU_KERNELS),
             cpu_compile=_choice(env, "PAGEDSERVE_CPU_COMPILE", ("auto", "off")),
             cache_dir=cache_dir,

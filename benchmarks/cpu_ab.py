@@ -2,13 +2,14 @@
 arm's runs must sit between the other's, or the load of the moment decides the comparison.
 
     python -m pagedserve.benchmarks.cpu_ab --arm A: --arm B:OMP_NUM_THREADS=2 [--rows 8 32]
-        [--pairs 3] [--prompts 64] [--model DIR]
+        [--pairs 3] [--prompts 64] [--model DIR] [--load-format dummy] [--lengths 128 128]
 
 Each `--arm NAME:VAR=VALUE,VAR=VALUE` is an environment for `pagedserve launch` (nothing after
 the colon: the defaults). For each pair, in order, each arm launches the model (waiting for its
-compiled CPU forward, as `cpu_profile` does), runs `pagedserve bench serve` (128 in / 128 out,
-`--prompts`) at each `--rows` in flight, and stops. Printed: one line per run, then per arm and
-rows the median req/s and TPOT p50, and how many pairs the first arm's req/s beat each other's.
+compiled CPU forward, as `cpu_profile` does), runs `pagedserve bench serve` (`--lengths`, 128 in
+/ 128 out by default; `--prompts`) at each `--rows` in flight, and stops. Printed: one line per
+run, then per arm and rows the median req/s and TPOT p50, and how many pairs the first arm's
+req/s beat each other's.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def parse_arm(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def run_arm(env: dict[str, str], model: str, rows_list: list[int], prompts: int) -> dict:
-    """Launch with `env`, one bench run per rows; {rows: bench serve's result dict}."""
+def run_arm(env: dict[str, str], a: argparse.Namespace) -> dict:
+    """Launch with `env`, one bench run per `a.rows`; {rows: bench serve's result dict}."""
+    model, rows_list, prompts = a.model, a.rows, a.prompts
     port = 8000 + (os.getpid() + 500) % 1000
     tmp = tempfile.mkdtemp(prefix="cpu_ab_")
     log = os.path.join(tmp, "launch.log")
     cmd = [*CLI, "launch", "--model", model, "--dtype", "float32", "--port", str(port),
-           "--max-model-len", "1024"]  # fmt: skip
+           "--max-model-len", "1024", "--load-format", a.load_format]  # fmt: skip
     with open(log, "w") as out:
         launch = subprocess.Popen(cmd, stdout=out, stderr=out, env={**os.environ, **env})
     results = {}
@@ -53,8 +55,8 @@ def run_arm(env: dict[str, str], model: str, rows_list: list[int], prompts: int)
         for rows in rows_list:
             path = os.path.join(tmp, f"{rows}.json")
             bench = [*CLI, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                     "--dataset-name", "random", "--random-input-len", "128",
-                     "--random-output-len", "128", "--ignore-eos", "--num-prompts",
+                     "--dataset-name", "random", "--random-input-len", str(a.lengths[0]),
+                     "--random-output-len", str(a.lengths[1]), "--ignore-eos", "--num-prompts",
                      str(max(prompts, 2 * rows)), "--max-concurrency", str(rows),
                      "--disable-tqdm", "--tokenizer", model, "--output-json", path]  # fmt: skip
             subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--load-format", default="auto", help="dummy: a config-only model dir")
+    ap.add_argument("--lengths", type=int, nargs=2, default=[128, 128], metavar=("IN", "OUT"))
     a = ap.parse_args()
     if len(a.arm) < 2 or len({name for name, _ in a.arm}) != len(a.arm):
         ap.error("give at least two --arm, each with its own name")
@@ -98,7 +102,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in a.arm}
     for pair in range(a.pairs):
         for name, env in a.arm:
-            result = run_arm(env, a.model, a.rows, a.prompts)
+            result = run_arm(env, a)
             runs[name].append(result)
             for rows, r in result.items():
                 print(f"pair {pair + 1} {name} {rows} in flight: "

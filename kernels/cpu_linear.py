@@ -1,4 +1,4 @@
-"""Linear layers on a CPU with the weight packed once, at load time, in oneDNN's blocked layout.
+"""Linear layers on a CPU: the weight prepared once, at load time, for oneDNN or our C++ kernel.
 
 `F.linear` on a CPU calls MKL's sgemm with the plain `[N, K]` weight, which repacks panels of it
 on every call: a decode step (M = 1..32 rows) pays that per matmul, and at M = 16 it runs at about
@@ -16,7 +16,21 @@ float32 at M = 8-32 on a 2-core AMD EPYC, docs/cpu_avx.md), so there a bfloat16 
 as float32 (twice its memory, a warning says so once) and `packed_linear` computes in float32 and
 rounds the result to bfloat16: more precise than a bfloat16 GEMM, and faster.
 
-`PAGEDSERVE_CPU_LINEAR=torch` (read once per process) keeps every CPU linear on `F.linear`.
+A float32 weight of a model too large for the CPU's caches (`STREAMED_MODEL_BYTES`: its decode
+steps are bound by reading the weights from memory) stays in its plain layout where the C++
+kernels load (kernels/cpu_native.py): a step of at most `SMALL_M` rows (decode) runs
+`small_linear`, which reads the weight once, in order (on the 2-core AVX2 EPYC, one thread:
+1.4x faster than oneDNN's blocked layout at M = 1, 1.1x at M = 16, even at 32;
+docs/cpu_avx.md), and larger steps (prefill) run oneDNN's inner product on the plain weight (as
+fast as the prepacked one from M ~ 64 up: oneDNN packs inside the call). One copy either way,
+and a tied LM head shares the embedding's. A smaller model's weights sit in cache, where the
+step is compute-bound and oneDNN's blocked GEMM is the faster one (the embedded model's 4096 x
+128 LM head: 0.24 against 0.39 ms at M = 8), so `settle_layouts` packs them once the whole
+model is loaded.
+
+`PAGEDSERVE_CPU_LINEAR` (read once per process): `onednn` (the default, as above), `packed`
+(every weight in oneDNN's blocked layout, the previous default; the A/B arm) or `torch` (every CPU
+linear on `F.linear`).
 """
 
 from __future__ import annotations
@@ -27,15 +41,27 @@ import logging
 import torch
 
 from pagedserve import settings
+from pagedserve.kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 MIN_PACKED_ELEMENTS = 1 << 19  # e.g. 4096 x 128: measured faster packed from here on, at M >= 1
+SMALL_M = 32  # rows up to which `small_linear` beats oneDNN on the plain weight (measured: 48)
+STREAMED_MODEL_BYTES = 64 << 20  # weights beyond any L3 here: a decode step streams them
 
 
 def packing_enabled() -> bool:
-    return settings.current().cpu_linear == "onednn" and torch.backends.mkldnn.is_available()
+    return settings.current().cpu_linear != "torch" and torch.backends.mkldnn.is_available()
+
+
+def keeps_plain(weight: torch.Tensor) -> bool:
+    """Whether a float32 weight stays plain for `small_linear` (else it goes to oneDNN's layout)."""
+    return (
+        weight.dtype == torch.float32
+        and settings.current().cpu_linear == "onednn"
+        and cpu_native.available()
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -48,6 +74,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if not packing_enabled():
         return None
+    if keeps_plain(weight):
+        return weight.detach().contiguous()  # no copy for a contiguous (or tied) weight
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     except RuntimeError:  # a build or CPU without this oneDNN path
@@ -72,8 +100,29 @@ def _warn_bf16_as_float32() -> None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x [..., K] @ W^T + bias` -> `[..., N]` in x's dtype with `packed = pack_weight(W)`."""
+    if packed.layout == torch.strided and x.numel() <= SMALL_M * x.shape[-1]:
+        rows = x.reshape(-1, x.shape[-1]).to(packed.dtype)
+        out = cpu_native.small_linear(rows, packed, bias)  # plain float32 weight, a few rows
+        return out.reshape(*x.shape[:-1], packed.shape[0]).to(x.dtype)
     if x.dtype == packed.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     bias = None if bias is None else bias.to(packed.dtype)  # a bfloat16 layer packed as float32
     out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "")
     return out.to(x.dtype)
+
+
+def settle_layouts(model: torch.nn.Module) -> None:
+    """Once every layer is loaded: a model under `STREAMED_MODEL_BYTES` moves its plain weights to
+    oneDNN's layout (compute-bound steps; the module's doc), a tied LM head packing a copy."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    plain = [m for m in layers if m.packed.layout == torch.strided]
+    if not plain:
+        return
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *(m.packed for m in plain))}
+    if sum(t.numel() * t.element_size() for t in tensors.values()) >= STREAMED_MODEL_BYTES:
+        return
+    for module in plain:
+        try:
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.packed, None)
+        except RuntimeError:  # a build without this oneDNN path: the plain weight serves
+            return

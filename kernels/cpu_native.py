@@ -1,5 +1,8 @@
 """CPU kernels in C++, built on this machine with its C++ compiler and called through ctypes.
 
+`small_linear` (kernels/cpu_small_linear.cpp) is a linear layer for the few rows of a decode
+step on a plain float32 weight (kernels/cpu_linear.py says when it serves).
+
 `decode_attention` (kernels/cpu_decode_attention.cpp) is decode attention over the paged cache,
 read in place: 2-5x faster than inductor's fused loops or gather + SDPA at 1-32 rows, because it
 fetches each next block by hand (a row's blocks are anywhere in the cache, one page each, and
@@ -35,7 +38,11 @@ from pagedserve import settings
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu_decode_attention.cpp")
+# One library of both sources: decode attention, and the few-row linear (kernels/cpu_linear.py).
+SOURCES = [
+    os.path.join(os.path.dirname(__file__), name)
+    for name in ("cpu_decode_attention.cpp", "cpu_small_linear.cpp")
+]
 # Compiled with -ffast-math (vectorized reductions and expf) but linked without it: linking with
 # it adds crtfastmath.o, which sets flush-to-zero for the whole process when the library loads.
 COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
@@ -52,6 +59,7 @@ VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, ctypes.c_int, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]
+_LINEAR_ARGTYPES = [_P, _P, _P, _P, _I, _I, _I]
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -101,32 +109,34 @@ def register_counts(path: str) -> dict[str, int] | None:
 def library_path(compiler: str, variant: str = "native") -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        digest.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
     flags = COMPILE + variant_flags(variant) + LINK
     for part in (" ".join(flags), version, _cpu_flags()):
         digest.update(part.encode())
-    name = f"decode_attention-{variant}-{digest.hexdigest()[:24]}.so"
+    name = f"cpu_kernels-{variant}-{digest.hexdigest()[:24]}.so"
     return os.path.join(settings.current().cache_dir, "cpu_kernels", name)
 
 
 def build(compiler: str, path: str, variant: str = "native") -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path.removesuffix('.so')}.{os.getpid()}.partial"
-    for cmd in (
-        [compiler, *COMPILE, *variant_flags(variant), "-o", f"{partial}.o", SOURCE],
-        [compiler, f"{partial}.o", *LINK, "-o", f"{partial}.so"],
-    ):
+    objects = [f"{partial}.{i}.o" for i in range(len(SOURCES))]
+    flags = [*COMPILE, *variant_flags(variant)]
+    compiles = [[compiler, *flags, "-o", o, src] for o, src in zip(objects, SOURCES, strict=True)]
+    for cmd in (*compiles, [compiler, *objects, *LINK, "-o", f"{partial}.so"]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-    os.remove(f"{partial}.o")
+    for o in objects:
+        os.remove(o)
     os.replace(f"{partial}.so", path)  # whole or absent, for another process building the same
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:
-    """The built and loaded kernel, or None where it does not apply (see the module's doc)."""
+def _kernel() -> ctypes.CDLL | None:
+    """The built and loaded library, or None where it does not apply (see the module's doc)."""
     variant = kernels_setting()
     if variant == "torch":
         return None
@@ -144,12 +154,16 @@ def _kernel() -> ctypes._CFuncPtr | None:
         path = library_path(compiler, variant)
         if not os.path.exists(path):
             build(compiler, path, variant)
-        function = ctypes.CDLL(path).pagedserve_decode_attention
+        library = ctypes.CDLL(path)
     except (OSError, RuntimeError) as e:
         logger.warning("CPU decode attention kernel unavailable, staying on torch: %s", e)
         return None
-    function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-    return function
+    for function, argtypes in (
+        (library.pagedserve_decode_attention, _ARGTYPES),
+        (library.pagedserve_small_linear, _LINEAR_ARGTYPES),
+    ):
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return library
 
 
 def available() -> bool:
@@ -167,8 +181,8 @@ def decode_attention(
 ) -> torch.Tensor:  # [B, Hq, D], query's dtype
     """One query per row over its paged context (query head h reads KV head h // (Hq / Hkv)).
     Call only when `available()`; computes in float32."""
-    function = _kernel()
-    assert function is not None, "decode_attention called without the kernel available"
+    library = _kernel()
+    assert library is not None, "decode_attention called without the kernel available"
     rows, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if kv_cache.dtype not in CACHE_DTYPES or not kv_cache.is_contiguous():
@@ -178,10 +192,31 @@ def decode_attention(
     if tables.dtype != torch.int64 or lengths.dtype != torch.int64:
         raise ValueError("block_tables and seq_lens must be int64")
     out = torch.empty(q.shape, dtype=torch.float32)
-    function(
+    library.pagedserve_decode_attention(
         q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
         tables.data_ptr(), lengths.data_ptr(), out.data_ptr(), rows, num_kv_heads,
         num_heads // num_kv_heads, head_dim, block_size, tables.shape[1], scale,
         sliding_window or 0,
     )  # fmt: skip
     return out.to(query.dtype)
+
+
+def small_linear(
+    x: torch.Tensor,  # [M, K] float32
+    weight: torch.Tensor,  # [N, K] float32, contiguous
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """`x @ weight.T + bias` for a few rows (kernels/cpu_small_linear.cpp: bound by reading the
+    weight once, in its plain layout). Call only when `available()`."""
+    library = _kernel()
+    assert library is not None, "small_linear called without the kernel available"
+    x = x.contiguous()
+    rows, (cols, inner) = x.shape[0], weight.shape
+    assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous(), (x, weight)
+    assert x.shape[1] == inner and (bias is None or bias.shape == (cols,)), (x.shape, weight.shape)
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    bias = None if bias is None else bias.to(torch.float32).contiguous()  # held through the call
+    bias_ptr = None if bias is None else bias.data_ptr()
+    library.pagedserve_small_linear(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(),
+                                    rows, cols, inner)  # fmt: skip
+    return out

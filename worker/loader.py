@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.kernels.cpu_linear import settle_layouts
 from pagedserve.worker.layers.linear import FusedShards, load_full
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -168,8 +169,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 def after_loading(model: nn.Module) -> None:
     """Each module's post-load step (`after_loading()`): load-time FP8 quantization of linear
-    weights, KV-cache scales read into floats."""
+    weights, KV-cache scales read into floats; then the CPU linears' layouts, by model size."""
     for module in model.modules():
         hook = getattr(module, "after_loading", None)
         if hook is not None:
             hook()
+    settle_layouts(model)
