@@ -24,12 +24,12 @@ def scheduler_stats(sched: Scheduler) -> SchedulerStats:
         num_preemptions=sched.num_preemptions,
         num_unfinished=len(sched.requests),
         **(tier_stats(sched) if sched.kv.tier is not None else {}),
-        **lora_stats(sched),
+        **_lora_stats(sched),
         **(spec_stats(sched.spec) if sched.spec is not None else {}),
     )
 
 
-def lora_stats(sched: Scheduler) -> dict[str, object]:
+def _lora_stats(sched: Scheduler) -> dict[str, object]:
     """With LoRA on: running and waiting requests per adapter (vLLM's lora_requests_info),
     the workers' adapter loads and evictions."""
     if sched.max_loras is None:
