@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedserve.hf_config import has_recurrent_state, kv_cache_groups
+
 METHODS = ("ngram", "suffix", "draft_model")
 MODEL_METHODS = ("draft_model",)  # draft in the workers, with weights of their own
 NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
@@ -114,8 +116,6 @@ class SpeculativeConfig:
                 f"--speculative-config: draft_tensor_parallel_size {dtp} with --tp {tp} is not "
                 f"implemented: the draft is sharded like the target (leave it out, or {tp})"
             )
-        from pagedserve.config import has_recurrent_state, kv_cache_groups
-
         draft = self.draft_model_config(target)
         for what, mc in (("target", target), ("draft", draft)):
             groups = kv_cache_groups(mc.hf)

@@ -28,22 +28,24 @@ draft model the plan carries only how many drafts a row verifies: the workers dr
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
 from itertools import repeat
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.core.admission import check_result
-from pagedserve.core.deltas import cached_delta, new_request, request_delta
+from pagedserve.core.deltas import request_delta
 from pagedserve.core.invariants import check_invariants
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.core.kv_tier import HostTier, TierSpec
+from pagedserve.core.kv_cache_manager import cdiv
+from pagedserve.core.kv_setup import make_kv_cache
+from pagedserve.core.kv_tier import TierSpec
 from pagedserve.core.policy import make_policy
-from pagedserve.core.request import Request, RequestStatus, check_stop
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched_stats import scheduler_stats
 from pagedserve.core.spec_decode.decoder import SpecDecoder
 from pagedserve.core.state_pool import StatePool
+from pagedserve.core.step_builder import StepBuilder, build_plan
+from pagedserve.core.step_results import apply_result, check_plan_result
 from pagedserve.core.swapping import release_swapped, schedule_swapped, try_swap_out
 from pagedserve.ipc.messages import (
     AddRequest,
@@ -55,36 +57,6 @@ from pagedserve.ipc.messages import (
 from pagedserve.speculative_config import SpeculativeConfig
 
 MAX_LORA_SKIPS = 256  # waiting requests of slot-less adapters one step may pass over
-logger = logging.getLogger(__name__)
-
-
-class _StepBuilder:
-    """What one `schedule()` call has decided so far."""
-
-    def __init__(self, budget: int, max_loras: int | None = None) -> None:
-        self.budget = budget
-        self.scheduled: list[tuple[Request, int]] = []
-        self.preempted = False
-        self.max_loras = max_loras  # distinct LoRA adapters one step may run (the slots)
-        self.lora_ids: set[int] = set()
-        self.drafts: dict[str, list[int]] = {}  # req_id -> drafts it verifies (speculation)
-
-    def fits_lora(self, req: Request) -> bool:
-        """Whether `req`'s adapter (if any) can run in this step: one of the step's already, or
-        a slot is left."""
-        lora_id = req.lora_id
-        if not lora_id or lora_id in self.lora_ids:
-            return True
-        return self.max_loras is not None and len(self.lora_ids) < self.max_loras
-
-    def add(self, req: Request, num_tokens: int, drafts: list[int] | None = None) -> None:
-        assert 0 < num_tokens <= self.budget and self.fits_lora(req)
-        self.scheduled.append((req, num_tokens))
-        self.budget -= num_tokens
-        if req.lora_id:
-            self.lora_ids.add(req.lora_id)
-        if drafts:
-            self.drafts[req.req_id] = drafts
 
 
 class Scheduler:
@@ -114,23 +86,14 @@ class Scheduler:
         decoding's config (None: off). `host_tier`: the KV cache's host-memory tier
         (core/kv_tier.py; None: off). `whole_prompts`: a prompt is never chunked (encoders:
         it waits for a step with room for all of it)."""
-        caching = cache_config.enable_prefix_caching
-        if caching and num_state_slots is not None:
-            # A hit would have to restore every linear layer's state at the hit's boundary, and
-            # the state slots keep only each request's latest state.
-            logger.info(
-                "prefix caching is off: this model's linear-attention layers keep recurrent "
-                "state, which a prefix-cache hit cannot restore"
-            )
-            caching = False
-        if host_tier is not None and (group_windows not in (None, [None]) or num_state_slots):
-            raise ValueError(
-                "--kv-offloading-size: the host KV tier supports models whose layers all attend "
-                "globally (no sliding-window or linear-attention layers)"
-            )
-        tier = HostTier(host_tier, cache_config.block_size) if host_tier is not None else None
-        self.kv = KVCacheManager(
-            num_blocks, cache_config.block_size, caching, group_windows or [None], tier
+        self.kv = make_kv_cache(
+            scheduler_config,
+            cache_config,
+            max_model_len,
+            num_blocks,
+            group_windows,
+            num_state_slots,
+            host_tier,
         )
         self.swapped: list[Request] = []  # preempted by swap, oldest first (core/swapping.py)
         # Free blocks kept copied to the host ahead of eviction: about what one step takes
@@ -140,15 +103,6 @@ class Scheduler:
             + scheduler_config.max_num_seqs
         )
         self.states = StatePool(num_state_slots) if num_state_slots is not None else None
-        budget = scheduler_config.max_num_batched_tokens
-        need = self.kv.max_blocks_per_request(max_model_len, budget)
-        if need > num_blocks:
-            groups = f" over {self.kv.num_groups} KV cache groups" if self.kv.num_groups > 1 else ""
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {cache_config.block_size} tokens, fewer "
-                f"than the {need} blocks one request of max_model_len={max_model_len} can need"
-                f"{groups}: lower --max-model-len or give the KV cache more memory"
-            )
         self.config = scheduler_config
         self.max_loras = max_loras
         self.block_size = cache_config.block_size
@@ -265,20 +219,20 @@ class Scheduler:
            over (up to MAX_LORA_SKIPS per step, as vLLM does) and keeps its place.
         3. Emit the plan as a delta and advance `num_computed_tokens` (at plan time).
         """
-        step = _StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
+        step = StepBuilder(self.config.max_num_batched_tokens, self.max_loras)
         self._schedule_running(step)
         if not step.preempted:
             schedule_swapped(self, step)
             if not self.swapped:
                 self._schedule_waiting(step)
-        plan = self._build_plan(step)
+        plan = build_plan(self, step)
         assert sum(plan.num_scheduled_tokens) <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         if self.debug:
             check_invariants(self)
         return plan
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
+    def _schedule_running(self, step: StepBuilder) -> None:
         max_rows = cdiv(len(self.running), self.num_microbatches)  # this plan's micro-batch
         busy = self.spec is not None and self.spec.is_busy(len(self.requests))
         i = 0
@@ -299,7 +253,7 @@ class Scheduler:
         if self.async_scheduling and self.num_microbatches > 1:
             self._schedule_ahead(step, max_rows)
 
-    def _schedule_ahead(self, step: _StepBuilder, max_rows: int) -> None:
+    def _schedule_ahead(self, step: StepBuilder, max_rows: int) -> None:
         """Pipeline stages under async scheduling: while fewer requests run than there are
         stages (micro-batches cannot fill them), a request whose token is in flight is planned
         again, fewest placeholders first (so every one gets its turn); no preemption for it
@@ -317,7 +271,7 @@ class Scheduler:
             if num_new > 0 and self.kv.allocate_slots(req, num_new):
                 step.add(req, num_new)
 
-    def _schedule_speculative(self, req: Request, step: _StepBuilder, busy: bool) -> bool:
+    def _schedule_speculative(self, req: Request, step: StepBuilder, busy: bool) -> bool:
         """Plan `req` with drafts if it has some and their slots fit (then, or when it waits
         for its token in flight to draft from, False); True: plan it as usual."""
         drafts = self.spec.drafts_for(req, step.budget, busy)
@@ -342,7 +296,7 @@ class Scheduler:
             return req.num_tokens
         return with_placeholders
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
+    def _allocate_or_preempt(self, req: Request, num_new: int, step: StepBuilder) -> bool:
         while not self.kv.allocate_slots(req, num_new):
             victim = self.running.pop()
             assert all(victim is not r for r, _ in step.scheduled), "victims come unplanned"
@@ -366,7 +320,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.policy.push_preempted(req)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
+    def _schedule_waiting(self, step: StepBuilder) -> None:
         now = time.time()
         skipped: list[Request] = []  # of adapters with no slot left in this step
         while len(self.policy) and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -402,143 +356,16 @@ class Scheduler:
         for req in reversed(skipped):  # back where they were
             self.policy.push_preempted(req)
 
-    def _build_plan(self, step: _StepBuilder) -> StepPlan:
-        """Encode the step as a delta; nothing scheduled gives an empty plan that need not be
-        sent (it takes no step id and leaves `finished_ids` for the next plan)."""
-        if not step.scheduled:
-            return StepPlan(step_id=self._next_step_id, scheduled_ids=[], num_scheduled_tokens=[])
-        new_requests, cached = [], []
-        for req, num_new in step.scheduled:
-            drafts = step.drafts.get(req.req_id, ()) if step.drafts else ()
-            if drafts:
-                req.spec.drafts = list(drafts)
-            known = req.num_tokens + req.num_placeholders + len(drafts)
-            assert req.num_computed_tokens + num_new <= known
-            assert req.num_blocks >= cdiv(req.num_computed_tokens + num_new, self.block_size)
-            if req.in_batch:
-                cached.append(cached_delta(req, with_tokens=not self.workers_keep_samples))
-            else:
-                new_requests.append(new_request(req))
-                req.in_batch = True
-            req.num_tokens_sent = req.num_tokens
-            req.num_blocks_sent = req.num_blocks
-            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(num_new, prompt_left))
-            req.num_computed_tokens += num_new
-            if req.num_computed_tokens == known:
-                req.num_placeholders += 1  # every known token is computed: this step samples
-        copies = ([], [], [])
-        if self.kv.tier is not None:  # what the next plans may evict, copied beside this one
-            self.kv.spill_ahead(self._spill_margin)
-            copies = self.kv.tier.end_plan()
-        plan = StepPlan(
-            step_id=self._next_step_id,
-            kv_to_host=copies[0],
-            kv_from_host=copies[1],
-            kv_to_host_ahead=copies[2],
-            scheduled_ids=[req.req_id for req, _ in step.scheduled],
-            num_scheduled_tokens=[n for _, n in step.scheduled],
-            new_requests=new_requests,
-            cached=cached,
-            finished_ids=self._finished_ids,
-        )
-        if self.spec is not None and self.spec.config.in_workers:
-            plan.num_model_drafts = {r: len(d) for r, d in step.drafts.items()}
-        else:
-            plan.draft_token_ids = step.drafts
-        self._finished_ids = []
-        self._inflight[plan.step_id] = [(req, req.num_preemptions) for req, _ in step.scheduled]
-        self._next_step_id += 1
-        return plan
-
     # ---------------------------------------------------------------- results
     def update_from_output(
         self, plan: StepPlan, result: StepResult
     ) -> list[tuple[int, RequestDelta]]:
-        """Append sampled tokens, apply stop rules, free finished requests; one delta per request
-        that got tokens. Results for requests that left since the plan was made are dropped."""
-        if not plan.scheduled_ids:
-            return []  # an empty plan was never recorded (and needs no result)
-        record = self._inflight.pop(plan.step_id, None)
-        assert record is not None, f"no plan in flight with step_id {plan.step_id}"
-        if result.lora_loads:
-            self.lora_pool_counts = (result.lora_loads, result.lora_evictions)
-        assert len(result.sampled_token_ids) == len(record)
-        outputs, finished = [], []
-        for i, (req, num_preemptions) in enumerate(record):
-            token_ids = result.sampled_token_ids[i]
-            current = self._is_current(req, num_preemptions)
-            if result.pooled and current and result.pooled[i] is not None:
-                outputs.append(self._finish_pooled(req, result.pooled[i]))
-                finished.append(req)
-                continue
-            if result.prompt_logprobs and current and req.scores_prompt:
-                req.prompt_logprobs.extend(result.prompt_logprobs[i])
-            if not token_ids or not current:
-                continue
-            assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
-            req.num_placeholders -= 1
-            rejected = self.spec.verified(req, len(token_ids)) if self.spec is not None else 0
-            new_ids, status = self._append_tokens(req, token_ids)
-            if status is not None:
-                finished.append(req)
-                del self.requests[req.req_id]
-                self._release(req, status)
-            elif rejected:
-                self._free_rejected(req)
-            logprobs = result.logprobs[i] if result.logprobs else None
-            if logprobs is not None:
-                logprobs = logprobs[: len(new_ids)]
-            outputs.append((req.client_index, request_delta(req, new_ids, logprobs)))
-        if finished:
-            gone = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in gone]
-        if self.debug:
-            check_invariants(self)
-        return outputs
-
-    def _finish_pooled(self, req: Request, pooled: bytes) -> tuple[int, RequestDelta]:
-        """A pooling request ends with its prompt: its vector goes to its client."""
-        assert req.pooling is not None and req.num_placeholders == 1, f"{req} pooled mid-prompt"
-        req.num_placeholders = 0
-        req.pooled = pooled
-        del self.requests[req.req_id]
-        self._release(req, RequestStatus.FINISHED_STOPPED)
-        return req.client_index, request_delta(req, [], None)
-
-    def _free_rejected(self, req: Request) -> None:
-        """Give back the blocks at `req`'s tail that only its rejected drafts used (no plan in
-        flight holds it: a speculating row waits for its result); the next plan tells the
-        workers where its new blocks start."""
-        if self.kv.free_tail(req, cdiv(req.num_computed_tokens, self.block_size)):
-            req.num_blocks_sent = min(req.num_blocks_sent, req.num_blocks)
-            req.spec.tail_freed = True
+        """Apply a step's result (core/step_results.py): one delta per request that got tokens."""
+        return apply_result(self, plan, result)
 
     def check_result(self, plan: StepPlan, result: StepResult, vocab_size: int) -> str | None:
         """Why `result` cannot be applied as the answer to `plan` (None: it can)."""
-        record = self._inflight.get(plan.step_id)
-        if record is None:
-            return f"no plan in flight with step id {plan.step_id}"
-        current = [(req, self._is_current(req, n)) for req, n in record]
-        return check_result(current, result, vocab_size)
-
-    def _is_current(self, req: Request, num_preemptions: int) -> bool:
-        return (
-            self.requests.get(req.req_id) is req
-            and req.status == RequestStatus.RUNNING
-            and req.num_preemptions == num_preemptions
-        )
-
-    def _append_tokens(
-        self, req: Request, token_ids: list[int]
-    ) -> tuple[list[int], RequestStatus | None]:
-        """Append tokens one by one; stop at the first that ends the request (later ones drop)."""
-        for n, token_id in enumerate(token_ids, 1):
-            req.append_output(token_id)
-            status = check_stop(req, self.max_model_len)
-            if status is not None:
-                return token_ids[:n], status
-        return list(token_ids), None
+        return check_plan_result(self, plan, result, vocab_size)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -553,33 +380,7 @@ class Scheduler:
         return bool(self.requests)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=self.num_waiting,
-            kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_unfinished=len(self.requests),
-            **(tier_stats(self) if self.kv.tier is not None else {}),
-            **self._lora_stats(),
-            **(spec_stats(self.spec) if self.spec is not None else {}),
-        )
-
-    def _lora_stats(self) -> dict[str, object]:
-        """With LoRA on: running and waiting requests per adapter (vLLM's lora_requests_info),
-        the workers' adapter loads and evictions."""
-        if self.max_loras is None:
-            return {}
-        loads, evictions = self.lora_pool_counts
-        out: dict[str, object] = {"lora_loads": loads, "lora_evictions": evictions}
-        if self.lora_users:
-            running = Counter(r.lora.lora_name for r in self.running if r.lora is not None)
-            out["running_lora_adapters"] = dict(running)
-            out["waiting_lora_adapters"] = {
-                n: k - running[n] for n, k in self.lora_users.items() if k > running[n]
-            }
-        return out
+        return scheduler_stats(self)
 
     def is_full(self, num_held: int = 0) -> bool:
         """The waiting queue, with `num_held` requests waiting outside it (for their grammar), is
@@ -589,25 +390,3 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
-
-
-def tier_stats(sched: Scheduler) -> dict[str, int]:
-    """SchedulerStats' host KV tier fields."""
-    tier = sched.kv.tier
-    return dict(
-        num_swapped=len(sched.swapped),
-        kv_swap_out_bytes=tier.num_out_blocks * tier.spec.block_bytes,
-        kv_swap_in_bytes=tier.num_in_blocks * tier.spec.block_bytes,
-        host_cache_hits=tier.num_hit_tokens,
-    )
-
-
-def spec_stats(spec: SpecDecoder) -> dict[str, int | list[int]]:
-    """SchedulerStats' speculative decoding fields."""
-    s = spec.stats
-    return dict(
-        spec_num_drafts=s.num_drafts,
-        spec_num_draft_tokens=s.num_draft_tokens,
-        spec_num_accepted_tokens=s.num_accepted_tokens,
-        spec_accepted_per_pos=list(s.accepted_per_pos),
-    )

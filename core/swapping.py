@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from pagedserve.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pagedserve.core.scheduler import Scheduler, _StepBuilder
+    from pagedserve.core.scheduler import Scheduler
+    from pagedserve.core.step_builder import StepBuilder
 
 
 def try_swap_out(sched: Scheduler, req: Request) -> bool:
@@ -40,7 +41,7 @@ def try_swap_out(sched: Scheduler, req: Request) -> bool:
     return True
 
 
-def schedule_swapped(sched: Scheduler, step: _StepBuilder) -> None:
+def schedule_swapped(sched: Scheduler, step: StepBuilder) -> None:
     """Resume swapped requests, oldest preemption first, while budget, max_num_seqs, LoRA slots
     and device blocks allow; stop at the first that does not fit."""
     while sched.swapped and step.budget > 0 and len(sched.running) < sched.config.max_num_seqs:

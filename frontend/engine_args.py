@@ -11,16 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.frontend.hub import resolve_model
 from pagedserve.lora_checkpoint import read_adapter
+from pagedserve.lora_config import LoRAConfig
+from pagedserve.parallel_config import ParallelConfig
 from pagedserve.speculative_config import SpeculativeConfig
 
 ENGINE_ARGS: dict[str, Any] = {

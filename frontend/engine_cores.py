@@ -15,12 +15,13 @@ import os
 import queue
 from collections.abc import Callable, Iterable
 
-from pagedserve.config import EngineConfig, ParallelConfig
+from pagedserve.config import EngineConfig
 from pagedserve.errors import EngineDeadError
 from pagedserve.frontend.engine_client import EngineClient, start_engine_core
 from pagedserve.frontend.prefix_router import PrefixRouter
 from pagedserve.ipc.messages import AbortRequests, ClientMessage, CoreToClient, EngineReady
 from pagedserve.ipc.process import Child
+from pagedserve.parallel_config import ParallelConfig
 
 __all__ = ["EngineCores", "check_devices", "core_dirs", "start_engine_cores"]
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import os
 
-from pagedserve.config import LoRAConfig
 from pagedserve.ipc.messages import LoRARequest
 from pagedserve.lora_checkpoint import read_adapter
+from pagedserve.lora_config import LoRAConfig
 
 RUNTIME_ID_BASE = 1 << 20  # runtime ids sit above any --lora-modules count
 

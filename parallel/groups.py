@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedserve.config import ParallelConfig
 from pagedserve.parallel.custom_all_reduce import setup_one_shot
 from pagedserve.parallel.state import init_tp_group, set_one_shot
+from pagedserve.parallel_config import ParallelConfig
 
 INIT_TIMEOUT = timedelta(seconds=120)
 

@@ -19,10 +19,10 @@ from test_cli import stream_in_background
 from test_server import Launched, launch_args
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import ParallelConfig
 from pagedserve.frontend.engine_cores import check_devices
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.frontend.prefix_router import LOAD_SLACK, PrefixRouter, block_hashes
+from pagedserve.parallel_config import ParallelConfig
 
 from proctools import descendants, wait_gone
 from tiny_models import tiny_model_dir

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 from test_scheduler import EOS, add, make, step
 
-from pagedserve.config import kv_cache_groups, layer_kv_slot
 from pagedserve.core.block_pool import SKIPPED_BLOCK
 from pagedserve.core.kv_cache_manager import cdiv
+from pagedserve.hf_config import kv_cache_groups, layer_kv_slot
 
 
 def gemma3(num_layers: int, window: int = 32) -> dict:

@@ -292,7 +292,7 @@ def test_triton_graph_rows_staged_without_waiting_for_the_gpu():
     queue (a copy from pageable memory waits: the next step could not be queued behind)."""
     import numpy as np
 
-    from pagedserve.config import LoRAConfig
+    from pagedserve.lora_config import LoRAConfig
     from pagedserve.worker.lora.manager import LoRAManager
 
     config, dev = LoRAConfig(max_loras=2), torch.device("cuda", 0)

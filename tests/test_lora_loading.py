@@ -222,9 +222,10 @@ class _Transport:
 
 
 def test_neither_gate_drops_what_a_request_waiting_in_the_other_needs(tmp_path_factory):
-    from pagedserve.config import EngineConfig, LoRAConfig, ModelConfig
+    from pagedserve.config import EngineConfig, ModelConfig
     from pagedserve.core.engine_core import EngineCore
     from pagedserve.ipc.messages import GrammarCompiled, LoadLoRA, StructuredOutputs
+    from pagedserve.lora_config import LoRAConfig
 
     from tiny_models import tiny_model_dir
 

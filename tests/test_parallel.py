@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams, StructuredOutputs
-from pagedserve.config import ParallelConfig
 from pagedserve.frontend.llm import build_engine_config
 from pagedserve.ipc.curve import KEY_ENV, CurveKey
 from pagedserve.parallel.groups import check_same_devices, layer_range, rank_info, split_layers
+from pagedserve.parallel_config import ParallelConfig
 
 from tiny_models import make_tiny_model
 

@@ -263,7 +263,7 @@ def test_gpu_one_attention_variant_for_eager_and_graph_layouts():
     """A step's table width and its metadata's alignment do not pick a new compile: an eager
     prefill chunk with a width that is a multiple of 16 reuses what a graph's layout (metadata at
     unaligned offsets of one buffer) compiled, so no compile waits for a long prompt mid-serving."""
-    from pagedserve.kernels.attention.triton import _paged_attention_kernel
+    from pagedserve.kernels.attention.triton_kernels import _paged_attention_kernel
 
     def compiled() -> int:
         return sum(len(cache[0]) for cache in _paged_attention_kernel.device_caches.values())

@@ -46,7 +46,8 @@ from torch import nn
 
 import pagedserve
 from pagedserve import settings
-from pagedserve.config import MOE_MODEL_TYPES, EngineConfig, has_recurrent_state
+from pagedserve.config import EngineConfig
+from pagedserve.hf_config import MOE_MODEL_TYPES, has_recurrent_state
 from pagedserve.ipc.process import Child, die_with_parent, spawn
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.worker.layers.attention import Attention

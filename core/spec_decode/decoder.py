@@ -8,7 +8,7 @@ drafts a row verifies (`StepPlan.num_model_drafts`) and keeps `k` placeholder dr
 The workers verify all `k + 1` positions in one forward and return the accepted tokens plus one
 (worker/spec_verify.py); the core then moves `num_computed_tokens` back over the rejected drafts
 (their KV slots are rewritten by the next step) and frees the blocks only they had spilled into
-(the scheduler's `_free_rejected`).
+(`_free_rejected` in core/step_results.py).
 
 A row drafts from its last known token, so it cannot also decode ahead of its results the way
 async scheduling does: a speculating row waits for its result before its next plan (the other

@@ -7,12 +7,9 @@
 #   bash tests/gpu/cpu_variants.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/ps_cache
+source tests/gpu/env.sh
+ps_setup
+export PAGEDSERVE_CACHE=/tmp/ps_cache
 T="timeout ${STEP_TIMEOUT:-120}"
 { lscpu | grep -E "Model name|^CPU\(s\)"; grep -m1 -o -w -E "avx2|fma|avx512[a-z_0-9]*" /proc/cpuinfo \
   | sort -u | tr '\n' ' '; echo; c++ --version | head -1; } 2>&1 | tee "$OUT/cpu.txt"

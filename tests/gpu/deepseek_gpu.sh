@@ -12,10 +12,10 @@
 #   LAYERS=8 W1_PROMPTS=32 STEPS="w3 w1" bash tests/gpu/deepseek_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source tests/gpu/env.sh
 if [ -d .whl ]; then  # the device machine: the wheels, and this tree as `pagedserve`
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+  ps_wheels
+  ps_tree
 fi
 export PYTHONUNBUFFERED=1
 LAYERS=${LAYERS:-8}

@@ -71,13 +71,9 @@
 # a side stream or a green context of N SMs, for 8k/4k/2k prompt chunks (tests/gpu/probe_overlap.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source tests/gpu/env.sh
 # The repo root is the package `pagedserve`: expose it under that name without installing.
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
+ps_setup
 # The image sets PYTHONDONTWRITEBYTECODE=1, so every process compiled torch._dynamo, sympy, cutlass
 # and quack from source again: `import quack` (which FA4 does) took 15-16 s a process, 4.7 s with
 # bytecode kept (`STEPS=compile-probe`). An installed package has its bytecode; keep it here too.

@@ -20,12 +20,8 @@
 #   W1_PROMPTS=100 STEPS="w3 w3-off w1 tiles profile table" bash tests/gpu/gpt_oss_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+ps_setup
 PS="python3 -m pagedserve.entrypoints.cli"
 M=${M:-/tmp/gpt-oss-20b-shape}
 if [ ! -f $M/config.json ]; then

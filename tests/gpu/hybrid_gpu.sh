@@ -17,10 +17,10 @@
 #   OLD_RULE=/tmp/old_triton_chunk_gated_delta.py STEPS=bench-rule bash tests/gpu/hybrid_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source tests/gpu/env.sh
 if [ -d .whl ]; then  # the device machine: the wheels its image lacks, and this checkout
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+  ps_wheels
+  ps_tree
 fi
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"kernel-tests bench-rule qwen3.5 qwen3-next"}

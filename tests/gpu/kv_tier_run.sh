@@ -15,12 +15,8 @@
 # (from a helper's worktree: see tests/gpu/device_run.sh's note on carrying the branch)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+ps_setup
 unset PYTHONDONTWRITEBYTECODE
 PS="python3 -m pagedserve.entrypoints.cli"
 M=${M:-/tmp/m8b}

@@ -21,12 +21,10 @@
 # lora-table:   the ratios the issue asks for (W1 >= 0.85x, W3 overhead <= 10%)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source tests/gpu/env.sh
+ps_wheels
 python3 -c "import peft" 2>/dev/null || echo "peft is not installed: lora-tests skip its peft comparisons"
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
+ps_tree
 export PYTHONUNBUFFERED=1
 unset PYTHONDONTWRITEBYTECODE
 PS="python3 -m pagedserve.entrypoints.cli"

@@ -33,14 +33,12 @@
 # `.mycarry/NAME` and `cd` there first; BASE may be a tree beside it (`.mycarry/NAME/base`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source tests/gpu/env.sh
+ps_wheels
 export PYTHONUNBUFFERED=1
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve
+ps_link
 if [ -n "${BASE:-}" ]; then mkdir -p /tmp/pkgbase && ln -sfn "$(cd "$BASE" && pwd)" /tmp/pkgbase/pagedserve; fi
 ARCH=${ARCH:-llama3-70b}  # ARCH=llama3-8b: the 8B shape, for two GPUs (nvidia-h100-x2)
 M=${M70:-/tmp/m${ARCH#llama3-}}  # M70, M8, VOCAB: other model dirs (a CPU dry run: tiny ones, VOCAB 4000)

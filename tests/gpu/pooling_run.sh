@@ -8,12 +8,8 @@
 #          (prefill plus one sampled token per request): its prompt tokens/s beside embed's
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+ps_setup
 PS="python3 -m pagedserve.entrypoints.cli"
 M=/tmp/m8b
 [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null

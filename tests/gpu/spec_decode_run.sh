@@ -44,12 +44,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-tests smollm2}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
+ps_setup
 M=/tmp/m8b
 if has verify-cost || has disable64 || has draft-smoke; then
   [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null

@@ -9,10 +9,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source tests/gpu/env.sh
+ps_wheels
 export PYTHONUNBUFFERED=1
 tree() {  # tree NAME DIR: PYTHONPATH that imports DIR as pagedserve
   mkdir -p "/tmp/pkg-$1" && ln -sfn "$(cd "$2" && pwd)" "/tmp/pkg-$1/pagedserve"

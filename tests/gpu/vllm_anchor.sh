@@ -25,11 +25,9 @@
 #                           req/s (DS_PROMPTS x 1024/128)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -f /tmp/site-ps/.done ]; then  # ours apart from vLLM's /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site-ps .whl/*.whl && touch /tmp/site-ps/.done
-fi
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pagedserve
+source tests/gpu/env.sh
+ps_wheels_apart /tmp/site-ps  # ours apart from vLLM's /tmp/site
+ps_link
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's own site first (its pins), ours after; pagedserve runs with its wheels only
 # vLLM's own site dir, apart from /tmp/site where the other tests/gpu scripts install our wheels

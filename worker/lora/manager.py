@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedserve.config import LoRAConfig
 from pagedserve.ipc.messages import LoRARequest, StepPlan
 from pagedserve.kernels.backend import triton_available
 from pagedserve.kernels.lora import SlotRows, group_layout
 from pagedserve.lora_checkpoint import AdapterSpec, LoRAAdapterError, read_adapter
+from pagedserve.lora_config import LoRAConfig
 from pagedserve.worker.grammar import _yield_cpu
 from pagedserve.worker.layers.quant_linear import LinearBase
 from pagedserve.worker.lora.layer import LoRABatch, LoRASlots

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import attention_layer_type
+from pagedserve.hf_config import attention_layer_type
 from pagedserve.kernels.activation import gelu_tanh_and_mul
 from pagedserve.kernels.attention.interface import PagedAttention
 from pagedserve.kernels.attention.metadata import AttentionMetadata

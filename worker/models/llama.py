@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
+from pagedserve.hf_config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
 from pagedserve.kernels.attention.interface import PagedAttention
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.prefetch import join_prefetches

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import has_recurrent_state, layer_kv_slot
+from pagedserve.hf_config import has_recurrent_state, layer_kv_slot
 from pagedserve.kernels.attention.interface import PagedAttention
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.rotary import rope_config
