@@ -3,9 +3,10 @@
 Pure Python (the core reads it). Methods built: `ngram` (prompt lookup) and `suffix` (a suffix
 automaton over the request's prompt and output) propose from token ids alone, so they run in the
 core (core/spec_decode/) and need no weights; `draft_model` (`model`: a smaller model with the
-target's vocabulary) runs in the workers beside the target (worker/draft_model.py). `eagle`,
-`eagle3`, `mtp`, `medusa` and `mlp_speculator` are vLLM methods we do not build: refused by name,
-as is any key vLLM does not have or that does not apply to the method.
+target's vocabulary) and `eagle` (`model`: an EAGLE-1 Llama head over the target's hidden states,
+worker/eagle.py) run in the workers beside the target (worker/draft_model.py). `eagle3`, `mtp`,
+`medusa` and `mlp_speculator` are vLLM methods we do not build: refused by name, as is any key
+vLLM does not have or that does not apply to the method.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix", "draft_model")
-MODEL_METHODS = ("draft_model",)  # draft in the workers, with weights of their own
-NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+METHODS = ("ngram", "suffix", "draft_model", "eagle")
+MODEL_METHODS = ("draft_model", "eagle")  # draft in the workers, with weights of their own
+NOT_BUILT = ("eagle3", "mtp", "medusa", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 32
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 _SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor")
@@ -36,7 +37,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     # no speculation in a step while this many requests are running or waiting (vLLM's key)
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft's directory (HF format)
+    model: str | None = None  # draft_model / eagle: the draft's (head's) directory (HF format)
     # draft_model: the draft's tensor parallel size, 1 or the target's (None: the target's)
     draft_tensor_parallel_size: int | None = None
 
@@ -125,6 +126,8 @@ class SpeculativeConfig:
                     "or linear-attention layers is not implemented (the draft's KV cache "
                     "mirrors one global block table)"
                 )
+        if self.method == "eagle":
+            _check_eagle_head(draft, target)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(
                 f"--speculative-config: the draft model's vocabulary ({draft.vocab_size}) is "
@@ -165,6 +168,7 @@ class SpeculativeConfig:
             "ngram": _SUFFIX_KEYS,
             "suffix": _NGRAM_KEYS,
             "draft_model": _NGRAM_KEYS + _SUFFIX_KEYS,
+            "eagle": _NGRAM_KEYS + _SUFFIX_KEYS,
         }.get(method, ())
         wrong = sorted(set(value) & set(other))
         if wrong:
@@ -172,3 +176,22 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("--speculative-config: 'num_speculative_tokens' is required")
         return cls(**value)
+
+
+EAGLE_HEAD_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
+
+
+def _check_eagle_head(head: Any, target: Any) -> None:
+    """An EAGLE-1 head (`head`, `target`: ModelConfigs) is a Llama decoder over [embedding ;
+    the target's hidden state]: its hidden size must be the target's."""
+    names = head.hf.get("architectures") or [head.hf.get("model_type")]
+    if not set(names) & set(EAGLE_HEAD_ARCHITECTURES) and head.hf.get("model_type") != "llama":
+        raise ValueError(
+            f"--speculative-config: 'eagle' head {head.model!r} is {names[0]!r}; only Llama "
+            f"EAGLE heads ({', '.join(EAGLE_HEAD_ARCHITECTURES)}) are implemented"
+        )
+    if head.hf["hidden_size"] != target.hf["hidden_size"]:
+        raise ValueError(
+            f"--speculative-config: the EAGLE head's hidden_size ({head.hf['hidden_size']}) is "
+            f"not the target's ({target.hf['hidden_size']}); it reads the target's hidden states"
+        )
