@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,25 +23,26 @@ from pagedserve.speculative_config import SpeculativeConfig
 from tiny_models import tiny_model_dir
 
 
-def write_head(target: str, path: str, seed: int = 0) -> str:
+def write_head(target: str, path: str, mix: float = 0.002, quiet: bool = True) -> str:
     """An EAGLE-1 head that drafts much like the target: `fc` passes the token's embedding plus
     a little of the target's hidden state (random); layer 0 (no input norm, as vLLM's) adds
     nothing (zero o_proj and down_proj); layers 1 and 2 are the target's; its own LM head is
     the target's times the final norm's weights (a head has no final norm). It still misses the
-    target's first token and its hidden-state input, so some drafts are rejected."""
+    target's first token and its hidden-state input, so some drafts are rejected. (`mix`: the
+    hidden state's weight in `fc`; `quiet=False`: layer 0 keeps its own o_proj and down_proj.)"""
     weights = load_file(os.path.join(target, "model.safetensors"))
     with open(os.path.join(target, "config.json")) as f:
         config = json.load(f)
     hidden = config["hidden_size"]
-    gen = torch.Generator().manual_seed(seed)
-    fc = torch.cat([torch.eye(hidden), 0.002 * torch.randn(hidden, hidden, generator=gen)], 1)
+    gen = torch.Generator().manual_seed(0)
+    fc = torch.cat([torch.eye(hidden), mix * torch.randn(hidden, hidden, generator=gen)], 1)
     head = {
         "fc.weight": fc,
         "lm_head.weight": weights["lm_head.weight"] * weights["model.norm.weight"],
     }
     for name, tensor in weights.items():
         if name.startswith("model.layers.0.") and "input_layernorm" not in name:
-            zero = "o_proj" in name or "down_proj" in name
+            zero = quiet and ("o_proj" in name or "down_proj" in name)
             head[name[6:]] = torch.zeros_like(tensor) if zero else tensor
         if name.startswith("model.layers."):
             i = int(name.split(".")[2])
@@ -132,3 +134,68 @@ def test_bad_heads_are_refused_by_name(dirs, tmp_path):
     for path, message in ((shaped, "'fc.weight'"), (empty, "no \\*.safetensors weights")):
         with pytest.raises(Exception, match=message):
             generate(target, eagle(path), PROMPTS[:1], SamplingParams(max_tokens=2))
+
+
+def test_head_matches_a_transformers_reference(dirs):
+    """The head's forward over a prompt's pairs (token p + 1, the target's hidden state at p
+    after its final norm) is vLLM's EAGLE-1 computed with transformers' Llama layers: fc over
+    [embedding ; hidden], layer 0 without its input norm, hidden + residual, the LM head."""
+    from transformers import LlamaForCausalLM
+
+    from pagedserve.worker.eagle import build_eagle_head
+    from pagedserve.worker.input_batch import StepInputs
+    from pagedserve.worker.models import build_model
+    from pagedserve.worker.step_metadata import attention_metadata
+
+    target_dir = dirs[0]
+    head_dir = write_head(target_dir, os.path.join(os.path.dirname(dirs[1]), "loud"), 0.05, False)
+    ids = torch.tensor(PROMPTS[3])  # [L + 1]
+    ref = LlamaForCausalLM.from_pretrained(target_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        hidden = ref(ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]  # [L, H]
+    mc = ModelConfig(target_dir, dtype="float32")
+    target = build_model(mc, torch.float32, torch.device("cpu"))
+    spec = SpeculativeConfig.from_value(eagle(head_dir))
+    head = build_eagle_head(spec.draft_model_config(mc), target, torch.float32, "cpu")
+    n, block = len(ids) - 1, 4
+    inputs = StepInputs(
+        input_ids=ids[1:].numpy(), positions=np.arange(n), slot_mapping=np.arange(n),
+        query_start_loc=np.array([0, n], dtype=np.int32), seq_lens=np.array([n], dtype=np.int32),
+        block_tables=np.arange(-(-n // block), dtype=np.int32)[None],
+        logits_indices=np.array([n - 1]), sample_rows=[0],
+    )  # fmt: skip
+    shape = (-(-n // block), 2, block, head.num_kv_heads_per_rank, head.head_dim)
+    caches = [torch.zeros(shape) for _ in head.layers]
+    meta = attention_metadata(inputs, block, torch.device("cpu"))
+    with torch.no_grad():
+        ours = head(ids[1:], hidden, torch.arange(n), caches, meta)  # [L, H]
+        expected = _reference_head(ref, head_dir, ids[1:], hidden)
+        assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
+        logits = head.compute_logits(ours)
+    weights = load_file(os.path.join(head_dir, "model.safetensors"))
+    assert torch.allclose(logits, expected @ weights["lm_head.weight"].T, atol=1e-3)
+
+
+def _reference_head(ref, head_dir: str, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    with open(os.path.join(head_dir, "config.json")) as f:
+        num_layers = json.load(f)["num_hidden_layers"]
+    weights = load_file(os.path.join(head_dir, "model.safetensors"))
+    config = ref.config
+    layers = [LlamaDecoderLayer(config, i).eval() for i in range(num_layers)]
+    for i, layer in enumerate(layers):
+        own = {
+            n[len(f"layers.{i}.") :]: t for n, t in weights.items() if n.startswith(f"layers.{i}.")
+        }
+        if i == 0:
+            layer.input_layernorm = torch.nn.Identity()
+        layer.load_state_dict(own, strict=True)
+    x = torch.cat([ref.model.embed_tokens(ids), hidden], -1) @ weights["fc.weight"].T  # [L, H]
+    positions = torch.arange(len(ids))[None]
+    rotary = LlamaRotaryEmbedding(config)(x[None], positions)
+    h = x[None]  # transformers' layers return hidden + residual, as the head's last does
+    for layer in layers:
+        out = layer(h, position_embeddings=rotary, position_ids=positions, attention_mask=None)
+        h = out[0] if isinstance(out, tuple) else out
+    return h[0]
