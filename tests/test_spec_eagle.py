@@ -19,6 +19,7 @@ from pagedserve import LLM
 from pagedserve.config import ModelConfig
 from pagedserve.ipc.messages import SamplingParams
 from pagedserve.speculative_config import SpeculativeConfig
+from pagedserve.worker.eagle import build_eagle_head
 
 from tiny_models import tiny_model_dir
 
@@ -79,7 +80,8 @@ PROMPTS = [list(range(40, 110)), [7, 8, 9] * 5, [5, 6], list(range(200, 230))]
 def test_greedy_output_is_speculation_off(dirs):
     """Greedy rows (one prompt of 70 tokens in chunks of 32, one with a stop string, logprobs)
     give the same tokens with the head on as off; drafts both accepted and rejected, counted.
-    A KV cache of 40 blocks of 4 makes the batch preempt and recompute."""
+    A KV cache of 40 blocks of 4 makes the batch preempt and recompute. At --tp 2 (gloo): the
+    head is sharded like the target and every rank drafts alike."""
     target, head = dirs
     params = [SamplingParams(temperature=0, max_tokens=30, logprobs=2)] + [
         SamplingParams(temperature=0, max_tokens=30)
@@ -88,7 +90,9 @@ def test_greedy_output_is_speculation_off(dirs):
     text = off[1].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
-    on, stats = generate(target, eagle(head), PROMPTS, params, num_gpu_blocks_override=40)
+    on, stats = generate(
+        target, eagle(head), PROMPTS, params, num_gpu_blocks_override=40, tensor_parallel_size=2
+    )
     assert on[1].finish_reason == "stop" and on[1].text == text[: text.index(stop)]
     for i in (0, 2, 3):
         assert on[i].token_ids == off[i].token_ids, i
@@ -98,6 +102,7 @@ def test_greedy_output_is_speculation_off(dirs):
     assert stats.spec_num_drafts > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert stats.num_preemptions > 0
 
 
 def test_bad_heads_are_refused_by_name(dirs, tmp_path):
@@ -129,11 +134,13 @@ def test_bad_heads_are_refused_by_name(dirs, tmp_path):
     weights = load_file(os.path.join(shaped, "model.safetensors"))
     weights["fc.weight"] = weights["fc.weight"][:, :64].contiguous()
     save_file(weights, os.path.join(shaped, "model.safetensors"))
+    with pytest.raises(Exception, match="checkpoint tensor 'fc.weight'"):  # from the worker
+        generate(target, eagle(shaped), PROMPTS[:1], SamplingParams(max_tokens=2))
     empty = variant("empty")
     os.remove(os.path.join(empty, "model.safetensors"))
-    for path, message in ((shaped, "'fc.weight'"), (empty, "no \\*.safetensors weights")):
-        with pytest.raises(Exception, match=message):
-            generate(target, eagle(path), PROMPTS[:1], SamplingParams(max_tokens=2))
+    spec = SpeculativeConfig.from_value(eagle(empty))
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        build_eagle_head(spec.draft_model_config(mc), None, torch.float32, "cpu")
 
 
 def test_head_matches_a_transformers_reference(dirs):
@@ -142,7 +149,6 @@ def test_head_matches_a_transformers_reference(dirs):
     [embedding ; hidden], layer 0 without its input norm, hidden + residual, the LM head."""
     from transformers import LlamaForCausalLM
 
-    from pagedserve.worker.eagle import build_eagle_head
     from pagedserve.worker.input_batch import StepInputs
     from pagedserve.worker.models import build_model
     from pagedserve.worker.step_metadata import attention_metadata
