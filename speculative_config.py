@@ -190,6 +190,11 @@ def _check_eagle_head(head: Any, target: Any) -> None:
             f"--speculative-config: 'eagle' head {head.model!r} is {names[0]!r}; only Llama "
             f"EAGLE heads ({', '.join(EAGLE_HEAD_ARCHITECTURES)}) are implemented"
         )
+    if head.hf.get("add_para_norm"):
+        raise ValueError(
+            "--speculative-config: EAGLE heads with 'add_para_norm' (HASS: norms of the "
+            "embedding and hidden state before fc) are not implemented"
+        )
     if head.hf["hidden_size"] != target.hf["hidden_size"]:
         raise ValueError(
             f"--speculative-config: the EAGLE head's hidden_size ({head.hf['hidden_size']}) is "

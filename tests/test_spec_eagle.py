@@ -30,7 +30,8 @@ def write_head(target: str, path: str, mix: float = 0.002, quiet: bool = True) -
     nothing (zero o_proj and down_proj); layers 1 and 2 are the target's; its own LM head is
     the target's times the final norm's weights (a head has no final norm). It still misses the
     target's first token and its hidden-state input, so some drafts are rejected. (`mix`: the
-    hidden state's weight in `fc`; `quiet=False`: layer 0 keeps its own o_proj and down_proj.)"""
+    hidden state's weight in `fc`; `quiet=False`: layer 0 keeps its own o_proj and down_proj,
+    and `fc` has a bias.)"""
     weights = load_file(os.path.join(target, "model.safetensors"))
     with open(os.path.join(target, "config.json")) as f:
         config = json.load(f)
@@ -41,6 +42,8 @@ def write_head(target: str, path: str, mix: float = 0.002, quiet: bool = True) -
         "fc.weight": fc,
         "lm_head.weight": weights["lm_head.weight"] * weights["model.norm.weight"],
     }
+    if not quiet:  # and an fc bias, as the original EAGLE checkpoints have
+        head["fc.bias"] = 0.05 * torch.randn(hidden, generator=gen)
     for name, tensor in weights.items():
         if name.startswith("model.layers.0.") and "input_layernorm" not in name:
             zero = quiet and ("o_proj" in name or "down_proj" in name)
@@ -122,6 +125,7 @@ def test_bad_heads_are_refused_by_name(dirs, tmp_path):
         (variant("vocab", vocab_size=1024), "vocabulary \\(1024\\) is not the target's"),
         (variant("gemma", architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
          "only Llama EAGLE heads"),
+        (variant("hass", add_para_norm=True), "'add_para_norm'"),
     ]  # fmt: skip
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -198,6 +202,7 @@ def _reference_head(ref, head_dir: str, ids: torch.Tensor, hidden: torch.Tensor)
             layer.input_layernorm = torch.nn.Identity()
         layer.load_state_dict(own, strict=True)
     x = torch.cat([ref.model.embed_tokens(ids), hidden], -1) @ weights["fc.weight"].T  # [L, H]
+    x = x + weights["fc.bias"]
     positions = torch.arange(len(ids))[None]
     rotary = LlamaRotaryEmbedding(config)(x[None], positions)
     h = x[None]  # transformers' layers return hidden + residual, as the head's last does
