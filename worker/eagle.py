@@ -117,18 +117,26 @@ class EagleHead(nn.Module):
         return param_name
 
 
-def build_eagle_head(mc: Any, target: nn.Module, dtype: torch.dtype, device) -> EagleHead:
-    """The head of `mc` (its ModelConfig) on `device`, weights from its safetensors (random for
-    `--load-format dummy`, with neither own embedding nor LM head)."""
+def build_eagle_head(
+    mc: Any, target: nn.Module, dtype: torch.dtype, device, cls: type[EagleHead] = EagleHead
+) -> EagleHead:
+    """The head (`cls`) of `mc` (its ModelConfig) on `device`, weights from its safetensors
+    (random for `--load-format dummy`, with no own embedding, and an EAGLE-3 head's draft
+    vocabulary the target's first ids)."""
     dummy = mc.load_format == "dummy"
     names = set() if dummy else {n.removeprefix("model.") for n, _ in iter_checkpoint(mc.model)}
     with _default_dtype(dtype), torch.device(device):
         backend = select_backend(torch.device(device), mc.attention_backend, False, dtype, False)
-        head = EagleHead(mc.hf, names, target, backend)
+        head = cls(mc.hf, names, target, backend)
     if dummy:
         init_dummy_weights(head, mc.seed)
     else:
         load_weights(head, iter_checkpoint(mc.model), mc.model)
+        if hasattr(head, "load_d2t"):
+            found = (
+                t[:] for n, t in iter_checkpoint(mc.model) if n.removeprefix("model.") == "d2t"
+            )
+            head.load_d2t(next(found, None), mc.model)
     after_loading(head)
     return head.eval()
 
@@ -152,11 +160,37 @@ class EagleRunner(DraftRunner):
         target: nn.Module,
     ) -> None:
         mc = config.speculative.draft_model_config(config.model)
-        super().__init__(
-            config, dtype, device, sampler, build_eagle_head(mc, target, dtype, device)
-        )
-        self.hidden_size, self.vocab_size = int(mc.hf["hidden_size"]), int(mc.hf["vocab_size"])
+        cls, width = EagleHead, 1
+        if config.speculative.method == "eagle3":
+            from pagedserve.worker.eagle3 import Eagle3Head  # which imports this module
+
+            cls, width = Eagle3Head, 3
+        head = build_eagle_head(mc, target, dtype, device, cls)
+        super().__init__(config, dtype, device, sampler, head)
+        # [.., width * H]: the target hidden states a pair reads (EAGLE-3: three layers')
+        self.hidden_size = width * int(config.model.hf["hidden_size"])
+        self.vocab_size = int(mc.hf["vocab_size"])
         self.rows: dict[str, RowHidden] = {}  # req_id -> its hidden states not yet paired
+        self.aux: list[torch.Tensor] = []  # EAGLE-3: this step's hidden states of three layers
+        if width == 3:
+            self._keep_aux(target, mc.hf, config.model.num_layers)
+
+    def _keep_aux(self, target: nn.Module, hf: dict[str, Any], num_layers: int) -> None:
+        """Forward pre-hooks that keep the residual stream entering the head's three target
+        layers (hidden + residual; eager forwards only: the config asks for --enforce-eager)."""
+        from pagedserve.worker.eagle3 import aux_layer_ids
+
+        self.aux = [torch.empty(0)] * 3
+
+        def keep(j: int):
+            def hook(module: nn.Module, args: tuple) -> None:
+                hidden, residual = args[1], args[2]
+                self.aux[j] = hidden if residual is None else hidden + residual
+
+            return hook
+
+        for j, i in enumerate(aux_layer_ids(hf, num_layers)):
+            target.model.layers[str(i)].register_forward_pre_hook(keep(j))
 
     def forget(self, finished_ids: list[str]) -> None:
         for req_id in finished_ids:
@@ -172,6 +206,8 @@ class EagleRunner(DraftRunner):
         """Keep each row's hidden states for the head's next step (a copy: a CUDA graph's
         output buffer is rewritten by the next replay)."""
         num_tokens = len(inputs.input_ids)
+        if self.aux:
+            hidden = torch.cat(self.aux, dim=-1)  # [T, 3H]
         ids = self._device_ids(inputs, fill)
         hidden = hidden[:num_tokens].clone()
         qsl = inputs.query_start_loc.tolist()

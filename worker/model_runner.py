@@ -151,7 +151,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed, device=device)
         spec = config.speculative
         self.drafter = None  # a draft's weights, before the memory profile counts them
-        if spec is not None and spec.method == "eagle":
+        if spec is not None and spec.method in ("eagle", "eagle3"):
             self.drafter = EagleRunner(config, self.dtype, device, self.sampler, self.model)
         elif spec is not None and spec.in_workers:
             self.drafter = DraftRunner(config, self.dtype, device, self.sampler)
