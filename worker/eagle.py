@@ -151,6 +151,9 @@ class RowHidden:
 
 
 class EagleRunner(DraftRunner):
+    """The draft model's runner (its KV cache, profile and draws) around an EAGLE head: pairs
+    from the target's hidden states kept one step, drafts fed back with the head's own."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -215,7 +218,9 @@ class EagleRunner(DraftRunner):
             s, e = qsl[b], qsl[b + 1]
             self.rows[req_id] = RowHidden(int(inputs.positions[s]), ids[s:e], hidden[s:e])
 
-    def _device_ids(self, inputs: StepInputs, fill) -> torch.Tensor:
+    def _device_ids(
+        self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:  # [T] the step's input ids with those only on the device
         ids = to_device(inputs.input_ids, self.device)
         if fill is not None:
             ids[fill[0]] = fill[1]
