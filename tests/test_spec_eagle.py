@@ -202,7 +202,7 @@ def _reference_head(ref, head_dir: str, ids: torch.Tensor, hidden: torch.Tensor)
             layer.input_layernorm = torch.nn.Identity()
         layer.load_state_dict(own, strict=True)
     x = torch.cat([ref.model.embed_tokens(ids), hidden], -1) @ weights["fc.weight"].T  # [L, H]
-    x = x + weights["fc.bias"]
+    x = x + weights.get("fc.bias", 0)
     positions = torch.arange(len(ids))[None]
     rotary = LlamaRotaryEmbedding(config)(x[None], positions)
     h = x[None]  # transformers' layers return hidden + residual, as the head's last does
