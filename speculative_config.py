@@ -3,9 +3,10 @@
 Pure Python (the core reads it). Methods built: `ngram` (prompt lookup) and `suffix` (a suffix
 automaton over the request's prompt and output) propose from token ids alone, so they run in the
 core (core/spec_decode/) and need no weights; `draft_model` (`model`: a smaller model with the
-target's vocabulary) runs in the workers beside the target (worker/draft_model.py). `eagle`,
-`eagle3`, `mtp`, `medusa` and `mlp_speculator` are vLLM methods we do not build: refused by name,
-as is any key vLLM does not have or that does not apply to the method.
+target's vocabulary), `eagle` and `eagle3` (`model`: an EAGLE-1 / EAGLE-3 Llama head over the
+target's hidden states, worker/eagle.py, worker/eagle3.py) run in the workers beside the target
+(worker/draft_model.py). `mtp`, `medusa` and `mlp_speculator` are vLLM methods we do not build:
+refused by name, as is any key vLLM does not have or that does not apply to the method.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 from pagedserve.hf_config import has_recurrent_state, kv_cache_groups
 
-METHODS = ("ngram", "suffix", "draft_model")
-MODEL_METHODS = ("draft_model",)  # draft in the workers, with weights of their own
-NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # draft in the workers, with own weights
+NOT_BUILT = ("mtp", "medusa", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 32
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 _SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor")
@@ -38,7 +39,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     # no speculation in a step while this many requests are running or waiting (vLLM's key)
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft's directory (HF format)
+    model: str | None = None  # draft_model / eagle: the draft's (head's) directory (HF format)
     # draft_model: the draft's tensor parallel size, 1 or the target's (None: the target's)
     draft_tensor_parallel_size: int | None = None
 
@@ -125,6 +126,8 @@ class SpeculativeConfig:
                     "or linear-attention layers is not implemented (the draft's KV cache "
                     "mirrors one global block table)"
                 )
+        if self.method in ("eagle", "eagle3"):
+            _check_eagle_head(draft, target, self.method)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(
                 f"--speculative-config: the draft model's vocabulary ({draft.vocab_size}) is "
@@ -165,6 +168,8 @@ class SpeculativeConfig:
             "ngram": _SUFFIX_KEYS,
             "suffix": _NGRAM_KEYS,
             "draft_model": _NGRAM_KEYS + _SUFFIX_KEYS,
+            "eagle": _NGRAM_KEYS + _SUFFIX_KEYS,
+            "eagle3": _NGRAM_KEYS + _SUFFIX_KEYS,
         }.get(method, ())
         wrong = sorted(set(value) & set(other))
         if wrong:
@@ -172,3 +177,41 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("--speculative-config: 'num_speculative_tokens' is required")
         return cls(**value)
+
+
+EAGLE_HEAD_ARCHITECTURES = (
+    "LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
+)  # fmt: skip
+
+
+def _check_eagle_head(head: Any, target: Any, method: str) -> None:
+    """An EAGLE head (`head`, `target`: ModelConfigs) is a Llama decoder over [embedding ;
+    the target's hidden state(s)]: its hidden size must be the target's. EAGLE-3 reads three
+    target layers through hooks, which only eager forwards run."""
+    names = head.hf.get("architectures") or [head.hf.get("model_type")]
+    if not set(names) & set(EAGLE_HEAD_ARCHITECTURES) and head.hf.get("model_type") != "llama":
+        raise ValueError(
+            f"--speculative-config: {method!r} head {head.model!r} is {names[0]!r}; only Llama "
+            f"EAGLE heads ({', '.join(EAGLE_HEAD_ARCHITECTURES)}) are implemented"
+        )
+    if method == "eagle3" and not target.enforce_eager:
+        raise ValueError(
+            "--speculative-config: 'eagle3' needs --enforce-eager (the target's hidden states "
+            "of three layers are read in eager forwards, not CUDA graphs or the compiled CPU "
+            "forward)"
+        )
+    if method == "eagle3" and head.hf["num_hidden_layers"] != 1:
+        raise ValueError(
+            "--speculative-config: EAGLE-3 heads of more than one layer are not implemented"
+        )
+    if head.hf.get("add_para_norm"):
+        raise ValueError(
+            "--speculative-config: EAGLE heads with 'add_para_norm' (HASS: norms of the "
+            "embedding and hidden state before fc) are not implemented"
+        )
+    hidden = head.hf.get("target_hidden_size") or head.hf["hidden_size"]
+    if hidden != target.hf["hidden_size"]:
+        raise ValueError(
+            f"--speculative-config: the EAGLE head's hidden_size ({hidden}) is "
+            f"not the target's ({target.hf['hidden_size']}); it reads the target's hidden states"
+        )

@@ -134,7 +134,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         help="speculative decoding, vLLM's JSON keys, e.g. '{\"method\": "
         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (methods: ngram, '
-        "suffix, draft_model)",
+        "suffix, draft_model, eagle, eagle3)",
     )
     a("--attention-backend", default="auto", choices=list(REQUESTABLE_BACKENDS),
       help="flash: FlashAttention 4 (flash-attn-4); auto: triton, or per step kind the backend "

@@ -35,8 +35,8 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        ({"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}, "'eagle3'"),
-        ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"}, "not implemented"),
+        ({"method": "mtp", "num_speculative_tokens": 3, "model": "x"}, "'mtp' is not implemented"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' needs 'model'"),
         ({"model": "some/draft", "num_speculative_tokens": 3}, "'method' is required"),
         ({"method": "medusa2", "num_speculative_tokens": 3}, "unknown method 'medusa2'"),
         ({**NGRAM, "acceptance_method": "typical"}, "unknown key 'acceptance_method'"),

@@ -60,13 +60,31 @@ def merge_fills(
 
 class DraftRunner:
     def __init__(
-        self, config: EngineConfig, dtype: torch.dtype, device: torch.device, sampler: Sampler
+        self,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        sampler: Sampler,
+        model: torch.nn.Module | None = None,  # built elsewhere (an EAGLE head: worker/eagle.py)
     ) -> None:
         self.mc = config.speculative.draft_model_config(config.model)
         self.dtype, self.device, self.sampler = dtype, device, sampler
         self.block_size = config.cache.block_size
-        self.model = build_model(self.mc, dtype, device)
+        self.model = model if model is not None else build_model(self.mc, dtype, device)
         self.kv_caches: list[torch.Tensor] = []
+
+    def after_target(
+        self,
+        req_ids: list[str],
+        inputs: StepInputs,
+        fill: tuple[torch.Tensor, torch.Tensor] | None,
+        hidden: torch.Tensor,
+    ) -> None:
+        """The target's hidden states of the step (an EAGLE head reads them; a draft model
+        runs over the tokens themselves)."""
+
+    def forget(self, finished_ids: list[str]) -> None:
+        """Requests that left (an EAGLE head keeps their hidden states until then)."""
 
     def block_bytes(self) -> int:
         """The draft's KV bytes per block, all layers."""
@@ -106,9 +124,11 @@ class DraftRunner:
         inputs: StepInputs,
         fill: tuple[torch.Tensor, torch.Tensor] | None,
         rows: dict[int, SamplingRow],
+        req_ids: list[str],
     ) -> Drafted | None:
         """Keep the draft's KV in step with this step's inputs and draft for the rows that
-        verify (`rows`: the sampling row of each batch row that does); None: none does."""
+        verify (`rows`: the sampling row of each batch row that does); None: none does.
+        `req_ids`: the batch rows' requests."""
         num_rows = len(inputs.seq_lens)
         k = np.zeros(num_rows, dtype=np.int64)  # [B] drafts per batch row
         if inputs.num_drafts:

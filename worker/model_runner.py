@@ -39,6 +39,7 @@ from pagedserve.worker.cuda_graphs import (
     max_graph_tokens,
 )
 from pagedserve.worker.draft_model import Drafted, DraftRunner, merge_fills
+from pagedserve.worker.eagle import EagleRunner
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.host_tier import (
@@ -149,11 +150,11 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.model.seed, device=device)
         spec = config.speculative
-        self.drafter = (  # a draft model's weights, before the memory profile counts them
-            DraftRunner(config, self.dtype, device, self.sampler)
-            if spec is not None and spec.in_workers
-            else None
-        )
+        self.drafter = None  # a draft's weights, before the memory profile counts them
+        if spec is not None and spec.method in ("eagle", "eagle3"):
+            self.drafter = EagleRunner(config, self.dtype, device, self.sampler, self.model)
+        elif spec is not None and spec.in_workers:
+            self.drafter = DraftRunner(config, self.dtype, device, self.sampler)
         self.profiled_peak: int | None = None
         self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"
@@ -407,6 +408,8 @@ class ModelRunner:
         self.batch.apply(plan)
         if self.sampled_in is not None:
             self.sampled_in.forget(plan.finished_ids)
+        if self.drafter is not None:
+            self.drafter.forget(plan.finished_ids)
         if self.scoring or plan.new_requests:
             self._track_scoring(plan)
         if self.lora is not None:
@@ -428,7 +431,8 @@ class ModelRunner:
         fill = self._device_fill(inputs, prev)
         drafted = None
         if self.drafter is not None:
-            drafted = self.drafter.run(inputs, fill, self._step_rows(plan, inputs))
+            rows = self._step_rows(plan, inputs)
+            drafted = self.drafter.run(inputs, fill, rows, plan.scheduled_ids)
             fill = merge_fills(fill, drafted.fill if drafted is not None else None)
         scored = self._prompt_rows(plan, inputs) if self.scoring else None
         bucket = self._graph_bucket(inputs) if scored is None else None  # graphs keep no hidden
@@ -452,6 +456,8 @@ class ModelRunner:
                 )
             return StartedStep(plan, inputs, None)
         hidden, *head = outputs  # head: a decode graph's logits [T, V] and ids [T]
+        if self.drafter is not None:
+            self.drafter.after_target(plan.scheduled_ids, inputs, fill, hidden)
         if self.pooler is not None:
             return StartedStep(plan, inputs, None, pooled=self.pooler.pool(hidden, plan, inputs))
         scores = None
