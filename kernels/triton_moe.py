@@ -163,6 +163,20 @@ def _scale_block(w: torch.Tensor, scale: torch.Tensor) -> int:
     return edge
 
 
+def check_moe_inputs(x, w13, w2, topk_ids, w13_bias) -> None:
+    """The experts' kernels' contract: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K],
+    unit stride in the last dimension, an optional contiguous gate/up bias [E, 2I]."""
+    num_tokens, _ = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape != (num_tokens, hidden) or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, topk_ids {tuple(topk_ids.shape)}")  # fmt: skip
+    if not (x.stride(1) == w13.stride(2) == w2.stride(2) == 1):
+        raise ValueError("moe inputs need unit stride in their last dimension")
+    if w13_bias is not None and (w13_bias.shape != w13.shape[:2] or not w13_bias.is_contiguous()):
+        raise ValueError(f"moe gate/up bias {tuple(w13_bias.shape)} is not contiguous [E, 2I]")
+
+
 def triton_fused_moe(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -180,15 +194,9 @@ def triton_fused_moe(
     """`fused_moe_ref`'s contract on contiguous weights (checked), from device tensors only;
     optionally with gate/up biases and another activation than SiLU-and-mul (gpt-oss) and with
     FP8 weights scaled per square block (DeepSeek-V3's experts, kept in FP8)."""
+    check_moe_inputs(x, w13, w2, topk_ids, w13_bias)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
-    if x.shape != (num_tokens, hidden) or w2.shape != (num_experts, hidden, two_inter // 2):
-        raise ValueError(f"moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}, topk_ids {tuple(topk_ids.shape)}")  # fmt: skip
-    if not (x.stride(1) == w13.stride(2) == w2.stride(2) == 1):
-        raise ValueError("moe inputs need unit stride in their last dimension")
-    if w13_bias is not None and (w13_bias.shape != w13.shape[:2] or not w13_bias.is_contiguous()):
-        raise ValueError(f"moe gate/up bias {tuple(w13_bias.shape)} is not contiguous [E, 2I]")
     if num_tokens == 0:
         return torch.zeros_like(x)
     block_m = block_m or (16 if num_tokens * top_k <= 64 * num_experts else 64)

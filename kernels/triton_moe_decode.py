@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.backend import fusion_enabled
+from pagedserve.kernels.triton_moe import check_moe_inputs
 
 # At most this many (token, slot) pairs take the GEMV path (gpt-oss, Mixtral: batch <= 2 and 4;
 # top-8: 1). Timed end to end at 1 token (4 pairs); past that, pairs on a shared expert read it
@@ -111,16 +112,10 @@ def triton_moe_decode(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:  # [T, H]
     """`triton_fused_moe`'s result for a few tokens (see `use_moe_decode`), weights unquantized."""
+    check_moe_inputs(x, w13, w2, topk_ids, w13_bias)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    if x.shape != (num_tokens, hidden) or w2.shape != (num_experts, hidden, inter):
-        raise ValueError(f"moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}, topk_ids {tuple(topk_ids.shape)}")  # fmt: skip
-    if not (x.stride(1) == w13.stride(2) == w2.stride(2) == 1):
-        raise ValueError("moe inputs need unit stride in their last dimension")
-    if w13_bias is not None and (w13_bias.shape != w13.shape[:2] or not w13_bias.is_contiguous()):
-        raise ValueError(f"moe gate/up bias {tuple(w13_bias.shape)} is not contiguous [E, 2I]")
     block_n, block_k, num_warps, num_stages = tiles or DECODE_TILES
     ids = topk_ids.reshape(-1).contiguous()  # [T * K]
     weights = topk_weights.reshape(-1).float().contiguous()
