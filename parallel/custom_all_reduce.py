@@ -10,7 +10,7 @@ sampling on each rank needs), and meets them at a second barrier, so no rank ove
 buffer while a peer still reads it. No host sync: CUDA graphs capture it as they capture NCCL.
 
 Messages above `MAX_BYTES` (prompt steps, large batches) and tensors the kernel cannot take
-(another dtype, unaligned, not contiguous) go to NCCL. The path is set up only on GPUs of one
+(float16 or another dtype, unaligned, not contiguous) go to NCCL. The path is set up only on GPUs of one
 host and only if it passes a check with exact sums on every rank (all ranks agree through NCCL
 before any uses it); `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for every message.
 """
@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 MAX_BYTES = 512 * 1024  # a decode step of 64 rows at hidden size 4096 in bf16
 ALIGN = 16  # the kernel's widest vector; input and buffer must share their alignment
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# torch's one-shot kernel dispatches bfloat16 and float32 only (torch 2.11 raises NotImplementedError
+# for float16): float16 models stay on NCCL
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
