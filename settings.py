@@ -26,7 +26,6 @@ the process that needs them.
 | PAGEDSERVE_FLASH_CACHE_DIR | flash_cache_dir | flash_attn under cache_dir |
 | PAGEDSERVE_MEMORY_REPORT | memory_report | a file: each GPU rank's profiled peak |
 | PAGEDSERVE_STEP_TRACE | step_trace | a file prefix: one line per step, core and workers |
-| PAGEDSERVE_CUSTOM_ALL_REDUCE | custom_all_reduce | 0, 1: small TP all-reduces one-shot (opt-in) |
 | PAGEDSERVE_API_KEY | (secret) | the API key (else VLLM_API_KEY) |
 | PAGEDSERVE_CURVE_KEY, PAGEDSERVE_CURVE_KEY_FILE | (secret) | multi-node CURVE key |
 """
@@ -101,7 +100,6 @@ class Settings:
     flash_cache_dir: str = ""
     memory_report: str | None = None
     step_trace: str | None = None
-    custom_all_reduce: bool = False
     launch_t0: float | None = None  # set by `launch` (not the environment): start-up timings
 
     def __post_init__(self) -> None:
@@ -130,7 +128,6 @@ class Settings:
             or os.path.join(cache_dir, "flash_attn"),
             memory_report=env.get("PAGEDSERVE_MEMORY_REPORT") or None,
             step_trace=env.get("PAGEDSERVE_STEP_TRACE") or None,
-            custom_all_reduce=_choice(env, "PAGEDSERVE_CUSTOM_ALL_REDUCE", ("0", "1")) == "1",
         )
 
     @classmethod

@@ -10,9 +10,10 @@ sampling on each rank needs), and meets them at a second barrier, so no rank ove
 buffer while a peer still reads it. No host sync: CUDA graphs capture it as they capture NCCL.
 
 Messages above `MAX_BYTES` (prompt steps, large batches) and tensors the kernel cannot take
-(float16 or another dtype, unaligned, not contiguous) go to NCCL. The path is set up only on GPUs of one
-host and only if it passes a check with exact sums on every rank (all ranks agree through NCCL
-before any uses it); `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for every message.
+(float16 or another dtype, unaligned, not contiguous) go to NCCL. The path is set up only on
+GPUs of one host and only if it passes a check with exact sums on every rank (all ranks agree
+through NCCL before any uses it); `--disable-custom-all-reduce` (vLLM's flag) keeps NCCL for
+every message.
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedserve import settings
-
 log = logging.getLogger(__name__)
 
 MAX_BYTES = 512 * 1024  # a decode step of 64 rows at hidden size 4096 in bf16
 ALIGN = 16  # the kernel's widest vector; input and buffer must share their alignment
-# torch's one-shot kernel dispatches bfloat16 and float32 only (torch 2.11 raises NotImplementedError
-# for float16): float16 models stay on NCCL
+# torch's one-shot kernel dispatches bfloat16 and float32 only (torch 2.11 raises
+# NotImplementedError for float16): float16 models stay on NCCL
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -63,8 +62,6 @@ class OneShotAllReduce:
 
 def unavailable_reason(device: torch.device, tp_size: int, tp_ranks_per_host: int) -> str | None:
     """Why the one-shot path cannot serve this TP group (None: it may, if its check passes)."""
-    if not settings.current().custom_all_reduce:
-        return "opt-in until measured on GPUs (PAGEDSERVE_CUSTOM_ALL_REDUCE=1)"
     if device.type != "cuda":
         return "not on CUDA"
     if tp_size < 2:

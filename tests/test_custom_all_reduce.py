@@ -6,14 +6,11 @@ CUDA graph, and `tp_all_reduce` sends larger messages to NCCL."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 import torch
 
-from pagedserve import settings
 from pagedserve.parallel.custom_all_reduce import MAX_BYTES, unavailable_reason
-from pagedserve.settings import Settings
 
 
 def test_disable_flag_reaches_the_config_from_launch_bench_and_llm(tmp_path):
@@ -37,11 +34,8 @@ def test_disable_flag_reaches_the_config_from_launch_bench_and_llm(tmp_path):
     assert ENGINE_ARGS["disable_custom_all_reduce"] is False  # LLM(disable_custom_all_reduce=)
 
 
-def test_unavailable_reasons(monkeypatch):
+def test_unavailable_reasons():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.setattr(settings, "_active", Settings())
-    assert "opt-in" in unavailable_reason(gpu, 2, 2)  # off until GPUs have run it
-    monkeypatch.setattr(settings, "_active", Settings(custom_all_reduce=True))
     assert unavailable_reason(cpu, 2, 2) == "not on CUDA"
     assert unavailable_reason(gpu, 1, 8) == "no tensor parallelism"
     assert "spans hosts" in unavailable_reason(gpu, 4, 2)
@@ -99,5 +93,4 @@ def test_one_shot_equals_nccl_on_two_gpus():
 
     from pagedserve.ipc.sockets import free_port
 
-    os.environ["PAGEDSERVE_CUSTOM_ALL_REDUCE"] = "1"  # the spawned workers inherit it
     mp.spawn(_worker, args=(free_port(),), nprocs=2, join=True)

@@ -31,8 +31,10 @@ class GraphSet:
     Inputs travel in two host->device copies per step, from pinned staging buffers: int64
     [input_ids | positions | slot_mapping] and an int32 buffer each kind lays out itself (sequence
     metadata, then block tables). The static tensors the graphs read are views of the device side.
-    Two host sets alternate, so a step's writes never touch a buffer whose copy may still be
-    queued (the worker starts a step before it has waited for the one before).
+    Two host sets alternate, and a set is rewritten only once the copy that read it last has
+    run (its event): the worker queues steps ahead of the device, and with pipeline stages a
+    stage may have several steps queued (a pinned copy reads the host buffer when it runs, so
+    overwriting it earlier fed step N the inputs of step N+2: --pp 4 on GPUs, 2026-11-26).
     """
 
     def __init__(
@@ -63,6 +65,8 @@ class GraphSet:
         self.host64 = [torch.zeros_like(self.dev64, **pin) for _ in range(2)]
         self.host32 = [torch.zeros_like(self.dev32, **pin) for _ in range(2)]
         self._flip = 0
+        # each host set's last copy (an event not yet recorded is complete)
+        self._copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else None
         self.input_ids, self.positions, self.slot_mapping = self.dev64[:3]
         self.slot_mapping.fill_(-1)
         self.state_scratch = state_scratch
@@ -134,6 +138,8 @@ class GraphSet:
     def _host_buffers(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """The next host set (int64, int32) as numpy, with the token columns written."""
         self._flip ^= 1
+        if self._copied is not None:
+            self._copied[self._flip].synchronize()  # its last copy has run (returns at once if so)
         a64, a32 = self.host64[self._flip].numpy(), self.host32[self._flip].numpy()
         n = len(inputs.input_ids)
         a64[0, :n], a64[1, :n], a64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
@@ -149,6 +155,8 @@ class GraphSet:
         self.dev32[:int32_end].copy_(h32[:int32_end], non_blocking=True)
         for start, end in more32:
             self.dev32[start:end].copy_(h32[start:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied[self._flip].record()
 
     def _replay(
         self,
