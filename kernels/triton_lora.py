@@ -79,7 +79,7 @@ def _shrink_kernel(
     tl.store(h_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _expand_kernel(
     h_ptr, b_ptr, y_ptr, order, group_starts, group_slots, N, R, num_splits, stride_hs,
     stride_hm, stride_bs, stride_bn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -199,7 +199,11 @@ def triton_lora_expand(
 # grouped pair's graphs size its grid for all rows in every group).
 
 
-@triton.jit
+# The row count `M` changes every step: unspecialized (Triton compiles a variant per M == 1,
+# M % 16 == 0 or neither), so eager steps reuse the kernel the CUDA graphs' capture compiled
+# instead of compiling one on the step path (~1.3 s on an H100), as the rows' 16-byte aligned
+# sections do for the pointers (kernels/lora.py `packed_offsets`).
+@triton.jit(do_not_specialize=["M"])
 def _slot_expand_kernel(
     h_ptr, b_ptr, y_ptr, token_slots, M, N, W, stride_hm, stride_bs, stride_bn, stride_ym,
     NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -282,7 +286,7 @@ def triton_lora_dense(
     return triton_slot_expand(y, h, lora_b, token_slots)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (as `_slot_expand_kernel`)
 def _slot_silu_kernel(
     y_ptr, h_ptr, b_ptr, out_ptr, token_slots, M, inter, W, stride_ym, stride_hm, stride_bs,
     stride_bn, stride_om, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
