@@ -370,7 +370,7 @@ def test_eager_steps_reuse_one_compiled_kernel():
                                   rows.token_slots)  # fmt: skip
         tl_lora.triton_lora_swiglu(torch.zeros(tokens, 80, device="cuda", dtype=x.dtype), x, a,
                                    b, rows.token_slots)  # fmt: skip
-        seen.append((_num_compiled(tl_lora._slot_expand_kernel),
+        seen.append((_num_compiled(tl_lora._slot_expand_rows_kernel),
                      _num_compiled(tl_lora._slot_silu_kernel)))  # fmt: skip
     assert seen[1:] == seen[:1] * 2, seen
 
