@@ -21,6 +21,17 @@ from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.backend import use_triton
 
 
+def packed_offsets(num_rows: int, num_groups: int) -> tuple[int, int, int]:
+    """Where `group_starts`, `group_slots` and `token_slots` start in `group_layout`'s form:
+    each section at a multiple of 4 int32 (16 bytes). Triton compiles a kernel once per
+    alignment of its pointers (16 bytes or not): sections at offsets that moved with a step's
+    row count compiled new variants on the step path, ~1.3 s each, twice in one W1 run on an
+    H100 (tests/gpu/lora_run.sh's W1_TRACE)."""
+    starts = -(-num_rows // 4) * 4
+    slots = starts + -(-(num_groups + 1) // 4) * 4
+    return starts, slots, slots + -(-num_groups // 4) * 4
+
+
 def group_layout(
     seg_starts: list[int] | np.ndarray,  # [num_seg + 1] token offsets of the requests
     seg_slots: list[int],  # [num_seg] slot per request, -1: the base model
@@ -28,9 +39,9 @@ def group_layout(
     num_groups: int | None = None,  # capacity of the groups; None: exact
 ) -> tuple[np.ndarray, int, int]:
     """`SlotRows`' packed host form, int32 `[order (rows) | group_starts (G + 1) | group_slots
-    (G) | token_slots (rows, or every token where exact)]` (one array: one host-to-device copy
-    per step), with its rows and G. Padding: order 0, group starts repeat the end, group slots
-    and token slots -1 (skipped)."""
+    (G) | token_slots (rows, or every token where exact)]`, each section 16-byte aligned
+    (`packed_offsets`; one array: one host-to-device copy per step), with its rows and G.
+    Padding: order 0, group starts repeat the end, group slots and token slots -1 (skipped)."""
     starts = np.asarray(seg_starts, dtype=np.int64)
     token_slot = np.repeat(np.asarray(seg_slots, dtype=np.int64), np.diff(starts))
     idx = np.flatnonzero(token_slot >= 0)
@@ -41,14 +52,15 @@ def group_layout(
     assert len(order) <= rows and len(slots) <= groups, "more LoRA rows than the buffer holds"
     tokens = len(token_slot) if num_rows is None else num_rows
     assert len(token_slot) <= tokens, "more tokens than the buffer holds"
-    out = np.zeros(rows + 2 * groups + 1 + tokens, dtype=np.int32)
+    starts_at, slots_at, tokens_at = packed_offsets(rows, groups)
+    out = np.zeros(tokens_at + tokens, dtype=np.int32)
     out[: len(order)] = order
-    ends = out[rows + 1 : rows + groups + 1]  # group_starts[1:]
+    ends = out[starts_at + 1 : starts_at + groups + 1]  # group_starts[1:]
     ends[:] = len(order)
     ends[: len(counts)] = np.cumsum(counts)
-    out[rows + groups + 1 :] = -1
-    out[rows + groups + 1 : rows + groups + 1 + len(slots)] = slots
-    out[rows + 2 * groups + 1 : rows + 2 * groups + 1 + len(token_slot)] = token_slot
+    out[slots_at:] = -1
+    out[slots_at : slots_at + len(slots)] = slots
+    out[tokens_at : tokens_at + len(token_slot)] = token_slot
     return out, rows, groups
 
 
@@ -96,11 +108,12 @@ class SlotRows:
     def __init__(
         self, packed: torch.Tensor, num_rows: int, num_groups: int, max_group_len: int
     ) -> None:
-        self.packed = packed  # int32 [rows + 2 G + 1 + tokens], `group_layout`'s form
+        self.packed = packed  # int32, `group_layout`'s form
+        starts_at, slots_at, tokens_at = packed_offsets(num_rows, num_groups)
         self.order = packed[:num_rows]
-        self.group_starts = packed[num_rows : num_rows + num_groups + 1]
-        self.group_slots = packed[num_rows + num_groups + 1 : num_rows + 2 * num_groups + 1]
-        self.token_slots = packed[num_rows + 2 * num_groups + 1 :]
+        self.group_starts = packed[starts_at : starts_at + num_groups + 1]
+        self.group_slots = packed[slots_at : slots_at + num_groups]
+        self.token_slots = packed[tokens_at:]
         self.max_group_len = max_group_len
         self.host: np.ndarray | None = None
         self._groups: list[tuple[int, torch.Tensor]] | None = None
@@ -114,7 +127,8 @@ class SlotRows:
         ring: PinnedRing | None = None,  # on CUDA: the copy's host buffers (None: pin one)
     ) -> SlotRows:
         host, num_rows, num_groups = group_layout(seg_starts, seg_slots)
-        longest = int(np.diff(host[num_rows : num_rows + num_groups + 1]).max(initial=0))
+        starts_at = packed_offsets(num_rows, num_groups)[0]
+        longest = int(np.diff(host[starts_at : starts_at + num_groups + 1]).max(initial=0))
         if ring is not None:
             packed = ring.copy(host)
         elif torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
@@ -130,11 +144,12 @@ class SlotRows:
         if self._groups is None:
             assert self.host is not None, "rows over a graph's buffer serve the Triton pair only"
             n, g = len(self.order), len(self.group_slots)
+            starts_at, slots_at, _ = packed_offsets(n, g)
             order = torch.from_numpy(self.host[:n].astype(np.int64)).to(self.packed.device)
-            starts = self.host[n : n + g + 1]
+            starts = self.host[starts_at : starts_at + g + 1]
             self._groups = [
                 (int(slot), order[starts[i] : starts[i + 1]])
-                for i, slot in enumerate(self.host[n + g + 1 : n + 2 * g + 1])
+                for i, slot in enumerate(self.host[slots_at : slots_at + g])
                 if slot >= 0
             ]
         return self._groups

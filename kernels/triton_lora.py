@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.backend import dot_precision
+from pagedserve.kernels.linear import GEMV_MAX_M
 from pagedserve.kernels.lora import SlotRows
 from pagedserve.kernels.triton_activation import silu_mul
 
@@ -79,7 +80,7 @@ def _shrink_kernel(
     tl.store(h_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _expand_kernel(
     h_ptr, b_ptr, y_ptr, order, group_starts, group_slots, N, R, num_splits, stride_hs,
     stride_hm, stride_bs, stride_bn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -199,8 +200,7 @@ def triton_lora_expand(
 # grouped pair's graphs size its grid for all rows in every group).
 
 
-@triton.jit
-def _slot_expand_kernel(
+def _slot_expand(
     h_ptr, b_ptr, y_ptr, token_slots, M, N, W, stride_hm, stride_bs, stride_bn, stride_ym,
     NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr, PRECISION: tl.constexpr,
@@ -231,6 +231,16 @@ def _slot_expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+# Decode sizes (<= GEMV_MAX_M rows: the decode graphs' buckets) specialize on the row count `M`
+# (Triton compiles a variant per M == 1, M % 16 == 0 or neither); above them `M` changes every
+# step, so that kernel is unspecialized: eager steps reuse what the mixed graphs' capture
+# compiled instead of compiling a variant on the step path (~1.3 s on an H100, twice in a W1
+# run), as the rows' 16-byte aligned sections do for the pointers (kernels/lora.py
+# `packed_offsets`).
+_slot_expand_kernel = triton.jit(_slot_expand)
+_slot_expand_rows_kernel = triton.jit(do_not_specialize=["M"])(_slot_expand)
+
+
 def triton_slot_expand(
     y: torch.Tensor,  # [M, N], added to in place
     h: torch.Tensor,  # [M, S * W]: every slot's shrink of every row
@@ -244,7 +254,8 @@ def triton_slot_expand(
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if n <= 8192 and m <= 32 else 128
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _slot_expand_kernel[grid](
+    kernel = _slot_expand_kernel if m <= GEMV_MAX_M else _slot_expand_rows_kernel
+    kernel[grid](
         h, lora_b, y, token_slots, m, n, width, h.stride(0), lora_b.stride(0), lora_b.stride(1),
         y.stride(0), NUM_SLOTS=slots, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_W=_block_r(width), PRECISION=dot_precision(lora_b.dtype),
@@ -282,7 +293,7 @@ def triton_lora_dense(
     return triton_slot_expand(y, h, lora_b, token_slots)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (as `_slot_expand_rows_kernel`)
 def _slot_silu_kernel(
     y_ptr, h_ptr, b_ptr, out_ptr, token_slots, M, inter, W, stride_ym, stride_hm, stride_bs,
     stride_bn, stride_om, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,

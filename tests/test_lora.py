@@ -9,6 +9,7 @@ import argparse
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from lora_adapters import edit_config, make_adapter, peft_greedy
@@ -309,6 +310,69 @@ def test_triton_graph_rows_staged_without_waiting_for_the_gpu():
     torch.cuda.synchronize()
     want, _, _ = group_layout(*segments, 64, 2)
     assert manager.graph_buf.cpu().tolist() == want.tolist()
+
+
+@pytest.mark.parametrize(
+    "seg_starts, seg_slots, capacity",
+    [([0, 5, 6, 9], [1, -1, 0], None), ([0, 3, 8, 9, 11], [2, 0, -1, 1], None),
+     ([0, 1, 2, 3], [1, -1, 0], (13, 3))],
+)  # fmt: skip
+def test_rows_sections_start_16_byte_aligned(seg_starts, seg_slots, capacity):
+    """Every section of a step's rows starts at a multiple of 16 bytes whatever the step's row
+    count (Triton compiles a kernel again for each alignment of a pointer: offsets that moved
+    with the rows compiled kernels on the step path), and holds what it held before."""
+    if capacity is None:
+        rows = SlotRows.from_segments(seg_starts, seg_slots, torch.device("cpu"))
+    else:
+        host, num_rows, num_groups = group_layout(seg_starts, seg_slots, *capacity)
+        rows = SlotRows(torch.from_numpy(host), num_rows, num_groups, 1)
+    for view in (rows.order, rows.group_starts, rows.group_slots, rows.token_slots):
+        assert view.storage_offset() % 4 == 0  # int32: 4 elements = 16 bytes
+    token_slots = [
+        s for i, s in enumerate(seg_slots) for _ in range(seg_starts[i + 1] - seg_starts[i])
+    ]
+    assert rows.token_slots.tolist()[: len(token_slots)] == token_slots
+    assert set(rows.token_slots.tolist()[len(token_slots) :]) <= {-1}
+    used = sorted({s for s in seg_slots if s >= 0})
+    assert rows.group_slots.tolist()[: len(used)] == used
+    counts = [token_slots.count(s) for s in used]
+    ends = rows.group_starts.tolist()[1 : len(used) + 1]
+    assert rows.group_starts[0] == 0 and ends == list(np.cumsum(counts))
+    order = rows.order.tolist()[: sum(counts)]
+    assert [token_slots[t] for t in order] == sorted(token_slots[t] for t in order)
+
+
+def _num_compiled(kernel) -> int:
+    """Variants of a Triton kernel compiled so far (its per-device caches)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(cache) for cache in kernel.cache.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_eager_steps_reuse_one_compiled_kernel():
+    """Steps of 64, 37 and 101 tokens (rows of 3 adapters and the base model) run the dense
+    LoRA kernels compiled once: no variant per row count or pointer alignment (one compiled on
+    the step path stalled W1 ~1.3 s, twice a run)."""
+    from pagedserve.kernels import triton_lora as tl_lora
+
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(3, 16, 256, generator=gen) / 8).to("cuda", torch.bfloat16)
+    b = torch.randn(3, 80, 16, generator=gen).to("cuda", torch.bfloat16)
+    seen = []
+    for tokens in (64, 37, 101):
+        cut = [0, tokens // 3, tokens // 3 + 1, 2 * tokens // 3, tokens]
+        rows = SlotRows.from_segments(cut, [2, -1, 0, 1], torch.device("cuda"))
+        x = torch.randn(tokens, 256, generator=gen).to("cuda", torch.bfloat16)
+        tl_lora.triton_lora_dense(torch.zeros(tokens, 80, device="cuda", dtype=x.dtype), x, a, b,
+                                  rows.token_slots)  # fmt: skip
+        tl_lora.triton_lora_swiglu(torch.zeros(tokens, 80, device="cuda", dtype=x.dtype), x, a,
+                                   b, rows.token_slots)  # fmt: skip
+        seen.append((_num_compiled(tl_lora._slot_expand_rows_kernel),
+                     _num_compiled(tl_lora._slot_silu_kernel)))  # fmt: skip
+    assert seen[1:] == seen[:1] * 2, seen
 
 
 # ---------------------------------------------------------------- the core's adapter rules

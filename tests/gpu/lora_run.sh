@@ -16,7 +16,9 @@
 # lora-kernels: shrink + expand (Triton) against the torch reference and the base matmul at the
 #               8B shapes, 4 adapters rank 16 (python -m pagedserve.benchmarks.kernels.bench_lora)
 # lora-w1:      W1 (1,000 prompts, 1024 in / 128 out) base alone, then 4 random rank-16 adapters
-#               on all seven projections, requests spread uniformly (--num-loras 4)
+#               on all seven projections, requests spread uniformly (--num-loras 4); W1_TRACE=1:
+#               with the worker's step trace, summed by step kind, adapters minus base
+#               (tests/gpu/trace_summary.py: GPU s, idle s, host s in start())
 # lora-w3:      W3 (batch 1, 128 in / 256 out) base alone, then with one adapter (--num-loras 1)
 # lora-table:   the ratios the issue asks for (W1 >= 0.85x, W3 overhead <= 10%)
 set -uo pipefail
@@ -45,10 +47,14 @@ for name in ${STEPS:-lora-tests lora-kernels lora-w1 lora-w3 lora-table}; do
     lora-kernels) $T python3 -m pagedserve.benchmarks.kernels.bench_lora \
           --json "$OUT/lora-kernels.json" 2>&1 | tee "$OUT/lora-kernels.txt" ;;
     lora-w1) for n in ${W1_NS:-0 4}; do
+          rm -f "$OUT/lora-w1-trace-$n".*
+          ${W1_TRACE:+env PAGEDSERVE_STEP_TRACE=$OUT/lora-w1-trace-$n} \
           $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
             --num-prompts ${W1_PROMPTS:-1000} --num-loras $n --lora-rank 16 \
             --output-json "$OUT/lora-w1-$n.json" 2>&1 | tail -4
-        done ;;
+        done
+        [ -s "$OUT/lora-w1-trace-4.worker0" ] && python3 tests/gpu/trace_summary.py \
+          "$OUT/lora-w1-trace-0.worker0" "$OUT/lora-w1-trace-4.worker0" ;;
     lora-w3) for n in ${W3_NS:-0 1}; do
           $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 256 \
             --num-iters-warmup 1 --num-iters 3 --num-loras $n --lora-rank 16 \

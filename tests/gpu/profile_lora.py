@@ -25,6 +25,7 @@ lora-gemv` gives the decode path before the shrink rode the base GEMV.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -44,6 +45,8 @@ ACTIVITIES = [  # (CPU: a smoke run's)
     if torch.cuda.is_available()
     else torch.profiler.ProfilerActivity.CPU
 ]
+# the host's side too (its CUDA runtime calls) where the device is profiled
+HOST = [torch.profiler.ProfilerActivity.CPU] if torch.cuda.is_available() else []
 
 
 def load_adapters(runner: ModelRunner, root: str) -> list[LoRARequest]:
@@ -177,31 +180,68 @@ def mixed_plan(step: int, decodes: int, prompt: int, block_size: int, lora) -> S
     return StepPlan(100 + 2 * step, ids, [1] * decodes + [prompt], [new], cached=cached)
 
 
+PHASES = ("start", "sample", "finish", "2nd execute")
+
+
+def host_calls(prof: torch.profiler.profile, top: int = 8) -> str:
+    """The host's costliest CUDA runtime calls in a profiled step, `name us/calls` (a sync, a
+    copy from pageable memory or a pinned allocation on the step path shows here)."""
+    calls = sorted(
+        ((e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()
+         if e.key.startswith("cuda") and e.self_cpu_time_total > 0),
+        reverse=True,
+    )[:top]  # fmt: skip
+    return ", ".join(f"{key} {us:.0f}/{n}" for us, n, key in calls)
+
+
+class GcTimer:
+    """Milliseconds Python's garbage collector ran while this is on (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.ms, self.count, self._t0 = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += 1000 * (time.perf_counter() - self._t0)
+            self.count += 1
+
+
 def profile_mixed(runner: ModelRunner, decodes: int, prompt: int, loras: list | None, tag: str):
     runner.execute(with_loras(prefill_plan(decodes, CTX, runner.block_size), loras))
     lora = None if loras is None else loras[decodes % len(loras)]
 
-    def run(step: int) -> float:  # host ms of `start` (queueing the step)
-        t0 = time.perf_counter()
+    def run(step: int) -> list[float]:  # host ms of each phase (`PHASES`)
+        t = [time.perf_counter()]
         started = runner.start(mixed_plan(step, decodes, prompt, runner.block_size, lora), None)
-        host_ms = 1000 * (time.perf_counter() - t0)
-        runner.finish(runner.sample(started))
+        t.append(time.perf_counter())
+        pending = runner.sample(started)
+        t.append(time.perf_counter())
+        runner.finish(pending)
+        t.append(time.perf_counter())
         runner.execute(StepPlan(101 + 2 * step, [], [], finished_ids=["p"]))
-        return host_ms
+        t.append(time.perf_counter())
+        return [1000 * (b - a) for a, b in zip(t, t[1:], strict=False)]
 
     for step in range(3):
         run(step)
     sync()
+    gc_timer = GcTimer()
+    gc.callbacks.append(gc_timer)
     t0 = time.perf_counter()
-    host_ms = sum(run(step) for step in range(3, 6)) / 3
+    phases = [sum(p) / 3 for p in zip(*(run(step) for step in range(3, 6)), strict=True)]
     sync()
     ms = 1000 * (time.perf_counter() - t0) / 3
-    with torch.profiler.profile(activities=ACTIVITIES) as prof:
+    gc.callbacks.remove(gc_timer)
+    with torch.profiler.profile(activities=ACTIVITIES + HOST) as prof:
         run(6)
         sync()
+    split = ", ".join(f"{name} {v:.2f}" for name, v in zip(PHASES, phases, strict=True))
     print(f"=== mixed {decodes} decodes + {prompt}-token prompt, {tag}: {ms:.1f} ms a step "
-          f"(2 executes; start() {host_ms:.1f} ms of host); {kernel_gaps(prof)}; "
-          f"{step_kinds(prof)}")  # fmt: skip
+          f"(2 executes; host ms: {split}; gc {gc_timer.ms:.1f} ms in {gc_timer.count}); "
+          f"{kernel_gaps(prof)}; {step_kinds(prof)}")  # fmt: skip
+    print(f"    host's CUDA calls (us/calls): {host_calls(prof)}")
     runner.execute(StepPlan(199, [], [], finished_ids=[f"r{i}" for i in range(decodes)]))
     return top_kernels(prof)
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedserve.ipc.messages import LoRARequest, StepPlan
 from pagedserve.kernels.backend import triton_available
-from pagedserve.kernels.lora import SlotRows, group_layout
+from pagedserve.kernels.lora import SlotRows, group_layout, packed_offsets
 from pagedserve.lora_checkpoint import AdapterSpec, LoRAAdapterError, read_adapter
 from pagedserve.lora_config import LoRAConfig
 from pagedserve.worker.grammar import _yield_cpu
@@ -98,7 +98,7 @@ class LoRAManager:
         )
         self.graph_rows = max_graph_tokens
         if self.in_graphs:
-            size = 2 * max_graph_tokens + 2 * config.max_loras + 1
+            size = packed_offsets(max_graph_tokens, config.max_loras)[2] + max_graph_tokens
             self.graph_buf = torch.zeros(size, dtype=torch.int32, device=device)
             self.graph_empty = False  # whether it holds no rows (every group at slot -1)
 
