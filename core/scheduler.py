@@ -16,9 +16,9 @@ in flight: a request with a token in flight is planned again once P plans have l
 last one (`_is_due`), so plan N+P carries plan N's micro-batch on placeholders and the first
 stage, which gets each sampled token from the last on the device (worker/stage_tokens.py), finds
 it there when it gets to N+P; without it every micro-batch's turn waited for the core's round
-trip (result in, next plan out). Plans stay over disjoint requests in any P consecutive ones, and
-each request's plans follow one another in order. With fewer running requests than stages a
-request is planned again at once (`_schedule_ahead`).
+trip (result in, next plan out). A request fed a placeholder is in no other of the P-1 plans
+before it (a prompt's chunks, which wait for no sample, may follow one another at once). With
+fewer running requests than stages a request is planned again at once (`_schedule_ahead`).
 
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
 (`NewRequest`), then only its new blocks (`CachedDelta`), and its sampled tokens only where the
