@@ -55,6 +55,7 @@ def summarize(
         "total_token_throughput": (total_in + total_out) / duration,
         "max_output_tokens_per_s": peak_tokens_per_s(ok),
         "max_concurrent_requests": peak_concurrency(ok),
+        **keeping_up(ok),
     }  # fmt: skip
     series = {
         "ttft": [r.ttft for r in ok],
@@ -86,6 +87,29 @@ def distribution(name: str, values: list[float], percentiles: list[float]) -> di
         word = str(int(p)) if int(p) == p else str(p)
         out[f"p{word}_{name}_ms"] = float(np.percentile(ms, p))
     return out
+
+
+def keeping_up(ok: list[RequestResult]) -> dict[str, float]:
+    """Whether the server kept up with the arrivals, from the requests sent once the load was at
+    its steady level (after the first send + the median E2E latency: earlier ones met an emptier
+    server), at least 10 of them (else nothing): `steady_send_rate`, the rate they were sent at,
+    and `sustained_request_throughput`, the rate the server completed them at: that rate / (1 +
+    the slope of E2E latency against send time). A server that keeps up finishes requests as
+    fast as they come and its latency does not grow (slope 0: the send rate); one whose capacity
+    mu is below the send rate lambda finishes the i-th at about i / mu, its latency growing by
+    lambda / mu - 1 a second (so lambda / (1 + slope) = mu). Unlike `request_throughput`
+    (completed / duration), neither depends on how long the last requests run once sending
+    stops, so a short run says whether the server keeps up (the noise: the slope's spread)."""
+    if not ok:
+        return {}
+    begin = min(r.start_time for r in ok) + float(np.median([r.latency for r in ok]))
+    steady = [r for r in ok if r.start_time >= begin]
+    sent = np.asarray([r.start_time for r in steady])
+    if len(steady) < 10 or sent.max() <= sent.min():
+        return {}
+    rate = (len(steady) - 1) / float(sent.max() - sent.min())
+    slope = float(np.polyfit(sent, [r.latency for r in steady], 1)[0])
+    return {"steady_send_rate": rate, "sustained_request_throughput": rate / (1 + max(slope, 0))}
 
 
 def peak_concurrency(results: list[RequestResult]) -> int:

@@ -87,11 +87,12 @@ class EngineCore:
         """`log_stats_interval`: seconds between stats lines in the log (None: none);
         `host_tier`: the KV cache's host tier (None: off)."""
         self.transport = transport
-        # One plan per pipeline stage keeps every stage busy. With one stage, async scheduling
-        # keeps a second plan queued behind the running one: the workers start it the moment the
-        # first ends, while this loop digests the first's result (the GPU never waits for it).
-        # With stages, while fewer requests run than stages, a request may be in several of the
-        # plans in flight (the last stage sends its tokens to the first: worker/stage_tokens.py).
+        # One plan per pipeline stage keeps every stage busy; under async scheduling two (each
+        # micro-batch planned again while its step is in flight), or while fewer requests run
+        # than stages, one request in several (the last stage sends its tokens to the first:
+        # worker/stage_tokens.py). With one stage, async scheduling keeps a second plan queued
+        # behind the running one: the workers start it the moment the first ends, while this
+        # loop digests the first's result (the GPU never waits for it). `Scheduler.max_inflight`.
         pp = config.parallel.pipeline_parallel_size
         async_scheduling = config.scheduler.async_scheduling and (pp == 1 or config.pipelined_async)
         pooling = config.model.pooling
@@ -113,7 +114,6 @@ class EngineCore:
             host_tier=host_tier,
             whole_prompts=pooling is not None and not pooling.chunkable,
         )
-        self.max_inflight = 2 if async_scheduling and pp == 1 else pp
         tp = config.parallel.tensor_parallel_size
         self.grammars = GrammarGate(
             sampling_ranks=range((pp - 1) * tp, pp * tp),
@@ -287,7 +287,10 @@ class EngineCore:
     def _schedule_steps(self) -> None:
         """Plan until `max_inflight` plans are out; an empty plan is not sent (the scheduler keeps
         its finished ids for the next real one)."""
-        while len(self.inflight) < self.max_inflight and self.scheduler.has_unfinished_requests():
+        while (
+            len(self.inflight) < self.scheduler.max_inflight
+            and self.scheduler.has_unfinished_requests()
+        ):
             plan = self.scheduler.schedule()
             if not plan.scheduled_ids:
                 return

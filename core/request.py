@@ -81,6 +81,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_placeholders = 0  # tokens sampled by plans in flight, not yet appended
+        self.last_step_id: int | None = None  # the last plan that scheduled it (None: none yet)
         self.blocks: list[list[KVBlock]] = []  # per KV cache group
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_skipped_blocks: list[int] = []  # per group: leading blocks behind its window

@@ -5,14 +5,20 @@ advances when a step is planned, so several plans can be in flight (async schedu
 parallelism). A request whose sampled token is still in flight is a *placeholder*: with
 `async_scheduling` the next plan already decodes it (the workers sample it, keep it in their
 batch and feed it in; the core learns it from the result), unless that token is bound to end the
-request by length; without it, or with pipeline stages while at least as many requests run as
-there are stages (micro-batches fill them; the first stage never sees samples), the request is
-skipped until its token is back.
+request by length; without it the request is skipped until its token is back.
 
 Micro-batches (`num_microbatches` = pipeline stages): a plan takes at most 1/P of the running
 requests, so with P plans in flight over disjoint requests every stage has a share of the batch to
 work on; without the cap the first plan would take every request and the next plans would find
 each one still in flight (stage 1 idle while stage 2 works, and back: a bubble of (P-1)/P).
+Under async scheduling with at least P running requests (`plans_ahead`) the core keeps 2P plans
+in flight: a request with a token in flight is planned again once P plans have left since its
+last one (`_is_due`), so plan N+P carries plan N's micro-batch on placeholders and the first
+stage, which gets each sampled token from the last on the device (worker/stage_tokens.py), finds
+it there when it gets to N+P; without it every micro-batch's turn waited for the core's round
+trip (result in, next plan out). A request fed a placeholder is in no other of the P-1 plans
+before it (a prompt's chunks, which wait for no sample, may follow one another at once). With
+fewer running requests than stages a request is planned again at once (`_schedule_ahead`).
 
 Each `StepPlan` is a delta against the workers' persistent batch: a request is sent whole once
 (`NewRequest`), then only its new blocks (`CachedDelta`), and its sampled tokens only where the
@@ -235,15 +241,18 @@ class Scheduler:
     def _schedule_running(self, step: StepBuilder) -> None:
         max_rows = cdiv(len(self.running), self.num_microbatches)  # this plan's micro-batch
         busy = self.spec is not None and self.spec.is_busy(len(self.requests))
+        # with stages: placeholders only in chains of micro-batches, or in a second pass (below)
+        ahead = self.num_microbatches == 1 or self.plans_ahead
         i = 0
         while i < len(self.running) and step.budget > 0 and len(step.scheduled) < max_rows:
             req = self.running[i]
-            if not step.fits_lora(req) or (
-                self.spec is not None and not self._schedule_speculative(req, step, busy)
+            if (
+                not self._is_due(req)
+                or not step.fits_lora(req)
+                or (self.spec is not None and not self._schedule_speculative(req, step, busy))
             ):
                 i += 1
                 continue
-            ahead = self.num_microbatches == 1  # with stages: a second pass (below)
             num_new = min(self._num_feedable(req, ahead) - req.num_computed_tokens, step.budget)
             if num_new > 0:
                 if not self._allocate_or_preempt(req, num_new, step):
@@ -252,6 +261,33 @@ class Scheduler:
             i += 1
         if self.async_scheduling and self.num_microbatches > 1:
             self._schedule_ahead(step, max_rows)
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Pipeline stages under async scheduling with at least as many running requests as
+        stages: each micro-batch is planned again while its step is in flight (module docstring)."""
+        return (
+            self.async_scheduling
+            and self.num_microbatches > 1
+            and self.spec is None
+            and len(self.running) >= self.num_microbatches
+        )
+
+    @property
+    def max_inflight(self) -> int:
+        """Plans to keep in flight now: one per pipeline stage, twice that while micro-batches
+        are planned ahead; with one stage, a second plan queued under async scheduling."""
+        if self.num_microbatches == 1:
+            return 2 if self.async_scheduling else 1
+        return self.num_microbatches * (2 if self.plans_ahead else 1)
+
+    def _is_due(self, req: Request) -> bool:
+        """Whether `req` may be in the plan being built: with stages, a request whose token is
+        in flight only P plans or more after its last one (a plan just behind that one would
+        wait on the first stage until it has passed every stage)."""
+        if self.num_microbatches == 1 or not req.num_placeholders:
+            return True
+        return req.last_step_id <= self._next_step_id - self.num_microbatches
 
     def _schedule_ahead(self, step: StepBuilder, max_rows: int) -> None:
         """Pipeline stages under async scheduling: while fewer requests run than there are

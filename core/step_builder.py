@@ -67,6 +67,7 @@ def build_plan(sched: Scheduler, step: StepBuilder) -> StepPlan:
         prompt_left = req.num_prompt_tokens - req.num_computed_tokens
         sched.num_prompt_tokens_computed += max(0, min(num_new, prompt_left))
         req.num_computed_tokens += num_new
+        req.last_step_id = sched._next_step_id
         if req.num_computed_tokens == known:
             req.num_placeholders += 1  # every known token is computed: this step samples
     copies = ([], [], [])

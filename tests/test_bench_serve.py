@@ -141,3 +141,26 @@ def test_conversation_share_leaves_the_shared_system_prompt_out():
     assert share["shared_prefix_tokens"] == 32
     # own tokens: 32 + 128 + 32 + 128 = 320; found beyond the shared prefix: 100 - 32 = 68
     assert share["conversation_cached_share"] == 68 / 320
+
+
+def test_sustained_throughput_tells_keeping_up_from_falling_behind():
+    """`sustained_request_throughput` (no server): 600 Poisson arrivals at 8 req/s, each taking
+    5-17 s on a server that keeps up, read as the send rate; on one that completes 6 a second
+    (FIFO), as about 6; `request_throughput` reads both well below 8, the drain at the end in
+    its duration."""
+    from pagedserve.benchmarks.results import summarize
+
+    rng = np.random.default_rng(0)
+    sent = np.cumsum(rng.exponential(1 / 8, 600))
+    service = rng.uniform(5, 17, 600)
+
+    def run(done: np.ndarray) -> dict:
+        reqs = [RequestResult(success=True, output_tokens=2, start_time=s, latency=d - s, ttft=0.1)
+                for s, d in zip(sent, done, strict=True)]  # fmt: skip
+        return summarize(reqs, float(done.max() - sent[0]), [], [])
+
+    kept = run(sent + service)
+    assert abs(kept["sustained_request_throughput"] / kept["steady_send_rate"] - 1) < 0.02, kept
+    assert 7.2 < kept["steady_send_rate"] < 8.8 and kept["request_throughput"] < 7.3
+    behind = run(np.maximum(sent + service, 5 + np.arange(600) / 6))
+    assert 5.8 < behind["sustained_request_throughput"] < 6.5, behind  # the transition: above 6

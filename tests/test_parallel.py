@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from pagedserve import LLM, SamplingParams, StructuredOutputs
 from pagedserve.frontend.llm import build_engine_config
@@ -316,6 +317,42 @@ def test_pipeline_async_decodes_a_lone_request_ahead(llama, tmp_path, monkeypatc
         plans = [[float(x) for x in line.split()[:2]] for line in f]
     ahead = sum(s < r for (s, _), (_, r) in zip(plans[1:], plans, strict=False))
     assert ahead >= 20, f"{ahead} of {len(plans)} plans left before the one before came back"
+
+
+def test_pipeline_plans_micro_batches_ahead(llama, tmp_path, monkeypatch):
+    """--pp 2 on CPU with more requests than stages: each micro-batch is planned again while its
+    step is in flight (four plans out: the core's step trace), greedy and seeded outputs equal
+    pp=1 token for token, max_tokens holds; stop strings (the client aborts the request) and stop
+    ids end requests whose next steps are already planned, and no request or block stays held."""
+    from pagedserve import settings
+
+    path, want = llama
+    monkeypatch.setenv("PAGEDSERVE_STEP_TRACE", str(tmp_path / "trace"))
+    settings.forget()
+    try:
+        with LLM(path, device="cpu", dtype="float32", pipeline_parallel_size=2) as llm:
+            outs = llm.generate(prompts() * 2, [PARAMS] * len(RANDOM) + RANDOM)
+            texts = [o.outputs[0].text for o in outs[: len(RANDOM)]]
+            stops = [t[len(t) // 2 : len(t) // 2 + 2] for t in texts]
+            by_text = [replace(PARAMS, stop=[s]) for s in stops]
+            by_id = [replace(PARAMS, stop_token_ids=[w[3]]) for w in want[:5]]
+            cut = llm.generate(prompts() * 2, by_text + by_id)
+            llm.generate(prompts()[:1], replace(PARAMS, max_tokens=1))
+            stats = llm.last_stats
+    finally:
+        settings.forget()
+    assert [c.token_ids for o in outs for c in o.outputs] == want[:-2]  # no grammar rows
+    for out, text, stop in zip(cut, texts, stops, strict=False):
+        assert out.outputs[0].text == text[: text.index(stop)], stop
+        assert out.outputs[0].finish_reason == "stop"
+    for out, w in zip(cut[5:], want, strict=False):
+        assert out.outputs[0].token_ids == w[: w.index(w[3]) + 1]
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == w[3]
+    assert stats.num_unfinished == 0 and stats.kv_cache_usage == 0, stats
+    with open(tmp_path / "trace") as f:
+        plans = [[float(x) for x in line.split()[:2]] for line in f]
+    inflight = [1 + sum(r > s for _, r in plans[:j]) for j, (s, _) in enumerate(plans)]
+    assert max(inflight) == 4, inflight
 
 
 def test_last_stage_reports_a_step_before_queueing_an_eager_one():

@@ -521,17 +521,24 @@ def test_pipeline_micro_batches_split_the_running_requests():
     assert not s.schedule().scheduled_ids  # both micro-batches in flight
 
 
-def test_pipeline_async_plans_ahead_only_while_stages_outnumber_requests():
-    """Two stages under async scheduling: four running requests keep their micro-batches
-    disjoint (a request waits for its token), while a lone request is planned again with its
-    token in flight (the last stage sends it to the first on the device)."""
+def test_pipeline_async_plans_each_micro_batch_ahead():
+    """Two stages under async scheduling: four running requests form two micro-batches, each
+    planned again on placeholders while its step is in flight (2P plans out; plan N+P carries
+    plan N's requests: the last stage sends their tokens to the first on the device), never in
+    two plans less than P apart; a lone request is planned again at once."""
     s = make(block_size=4, budget=64, num_microbatches=2, async_scheduling=True)
     for i in range(4):
         add(s, f"r{i}", range(3), ignore_eos=True)
+    assert s.max_inflight == 2  # nothing runs yet: one plan per stage
     step(s)  # the prompts: every request samples its first token
-    first, second = s.schedule(), s.schedule()
-    assert first.scheduled_ids == ["r0", "r1"] and second.scheduled_ids == ["r2", "r3"]
-    assert not s.schedule().scheduled_ids  # both micro-batches in flight
+    assert s.max_inflight == 4
+    plans = [s.schedule() for _ in range(4)]
+    halves = [["r0", "r1"], ["r2", "r3"]]
+    assert [p.scheduled_ids for p in plans] == halves * 2
+    assert s.requests["r0"].num_placeholders == 2 and not plans[2].cached[0].new_token_ids
+    s.update_from_output(plans[0], StepResult(plans[0].step_id, [[7], [8]]))
+    fifth = s.schedule()  # the first micro-batch a third time, its second step still out
+    assert fifth.scheduled_ids == halves[0] and fifth.cached[1].new_token_ids == [8]
     s = make(block_size=4, budget=64, num_microbatches=2, async_scheduling=True)
     add(s, "a", range(3), ignore_eos=True)
     p1, p2, p3 = s.schedule(), s.schedule(), s.schedule()
@@ -721,9 +728,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(d.req_id for _, d in deltas) == sorted({i for i in ids if i in live})
         self.record(deltas)
 
-    @precondition(lambda self: len(self.inflight) < self.max_inflight)
+    def limit(self) -> int:
+        """Plans the engine keeps out: the scheduler's own limit with pipeline stages under async
+        scheduling (2P while micro-batches are planned ahead), else the drawn one."""
+        return self.s.max_inflight if self.s.plans_ahead else self.max_inflight
+
+    @precondition(lambda self: len(self.inflight) < self.limit())
     @rule()
     def schedule(self):
+        chained, num_preemptions = self.s.plans_ahead, self.s.num_preemptions
         plan = self.s.schedule()
         if not plan.scheduled_ids:
             assert not plan.finished_ids and not plan.new_requests and not plan.cached
@@ -737,7 +750,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             snapshot[rid] = (list(req.all_token_ids), req.block_ids, before)
             if not self.s.async_scheduling:
                 assert req.num_computed_tokens <= req.num_tokens, "fed an unknown token"
+            if chained and num_preemptions == self.s.num_preemptions and before >= req.num_tokens:
+                self.check_chain(plan, rid)
         self.inflight.append((plan, snapshot))
+
+    def check_chain(self, plan: StepPlan, rid: str) -> None:
+        """A row fed a placeholder while micro-batches are planned ahead: its plans in flight
+        are at least P apart, in order (the first stage finds each token arrived)."""
+        num_stages = self.s.num_microbatches
+        steps = [p.step_id for p, _ in self.inflight if rid in p.scheduled_ids]
+        assert len(self.inflight) < 2 * num_stages, "more than 2P plans in flight"
+        assert not steps or plan.step_id - steps[-1] >= num_stages, (steps, plan.step_id)
 
     @precondition(lambda self: self.inflight)
     @rule()
@@ -770,7 +793,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(5000):  # drain: every request must finish
             if not self.s.has_unfinished_requests() and not self.inflight:
                 break
-            if len(self.inflight) < self.max_inflight and self.s.has_unfinished_requests():
+            if len(self.inflight) < self.limit() and self.s.has_unfinished_requests():
                 self.schedule()
             if self.inflight:
                 self.complete()
@@ -923,3 +946,46 @@ def test_prompt_logprobs_that_do_not_fit_the_prompt_are_refused():
     assert "prompt logprob" in s.check_result(plan, res, vocab_size=100)
     res.prompt_logprobs = [[TokenLogprobs([1], [-1.0], [1])] * 2]
     assert s.check_result(plan, res, vocab_size=100) is None
+
+
+class PipelineMachine(SchedulerMachine):
+    """SchedulerMachine with P pipeline stages under async scheduling, as the engine keeps them
+    (the scheduler's `max_inflight`: 2P while micro-batches are planned ahead): at most 2P
+    plans out, a placeholder fed only P plans or more after the request's last plan, and every
+    output, stop and block as with one stage."""
+
+    @initialize(
+        num_blocks=st.integers(8, 48),
+        block_size=st.sampled_from([1, 2, 4]),
+        budget=st.integers(2, 40),
+        max_seqs=st.integers(2, 8),
+        caching=st.booleans(),
+        num_stages=st.integers(2, 4),
+        prompt_lens=st.lists(st.integers(1, 6), min_size=2, max_size=8),
+        seed=st.integers(0, 2**32),
+    )
+    def setup(
+        self, num_blocks, block_size, budget, max_seqs, caching, num_stages, prompt_lens, seed
+    ):
+        SchedulerMachine.setup(self, num_blocks, block_size, budget, max_seqs, "fcfs", caching,
+                               num_stages, True, False, [None], None, seed)  # fmt: skip
+        for n in prompt_lens:  # a load that fills the stages from the start
+            self.add(n, self.rng.choice([None, 12]), 0, 0, False)
+
+    @rule()
+    def fill(self):
+        """Plan until the engine's limit or an empty plan, as its loop does after a result."""
+        while len(self.inflight) < self.limit():
+            num = len(self.inflight)
+            self.schedule()
+            if len(self.inflight) == num:
+                return
+
+
+PipelineMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_pipeline_state_machine = PipelineMachine.TestCase

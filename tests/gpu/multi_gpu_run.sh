@@ -5,9 +5,11 @@
 # `lat-L`: `bench latency`, batch 1, 128 in / 256 out; `thr-L`: `bench throughput`, 500 x 1024 in
 # / 128 out ($THR_PROMPTS); L is a layout: tp4, pp2, tp2pp2, pp4 (tpN and ppN in any order).
 # `pp-tests`: the GPU equality tests of pipeline stages (tests/test_gpu_equivalence.py).
-# `serve-L`: `launch` layout L under `bench serve`, 300 requests ($SERVE_PROMPTS) of 512 +-50% in
-# / 256 +-50% out at 8 req/s ($SERVE_RATE); target with tp2pp2: >= 7.8 req/s done, TPOT p99 <= 45
-# ms. `mt-dpN`: the 8B shape, `launch -dp N` under a multi-turn `bench serve` (the cached share of
+# `serve-L`: `launch` layout L under `bench serve`, 600 requests ($SERVE_PROMPTS; 300 before
+# 2026-11-27) of 512 +-50% in / 256 +-50% out at 8 req/s ($SERVE_RATE); target with tp2pp2: keeps
+# up (sustained_request_throughput >= 7.8, beside the run's steady_send_rate; results.py
+# keeping_up: completed / duration stays near 6 at any speed), TPOT p99 <= 45 ms.
+# The A/B of planning micro-batches ahead: STEPS="base:serve-tp2pp2 serve-tp2pp2". `mt-dpN`: the 8B shape, `launch -dp N` under a multi-turn `bench serve` (the cached share of
 # prompt tokens, -dp 4 within 10% of -dp 1's). `STEP@FLAG,FLAG`: STEP with these engine flags
 # too (`thr-tp2pp2@--max-num-seqs=128`). TRACE=1: each engine writes a step trace
 # (PAGEDSERVE_STEP_TRACE) to $OUT/trace-NAME, and every worker's is summed up after its step
@@ -87,7 +89,7 @@ for step in $STEPS; do
           --input-len 1024 --output-len 128 --num-prompts ${THR_PROMPTS:-500} \
           --output-json "$json" 2>&1 | grep -v "^USDT" | tail -3 ;;
     serve-*) serve "$COMMON $(layout "${step#serve-}") $X" "--model $M --vocab-size ${VOCAB:-128000} \
-          --num-prompts ${SERVE_PROMPTS:-300} --random-input-len 512 --random-output-len 256 \
+          --num-prompts ${SERVE_PROMPTS:-600} --random-input-len 512 --random-output-len 256 \
           --random-range-ratio 0.5 --request-rate ${SERVE_RATE:-8} --ignore-eos" ;;
     mt-dp*) [ -d $M8 ] || python3 .gpucarry/make_model_dir.py $M8 --arch llama3-8b >/dev/null
         serve "--model $M8 --load-format dummy --dtype bfloat16 -dp ${step#mt-dp} $X \
@@ -104,7 +106,8 @@ for step in $STEPS; do
 import json, sys
 d, name = json.load(open(sys.argv[1])), sys.argv[2]
 if "request_throughput" in d:  # bench serve
-    keys = ("request_throughput", "p50_tpot_ms", "p99_tpot_ms", "p99_ttft_ms", "cached_share")
+    keys = ("request_throughput", "steady_send_rate", "sustained_request_throughput",
+            "p50_tpot_ms", "p99_tpot_ms", "p99_ttft_ms", "cached_share")
     print(f"{name:<22} " + " ".join(f"{k} {d[k]:.3f}" for k in keys if d.get(k) is not None))
 else:
     key = "ms_per_output_token" if "ms_per_output_token" in d else "requests_per_s"
