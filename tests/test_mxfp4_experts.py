@@ -90,7 +90,7 @@ def test_packed_load_per_rank(gpt_oss_dir, tp, monkeypatch):
             for theirs, param in pairs:
                 for part in ("blocks", "scales"):
                     param.weight_loader(param, tensors[f"{stem}{theirs}_{part}"], part)
-        assert packed.w13_weight.dtype == torch.uint8 and not plain.packed
+        assert packed.w13_weight.dtype == torch.uint8 and not plain.packed_mxfp4
         got = dequantize_mxfp4(packed.w13_weight, packed.w13_scales, torch.float32)
         assert torch.equal(got, plain.w13_weight)
         got = dequantize_mxfp4(packed.w2_weight, packed.w2_scales, torch.float32)
@@ -116,7 +116,7 @@ def test_packed_model_logits_equal_transformers(gpt_oss_dir, monkeypatch):
     monkeypatch.setattr(gpt_oss_moe, "keep_mxfp4", lambda device: True)
     ours = build_model(ModelConfig(model=gpt_oss_dir), torch.float32, torch.device("cpu"))
     experts = ours.model.layers["0"].mlp.experts
-    assert experts.packed and experts.w13_weight.dtype == torch.uint8
+    assert experts.packed_mxfp4 and experts.w13_weight.dtype == torch.uint8
     packed_bytes = sum(t.nbytes for t in (experts.w13_weight, experts.w13_scales))
     assert packed_bytes * 8 / experts.w13_weight[..., 0, 0].numel() / 64 == 4.25
     seqs = random_seqs([22, 11], seed=7)

@@ -54,7 +54,7 @@ def _split_gate_up(rows: torch.Tensor, dim: int) -> torch.Tensor:
 
 class GptOssExperts(nn.Module):
     """`w13_weight [E, 2I/tp, H]`, `w13_bias [E, 2I/tp]`, `w2_weight [E, H, I/tp]`, `w2_bias
-    [E, H]` (replicated: added once, after the all-reduce). Packed MXFP4 (`self.packed`): the
+    [E, H]` (replicated: added once, after the all-reduce). Packed MXFP4 (`self.packed_mxfp4`): the
     weights are the blocks `[E, 2I/tp, H/32, 16]`, `[E, H, I/tp/32, 16]` uint8, with the scales
     `w13_scales [E, 2I/tp, H/32]`, `w2_scales [E, H, I/tp/32]` as buffers (filled by the blocks'
     loader, shard "scales"; `--load-format dummy` draws random codes under 2^-7 scales)."""
@@ -74,14 +74,14 @@ class GptOssExperts(nn.Module):
         self.limit = float(hf.get("swiglu_limit", 7.0))
         shards = MXFP4_PARTS if mxfp4 else (None,)
         i_rank = self.inter_per_rank
-        self.packed = mxfp4 and keep_mxfp4(torch.get_default_device())
+        self.packed_mxfp4 = mxfp4 and keep_mxfp4(torch.get_default_device())
         shapes = [(num_experts, 2 * i_rank, hidden), (num_experts, hidden, i_rank)]
-        if self.packed:  # [E, N, K] -> scales [E, N, K/32], blocks [E, N, K/32, 16]
+        if self.packed_mxfp4:  # [E, N, K] -> scales [E, N, K/32], blocks [E, N, K/32, 16]
             shapes = [(*shape[:2], shape[2] // BLOCK) for shape in shapes]
             for name, shape in zip(("w13_scales", "w2_scales"), shapes, strict=True):
                 self.register_buffer(name, torch.full(shape, DUMMY_EXPONENT, dtype=torch.uint8))
             shapes = [(*shape, BLOCK // 2) for shape in shapes]
-        dtype = torch.uint8 if self.packed else None
+        dtype = torch.uint8 if self.packed_mxfp4 else None
         self.w13_weight = _param(*shapes[0], loader=self._load, shard_ids=shards, dtype=dtype)
         self.w2_weight = _param(*shapes[1], loader=self._load, shard_ids=shards, dtype=dtype)
         self.w13_bias = _param(num_experts, 2 * i_rank, loader=self._load_w13_bias)
@@ -91,7 +91,7 @@ class GptOssExperts(nn.Module):
     def _load(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         num_experts, rows, cols = param.shape[:3]
         is_w13 = param is self.w13_weight
-        if self.packed:
+        if self.packed_mxfp4:
             cols *= BLOCK
         if shard_id is None:  # plain: [E, in, out], the input dimension first
             full = (
@@ -110,7 +110,7 @@ class GptOssExperts(nn.Module):
             part = narrow(loaded, 1, tp_rank() * rows, rows)
         else:  # this rank's columns: whole scale blocks
             part = narrow(loaded, 2, tp_rank() * cols // BLOCK, cols // BLOCK)
-        if self.packed:
+        if self.packed_mxfp4:
             scales = self.w13_scales if is_w13 else self.w2_scales
             self._store(param if shard_id == "blocks" else scales, part, is_w13)
             return
@@ -135,7 +135,7 @@ class GptOssExperts(nn.Module):
         weights: torch.Tensor,  # [T, K] float32
         ids: torch.Tensor,  # [T, K] int64
     ) -> torch.Tensor:  # [T, H]
-        if self.packed:
+        if self.packed_mxfp4:
             out = self._mxfp4(x, weights, ids)
         elif use_triton(x):
             out = self._triton(x, weights, ids)
