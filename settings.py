@@ -27,6 +27,7 @@ the process that needs them.
 | PAGEDSERVE_MEMORY_REPORT | memory_report | a file: each GPU rank's profiled peak |
 | PAGEDSERVE_STEP_TRACE | step_trace | a file prefix: one line per step, core and workers |
 | PAGEDSERVE_CUSTOM_ALL_REDUCE | custom_all_reduce | 0, 1: small TP all-reduces one-shot (opt-in) |
+| PAGEDSERVE_MXFP4_EXPERTS | mxfp4_experts | dequantize, packed: gpt-oss's experts in MXFP4 (CUDA) |
 | PAGEDSERVE_API_KEY | (secret) | the API key (else VLLM_API_KEY) |
 | PAGEDSERVE_CURVE_KEY, PAGEDSERVE_CURVE_KEY_FILE | (secret) | multi-node CURVE key |
 """
@@ -45,7 +46,6 @@ FUSIONS = (
     "l2-prefetch", "qkv-rope", "swiglu-gemm", "lora-gemv",
     "lora-swiglu",
     "moe-gemv",
-    "mxfp4-experts",
 )  # fmt: skip
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 CURVE_KEY_ENV = "PAGEDSERVE_CURVE_KEY"
@@ -103,6 +103,7 @@ class Settings:
     memory_report: str | None = None
     step_trace: str | None = None
     custom_all_reduce: bool = False
+    mxfp4_experts: str = "dequantize"
     launch_t0: float | None = None  # set by `launch` (not the environment): start-up timings
 
     def __post_init__(self) -> None:
@@ -132,6 +133,7 @@ class Settings:
             memory_report=env.get("PAGEDSERVE_MEMORY_REPORT") or None,
             step_trace=env.get("PAGEDSERVE_STEP_TRACE") or None,
             custom_all_reduce=_choice(env, "PAGEDSERVE_CUSTOM_ALL_REDUCE", ("0", "1")) == "1",
+            mxfp4_experts=_choice(env, "PAGEDSERVE_MXFP4_EXPERTS", ("dequantize", "packed")),
         )
 
     @classmethod

@@ -68,7 +68,8 @@ def _grouped_mxfp4_kernel(
     js = tl.arange(0, BLOCK_K // 2)  # byte j of the step: values 2j, 2j + 1
     a_even = a_ptr + a_rows[:, None] * stride_am + 2 * js[None, :]  # [M, BK/2]
     w_bytes = wb_ptr + expert * stride_be + cols[None, :] * stride_bn + js[:, None]  # [BK/2, N]
-    w_scales = ws_ptr + expert * stride_se + cols[None, :] * stride_sn + js[:, None] // 16
+    gs = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
+    w_scales = ws_ptr + expert * stride_se + cols[None, :] * stride_sn + gs[:, None]  # [G, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         j_ok = 2 * js + k0 < K
@@ -77,7 +78,12 @@ def _grouped_mxfp4_kernel(
         ao = tl.load(a_even + k0 + 1, mask=a_mask, other=0.0)
         w_mask = j_ok[:, None] & col_ok[None, :]
         lo, hi = e2m1_pair(tl.load(w_bytes + k0 // 2, mask=w_mask, other=0))
-        scale = e8m0_scale(tl.load(w_scales + k0 // 32, mask=w_mask, other=0))
+        g_mask = (32 * gs + k0 < K)[:, None] & col_ok[None, :]
+        scale = e8m0_scale(tl.load(w_scales + k0 // 32, mask=g_mask, other=0))  # [G, N]
+        scale = tl.reshape(  # each group's scale over its 16 bytes: [BK/2, N]
+            tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+            (BLOCK_K // 2, BLOCK_N),
+        )
         acc = tl.dot(ae, (lo * scale).to(ae.dtype), acc, input_precision=PRECISION)
         acc = tl.dot(ao, (hi * scale).to(ae.dtype), acc, input_precision=PRECISION)
     if HAS_BIAS:
@@ -148,7 +154,8 @@ def triton_fused_moe_mxfp4(
         raise ValueError(f"moe input {tuple(x.shape)} or gate/up bias does not fit the experts")
     if num_tokens == 0:
         return torch.zeros_like(x)
-    block_m = 16 if num_tokens * top_k <= 64 * num_experts else 64
+    # a weight tile is decoded once per BLOCK_M rows: as many as an expert's pairs, 16 to 64
+    block_m = min(64, max(16, triton.next_power_of_2(num_tokens * top_k // num_experts)))
     sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, block_m)
     align = (sorted_pairs, block_experts, top_k, num_tokens * top_k, block_m)
     gate_up = _grouped_mxfp4(x, *w13, align, per_token=True, bias=w13_bias, tiles=tiles)

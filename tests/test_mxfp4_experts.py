@@ -138,14 +138,14 @@ def test_dummy_packed_weights(gpt_oss_dir, monkeypatch):
 
 
 def test_switch(monkeypatch):
-    """Packed on CUDA with Triton; `PAGEDSERVE_DISABLE_FUSIONS=mxfp4-experts` dequantizes."""
+    """Dequantized by default; `PAGEDSERVE_MXFP4_EXPERTS=packed` keeps them packed on CUDA with
+    Triton (never on the CPU)."""
     cuda = torch.device("cuda")
-    assert not gpt_oss_moe.keep_mxfp4(torch.device("cpu"))
-    assert gpt_oss_moe.keep_mxfp4(cuda)
-    monkeypatch.setenv("PAGEDSERVE_DISABLE_FUSIONS", "mxfp4-experts")
+    assert not gpt_oss_moe.keep_mxfp4(cuda)
+    monkeypatch.setenv("PAGEDSERVE_MXFP4_EXPERTS", "packed")
     settings.forget()
     try:
-        assert not gpt_oss_moe.keep_mxfp4(cuda)
+        assert gpt_oss_moe.keep_mxfp4(cuda) and not gpt_oss_moe.keep_mxfp4(torch.device("cpu"))
     finally:
-        monkeypatch.delenv("PAGEDSERVE_DISABLE_FUSIONS")
+        monkeypatch.delenv("PAGEDSERVE_MXFP4_EXPERTS")
         settings.forget()

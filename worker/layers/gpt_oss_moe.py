@@ -8,11 +8,10 @@ Checkpoint tensors per layer, under `mlp.experts.`, in one of two forms:
   `down_proj [E, I, H]` (input dimension first);
 - MXFP4 (the released checkpoints, `quant_method: mxfp4`): `gate_up_proj_blocks [E, 2I, H/32, 16]`
   with `gate_up_proj_scales [E, 2I, H/32]`, `down_proj_blocks [E, H, I/32, 16]` with
-  `down_proj_scales`: on a CUDA device with Triton kept as stored (`w13_weight` / `w2_weight`
-  hold the blocks, buffers `w13_scales` / `w2_scales` the scales; the kernels decode them,
-  kernels/triton_moe_mxfp4.py: a quarter of bf16's bytes), else (or with
-  `PAGEDSERVE_DISABLE_FUSIONS=mxfp4-experts`) dequantized at load (kernels/mxfp4.py) once both
-  halves have arrived;
+  `down_proj_scales`: dequantized at load (kernels/mxfp4.py) once both halves have arrived;
+  with `PAGEDSERVE_MXFP4_EXPERTS=packed` on a CUDA device, kept as stored (`w13_weight` /
+  `w2_weight` hold the blocks, buffers `w13_scales` / `w2_scales` the scales; the kernels
+  decode them, kernels/triton_moe_mxfp4.py: a quarter of bf16's bytes);
 plus `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`. Gate and up rows interleave (gate
 of unit i at row 2i, up at 2i + 1), so rank r's units `[r I/tp, (r + 1) I/tp)` are one contiguous
 range of 2I/tp rows; the loader reads that range and splits it into our gate | up halves.
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels.backend import fusion_enabled, triton_available, use_triton
+from pagedserve import settings
+from pagedserve.kernels.backend import triton_available, use_triton
 from pagedserve.kernels.gpt_oss_moe import (
     clamped_swiglu,
     down_bias_sum,
@@ -42,8 +42,11 @@ MXFP4_PARTS = ("blocks", "scales")
 
 def keep_mxfp4(device: torch.device) -> bool:
     """Whether MXFP4 experts on `device` stay packed (the Triton kernels decode them): CUDA with
-    Triton, unless `PAGEDSERVE_DISABLE_FUSIONS=mxfp4-experts`."""
-    return device.type == "cuda" and triton_available() and fusion_enabled("mxfp4-experts")
+    Triton and `PAGEDSERVE_MXFP4_EXPERTS=packed` (opt-in: on an H100 they win ~6% at batch 1 and
+    lose at larger batches to the bf16 kernels, docs/gpt-oss.md; they need a quarter of the
+    memory)."""
+    packed = settings.current().mxfp4_experts == "packed"
+    return packed and device.type == "cuda" and triton_available()
 
 
 def _split_gate_up(rows: torch.Tensor, dim: int) -> torch.Tensor:
