@@ -66,16 +66,16 @@ def _grouped_mxfp4_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
     col_ok = cols < N
     js = tl.arange(0, BLOCK_K // 2)  # byte j of the step: values 2j, 2j + 1
-    a_even = a_ptr + a_rows[:, None] * stride_am + 2 * js[None, :]  # [M, BK/2]
+    ps = tl.arange(0, 2)
+    a_ptrs = a_ptr + a_rows[:, None, None] * stride_am + 2 * js[None, :, None] + ps  # [M, BK/2, 2]
     w_bytes = wb_ptr + expert * stride_be + cols[None, :] * stride_bn + js[:, None]  # [BK/2, N]
     gs = tl.arange(0, BLOCK_K // 32)  # the step's scale groups
     w_scales = ws_ptr + expert * stride_se + cols[None, :] * stride_sn + gs[:, None]  # [G, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         j_ok = 2 * js + k0 < K
-        a_mask = row_ok[:, None] & j_ok[None, :]
-        ae = tl.load(a_even + k0, mask=a_mask, other=0.0)
-        ao = tl.load(a_even + k0 + 1, mask=a_mask, other=0.0)
+        a_mask = row_ok[:, None, None] & j_ok[None, :, None]
+        ae, ao = tl.split(tl.load(a_ptrs + k0, mask=a_mask, other=0.0))  # A's even, odd columns
         w_mask = j_ok[:, None] & col_ok[None, :]
         lo, hi = e2m1_pair(tl.load(w_bytes + k0 // 2, mask=w_mask, other=0))
         g_mask = (32 * gs + k0 < K)[:, None] & col_ok[None, :]

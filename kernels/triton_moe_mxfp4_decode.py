@@ -24,22 +24,23 @@ MXFP4_DECODE_TILES: Tiles = (16, 16, 8, 2)
 
 
 @triton.jit
-def _row_dot(x_ptr, b_rows, s_rows, row_ok, K, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """`sum_k W[n, k] x[k]` over K for the rows at `b_rows [N, 1, 1]` (bytes) and `s_rows [N, 1]`
-    (scales): float32 [N]."""
+def _row_dot(x_ptr, b_rows, s_rows, row_ok, K, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """`sum_k W[r, k] x[k]` over K for the rows at `b_rows [R, 1, 1]` (bytes) and `s_rows [R, 1]`
+    (scales): float32 [R]."""
     gs = tl.arange(0, GROUPS)
     js = tl.arange(0, 16)
     num_groups = K // 32
-    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    acc = tl.zeros([ROWS, GROUPS], tl.float32)
     for g0 in range(0, num_groups, GROUPS):
         g_ok = gs + g0 < num_groups  # [G]
         byte = (g0 + gs)[:, None] * 16 + js[None, :]  # [G, 16]
-        x_even = tl.load(x_ptr + 2 * byte, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + 2 * byte + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        pairs = 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]  # [G, 16, 2]: contiguous
+        x = tl.load(x_ptr + pairs, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(x)  # [G, 16] each
         b = tl.load(b_rows + byte[None, :, :], mask=row_ok[:, None, None] & g_ok[None, :, None],
                     other=0)  # fmt: skip
-        lo, hi = e2m1_pair(b)  # [N, G, 16]
-        part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)  # [N, G]
+        lo, hi = e2m1_pair(b)  # [R, G, 16]
+        part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)  # [R, G]
         s = tl.load(s_rows + g0 + gs[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
         acc += part * e8m0_scale(s)
     return tl.sum(acc, axis=1)
@@ -53,20 +54,21 @@ def _gate_up_kernel(
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] of I
-    col_ok = cols < I
+    r = tl.arange(0, 2 * BLOCK_N)  # gate and up rows of each unit, side by side: one loop
+    unit = tl.program_id(1) * BLOCK_N + r // 2
+    rows = unit + (r % 2) * I  # [2N] of 2I
+    b_rows = wb_ptr + expert * stride_be + rows[:, None, None] * stride_bn
+    s_rows = ws_ptr + expert * stride_se + rows[:, None] * stride_sn
     x_row = x_ptr + (pair // TOP_K) * stride_x
-    b_gate = wb_ptr + expert * stride_be + cols[:, None, None] * stride_bn
-    s_gate = ws_ptr + expert * stride_se + cols[:, None] * stride_sn
-    g = _row_dot(x_row, b_gate, s_gate, col_ok, H, BLOCK_N, GROUPS)
-    u = _row_dot(x_row, b_gate + I * stride_bn, s_gate + I * stride_sn, col_ok, H, BLOCK_N, GROUPS)
+    gate_up = _row_dot(x_row, b_rows, s_rows, unit < I, H, 2 * BLOCK_N, GROUPS)  # [2N]
     if HAS_BIAS:
-        g += tl.load(b_ptr + expert * 2 * I + cols, mask=col_ok, other=0.0).to(tl.float32)
-        u += tl.load(b_ptr + expert * 2 * I + I + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gate_up += tl.load(b_ptr + expert * 2 * I + rows, mask=unit < I, other=0.0).to(tl.float32)
+    g, u = tl.split(tl.reshape(gate_up, (BLOCK_N, 2)))  # [N] each
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] of I
     g = tl.minimum(g, limit)  # gpt-oss: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     out = (u + 1.0) * g * tl.sigmoid(alpha * g)
-    tl.store(h_ptr + pair * stride_h + cols, out.to(h_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(h_ptr + pair * stride_h + cols, out.to(h_ptr.dtype.element_ty), mask=cols < I)
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """gpt-oss-20b's experts (32 of 2880 x 2880, top 4, biases, clamped SwiGLU) read in MXFP4 against
 the same weights dequantized to bf16, on a GPU:
 
-    python3 tests/gpu/mxfp4_bench.py [--batch 1 2 8 64 256]
+    python3 tests/gpu/mxfp4_bench.py [--batch 1 2 8 64 256 2048]
 
 For each batch: the bf16 kernels as the engine runs them (the two GEMVs of
 kernels/triton_moe_decode.py for <= 8 token-expert pairs, the grouped kernel of
@@ -29,7 +29,7 @@ from pagedserve.kernels.triton_moe_mxfp4_decode import MXFP4_DECODE_TILES, trito
 
 E, H, I, K = 32, 2880, 2880, 4
 CLAMP = (1.702, 7.0)
-GEMV_TILES = [MXFP4_DECODE_TILES, (8, 8, 4, 3), (16, 16, 8, 2), (32, 8, 8, 3)]
+GEMV_TILES = [MXFP4_DECODE_TILES, (8, 32, 4, 2), (16, 32, 8, 2), (8, 16, 4, 2), (32, 16, 8, 2)]
 GROUPED_TILES = [MXFP4_TILES, (64, 256, 4, 3), (128, 128, 8, 3)]
 
 
@@ -66,7 +66,7 @@ def variants(batch: int, w13, w2, d13, d2, bias):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 8, 64, 256])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 8, 64, 256, 2048])
     args = ap.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     w13, w2 = packed(2 * I, H, gen), packed(H, I, gen)
