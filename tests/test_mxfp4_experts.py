@@ -105,6 +105,7 @@ def gpt_oss_dir(tmp_path_factory):
 
 
 @tiny
+@pytest.mark.skipif(HAS_CUDA, reason="a CPU model under the interpreter (a GPU runs tests/gpu/)")
 def test_packed_model_logits_equal_transformers(gpt_oss_dir, monkeypatch):
     """The tiny MXFP4 checkpoint with its experts packed (the GPU's form, here under the
     interpreter): logits through a chunked prefill and decodes equal transformers', decode rows
