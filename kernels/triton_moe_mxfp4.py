@@ -27,8 +27,11 @@ from pagedserve.kernels.backend import dot_precision
 from pagedserve.kernels.mxfp4 import BLOCK
 from pagedserve.kernels.triton_moe import Tiles, align_by_expert
 
-# (BLOCK_N, BLOCK_K in values, num_warps, num_stages) of the grouped MXFP4 GEMM
-MXFP4_TILES: Tiles = (64, 128, 4, 3)
+# (BLOCK_N, BLOCK_K in values, num_warps, num_stages) of the grouped MXFP4 GEMM, for BLOCK_M 16
+# and for 32-64: the largest tiles that ptxas compiles for sm_90a without spilling (156 and 209
+# registers; (64, 128, 4, 3) spilled 1.1 KB a thread at BLOCK_M 64). Not yet timed on a GPU.
+MXFP4_TILES: Tiles = (64, 64, 4, 3)
+MXFP4_TILES_LARGE_M: Tiles = (64, 64, 8, 2)
 
 
 @triton.jit
@@ -119,7 +122,8 @@ def _grouped_mxfp4(a, blocks, scales, align, per_token, weights=None, bias=None,
     sorted_pairs, block_experts, top_k, num_pairs, block_m = align
     n, k = blocks.shape[1], blocks.shape[2] * BLOCK
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    tile_n, tile_k, num_warps, num_stages = tiles or MXFP4_TILES
+    default = MXFP4_TILES if block_m == 16 else MXFP4_TILES_LARGE_M
+    tile_n, tile_k, num_warps, num_stages = tiles or default
     grid = (block_experts.numel(), triton.cdiv(n, tile_n))
     _grouped_mxfp4_kernel[grid](
         a, blocks, scales, out, sorted_pairs, block_experts,

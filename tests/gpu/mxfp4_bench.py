@@ -24,13 +24,13 @@ from pagedserve.kernels.gpt_oss_moe import clamped_swiglu, gpt_oss_experts_ref, 
 from pagedserve.kernels.mxfp4 import dequantize_mxfp4
 from pagedserve.kernels.triton_moe import triton_fused_moe
 from pagedserve.kernels.triton_moe_decode import triton_moe_decode
-from pagedserve.kernels.triton_moe_mxfp4 import MXFP4_TILES, triton_fused_moe_mxfp4
+from pagedserve.kernels.triton_moe_mxfp4 import triton_fused_moe_mxfp4
 from pagedserve.kernels.triton_moe_mxfp4_decode import MXFP4_DECODE_TILES, triton_moe_mxfp4_decode
 
 E, H, I, K = 32, 2880, 2880, 4
 CLAMP = (1.702, 7.0)
-GEMV_TILES = [MXFP4_DECODE_TILES, (8, 32, 4, 2), (16, 32, 8, 2), (8, 16, 4, 2), (32, 16, 8, 2)]
-GROUPED_TILES = [MXFP4_TILES, (64, 256, 4, 3), (128, 128, 8, 3)]
+GEMV_TILES = [MXFP4_DECODE_TILES, (8, 16, 8, 2), (4, 32, 4, 2), (16, 8, 8, 2)]
+GROUPED_TILES = [None, (64, 128, 4, 3), (64, 64, 8, 2), (128, 64, 8, 3)]  # None: the defaults
 
 
 def packed(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
