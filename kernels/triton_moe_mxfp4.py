@@ -37,11 +37,12 @@ MXFP4_TILES_LARGE_M: Tiles = (64, 64, 8, 2)
 @triton.jit
 def e2m1_pair(b):
     """uint8 codes -> (low nibble, high nibble) as float32, each the e2m1 value times 2^-14."""
-    b = b.to(tl.int32)
-    lo = ((b & 0x8) << 12) | ((b & 0x7) << 9)  # float16 bits: sign 15, exponent 10-11, mantissa 9
-    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)
-    lo = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    b = b.to(tl.uint32)
+    t = (b | (b << 12)) & 0x000F000F  # the low code in bits 0-3, the high one in 16-19
+    # float16 bits of both halves at once: sign 15, exponent 10-11, mantissa 9
+    w = ((t & 0x00080008) << 12) | ((t & 0x00070007) << 9)
+    lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
 

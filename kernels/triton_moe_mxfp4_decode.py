@@ -28,22 +28,25 @@ def _row_dot(x_ptr, b_rows, s_rows, row_ok, K, ROWS: tl.constexpr, GROUPS: tl.co
     """`sum_k W[r, k] x[k]` over K for the rows at `b_rows [R, 1, 1]` (bytes) and `s_rows [R, 1]`
     (scales): float32 [R]."""
     gs = tl.arange(0, GROUPS)
-    js = tl.arange(0, 16)
+    byte = gs[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16] of the step
+    x_ptrs = x_ptr + 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]  # [G, 16, 2]
+    b_ptrs = b_rows + byte[None, :, :]  # [R, G, 16]
+    s_ptrs = s_rows + gs[None, :]  # [R, G]
     num_groups = K // 32
-    acc = tl.zeros([ROWS, GROUPS], tl.float32)
-    for g0 in range(0, num_groups, GROUPS):
+    acc = tl.zeros([ROWS, GROUPS, 16], tl.float32)  # summed once at the end, not per step
+    for g0 in range(0, num_groups, GROUPS):  # pointers advance: no per-element offsets to redo
         g_ok = gs + g0 < num_groups  # [G]
-        byte = (g0 + gs)[:, None] * 16 + js[None, :]  # [G, 16]
-        pairs = 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]  # [G, 16, 2]: contiguous
-        x = tl.load(x_ptr + pairs, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
         x_even, x_odd = tl.split(x)  # [G, 16] each
-        b = tl.load(b_rows + byte[None, :, :], mask=row_ok[:, None, None] & g_ok[None, :, None],
-                    other=0)  # fmt: skip
+        b = tl.load(b_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)
         lo, hi = e2m1_pair(b)  # [R, G, 16]
-        part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)  # [R, G]
-        s = tl.load(s_rows + g0 + gs[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
-        acc += part * e8m0_scale(s)
-    return tl.sum(acc, axis=1)
+        part = lo * x_even[None, :, :] + hi * x_odd[None, :, :]
+        s = tl.load(s_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0)
+        acc += part * e8m0_scale(s)[:, :, None]
+        x_ptrs += GROUPS * 32
+        b_ptrs += GROUPS * 16
+        s_ptrs += GROUPS
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
