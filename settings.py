@@ -26,6 +26,11 @@ the process that needs them.
 | PAGEDSERVE_FLASH_CACHE_DIR | flash_cache_dir | flash_attn under cache_dir |
 | PAGEDSERVE_MEMORY_REPORT | memory_report | a file: each GPU rank's profiled peak |
 | PAGEDSERVE_STEP_TRACE | step_trace | a file prefix: one line per step, core and workers |
+<<<<<<< HEAD
+=======
+| PAGEDSERVE_CUSTOM_ALL_REDUCE | custom_all_reduce | 0, 1: small TP all-reduces one-shot (opt-in) |
+| PAGEDSERVE_MXFP4_EXPERTS | mxfp4_experts | dequantize, packed: gpt-oss's experts in MXFP4 (CUDA) |
+>>>>>>> oss42d
 | PAGEDSERVE_API_KEY | (secret) | the API key (else VLLM_API_KEY) |
 | PAGEDSERVE_CURVE_KEY, PAGEDSERVE_CURVE_KEY_FILE | (secret) | multi-node CURVE key |
 """
@@ -100,6 +105,7 @@ class Settings:
     flash_cache_dir: str = ""
     memory_report: str | None = None
     step_trace: str | None = None
+    mxfp4_experts: str = "dequantize"
     launch_t0: float | None = None  # set by `launch` (not the environment): start-up timings
 
     def __post_init__(self) -> None:
@@ -128,6 +134,7 @@ class Settings:
             or os.path.join(cache_dir, "flash_attn"),
             memory_report=env.get("PAGEDSERVE_MEMORY_REPORT") or None,
             step_trace=env.get("PAGEDSERVE_STEP_TRACE") or None,
+            mxfp4_experts=_choice(env, "PAGEDSERVE_MXFP4_EXPERTS", ("dequantize", "packed")),
         )
 
     @classmethod

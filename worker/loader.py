@@ -159,6 +159,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 continue
             if param.device not in generators:
                 generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            if param.dtype == torch.uint8:  # packed codes (MXFP4 blocks): uniform random bytes
+                param.random_(0, 256, generator=generators[param.device])
+                continue
             if param.dtype == torch.float8_e4m3fn:  # stacked experts: one at a time
                 for part in param.data.unbind(0) if param.dim() == 3 else (param.data,):
                     drawn = torch.empty(part.shape, device=param.device, dtype=torch.bfloat16)

@@ -62,9 +62,9 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for batch in args.batch:
-        for b, touched, tiles, us, tbs, err in sweep(batch, gen, w13, w2, bias):
+        for b, touched, name, tiles, us, tbs, err in sweep(batch, gen, w13, w2, bias):
             mark = " (default)" if tiles == DEFAULT_TILES else ""
-            print(f"| {b} | {touched} | {tiles}{mark} | {us:.1f} | {tbs:.2f} | {err:.1e} |")
+            print(f"| {b} | {touched} | {name} {tiles}{mark} | {us:.1f} | {tbs:.2f} | {err:.1e} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ Checkpoint tensors per layer, under `mlp.experts.`, in one of two forms:
   `down_proj [E, I, H]` (input dimension first);
 - MXFP4 (the released checkpoints, `quant_method: mxfp4`): `gate_up_proj_blocks [E, 2I, H/32, 16]`
   with `gate_up_proj_scales [E, 2I, H/32]`, `down_proj_blocks [E, H, I/32, 16]` with
-  `down_proj_scales`, dequantized at load (kernels/mxfp4.py) once both halves have arrived;
+  `down_proj_scales`: dequantized at load (kernels/mxfp4.py) once both halves have arrived;
+  with `PAGEDSERVE_MXFP4_EXPERTS=packed` on a CUDA device, kept as stored (`w13_weight` /
+  `w2_weight` hold the blocks, buffers `w13_scales` / `w2_scales` the scales; the kernels
+  decode them, kernels/triton_moe_mxfp4.py: a quarter of bf16's bytes);
 plus `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`. Gate and up rows interleave (gate
 of unit i at row 2i, up at 2i + 1), so rank r's units `[r I/tp, (r + 1) I/tp)` are one contiguous
 range of 2I/tp rows; the loader reads that range and splits it into our gate | up halves.
@@ -22,18 +25,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels.backend import use_triton
+from pagedserve import settings
+from pagedserve.kernels.backend import triton_available, use_triton
 from pagedserve.kernels.gpt_oss_moe import (
     clamped_swiglu,
     down_bias_sum,
     gpt_oss_experts_ref,
     route,
 )
-from pagedserve.kernels.mxfp4 import BLOCK, dequantize_mxfp4
+from pagedserve.kernels.mxfp4 import BLOCK, DUMMY_EXPONENT, dequantize_mxfp4
 from pagedserve.parallel.state import tp_all_reduce, tp_rank, tp_size
 from pagedserve.worker.layers.linear import _copy, _param, divide, expect_shape, load_full, narrow
 
 MXFP4_PARTS = ("blocks", "scales")
+
+
+def keep_mxfp4(device: torch.device) -> bool:
+    """Whether MXFP4 experts on `device` stay packed (the Triton kernels decode them): CUDA with
+    Triton and `PAGEDSERVE_MXFP4_EXPERTS=packed` (opt-in: on an H100 they win ~6% at batch 1 and
+    lose at larger batches to the bf16 kernels, docs/gpt-oss.md; they need a quarter of the
+    memory)."""
+    packed = settings.current().mxfp4_experts == "packed"
+    return packed and device.type == "cuda" and triton_available()
 
 
 def _split_gate_up(rows: torch.Tensor, dim: int) -> torch.Tensor:
@@ -44,7 +57,10 @@ def _split_gate_up(rows: torch.Tensor, dim: int) -> torch.Tensor:
 
 class GptOssExperts(nn.Module):
     """`w13_weight [E, 2I/tp, H]`, `w13_bias [E, 2I/tp]`, `w2_weight [E, H, I/tp]`, `w2_bias
-    [E, H]` (replicated: added once, after the all-reduce)."""
+    [E, H]` (replicated: added once, after the all-reduce). Packed MXFP4 (`self.packed_mxfp4`): the
+    weights are the blocks `[E, 2I/tp, H/32, 16]`, `[E, H, I/tp/32, 16]` uint8, with the scales
+    `w13_scales [E, 2I/tp, H/32]`, `w2_scales [E, H, I/tp/32]` as buffers (filled by the blocks'
+    loader, shard "scales"; `--load-format dummy` draws random codes under 2^-7 scales)."""
 
     def __init__(self, hf: dict[str, Any], mxfp4: bool) -> None:
         super().__init__()
@@ -61,17 +77,25 @@ class GptOssExperts(nn.Module):
         self.limit = float(hf.get("swiglu_limit", 7.0))
         shards = MXFP4_PARTS if mxfp4 else (None,)
         i_rank = self.inter_per_rank
-        self.w13_weight = _param(
-            num_experts, 2 * i_rank, hidden, loader=self._load, shard_ids=shards
-        )
-        self.w2_weight = _param(num_experts, hidden, i_rank, loader=self._load, shard_ids=shards)
+        self.packed_mxfp4 = mxfp4 and keep_mxfp4(torch.get_default_device())
+        shapes = [(num_experts, 2 * i_rank, hidden), (num_experts, hidden, i_rank)]
+        if self.packed_mxfp4:  # [E, N, K] -> scales [E, N, K/32], blocks [E, N, K/32, 16]
+            shapes = [(*shape[:2], shape[2] // BLOCK) for shape in shapes]
+            for name, shape in zip(("w13_scales", "w2_scales"), shapes, strict=True):
+                self.register_buffer(name, torch.full(shape, DUMMY_EXPONENT, dtype=torch.uint8))
+            shapes = [(*shape, BLOCK // 2) for shape in shapes]
+        dtype = torch.uint8 if self.packed_mxfp4 else None
+        self.w13_weight = _param(*shapes[0], loader=self._load, shard_ids=shards, dtype=dtype)
+        self.w2_weight = _param(*shapes[1], loader=self._load, shard_ids=shards, dtype=dtype)
         self.w13_bias = _param(num_experts, 2 * i_rank, loader=self._load_w13_bias)
         self.w2_bias = _param(num_experts, hidden, loader=load_full)
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # MXFP4 halves seen so far
 
     def _load(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        num_experts, rows, cols = param.shape
+        num_experts, rows, cols = param.shape[:3]
         is_w13 = param is self.w13_weight
+        if self.packed_mxfp4:
+            cols *= BLOCK
         if shard_id is None:  # plain: [E, in, out], the input dimension first
             full = (
                 (num_experts, cols, 2 * self.inter) if is_w13 else (num_experts, self.inter, rows)
@@ -89,6 +113,10 @@ class GptOssExperts(nn.Module):
             part = narrow(loaded, 1, tp_rank() * rows, rows)
         else:  # this rank's columns: whole scale blocks
             part = narrow(loaded, 2, tp_rank() * cols // BLOCK, cols // BLOCK)
+        if self.packed_mxfp4:
+            scales = self.w13_scales if is_w13 else self.w2_scales
+            self._store(param if shard_id == "blocks" else scales, part, is_w13)
+            return
         pending = self._pending.setdefault(id(param), {})
         pending[shard_id] = part.to(param.device)
         if len(pending) == len(MXFP4_PARTS):
@@ -96,7 +124,7 @@ class GptOssExperts(nn.Module):
             weight = dequantize_mxfp4(pending["blocks"], pending["scales"], param.dtype)
             self._store(param, weight, is_w13)
 
-    def _store(self, param: nn.Parameter, weight: torch.Tensor, is_w13: bool) -> None:
+    def _store(self, param: torch.Tensor, weight: torch.Tensor, is_w13: bool) -> None:
         _copy(param.data, _split_gate_up(weight, 1) if is_w13 else weight)
 
     def _load_w13_bias(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -110,7 +138,9 @@ class GptOssExperts(nn.Module):
         weights: torch.Tensor,  # [T, K] float32
         ids: torch.Tensor,  # [T, K] int64
     ) -> torch.Tensor:  # [T, H]
-        if use_triton(x):
+        if self.packed_mxfp4:
+            out = self._mxfp4(x, weights, ids)
+        elif use_triton(x):
             out = self._triton(x, weights, ids)
         else:
             out = gpt_oss_experts_ref(
@@ -135,6 +165,22 @@ class GptOssExperts(nn.Module):
             x, self.w13_weight, self.w2_weight, weights, ids, w13_bias=self.w13_bias,
             activation=act,
         )  # fmt: skip
+
+    def _mxfp4(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same two paths over the packed weights."""
+        from pagedserve.kernels.triton_moe_decode import use_moe_decode
+        from pagedserve.kernels.triton_moe_mxfp4 import triton_fused_moe_mxfp4
+        from pagedserve.kernels.triton_moe_mxfp4_decode import triton_moe_mxfp4_decode
+
+        w13, w2 = (self.w13_weight, self.w13_scales), (self.w2_weight, self.w2_scales)
+        if use_moe_decode(*ids.shape):
+            return triton_moe_mxfp4_decode(
+                x, w13, w2, weights, ids, w13_bias=self.w13_bias, clamp=(self.alpha, self.limit)
+            )
+        act = functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
+        return triton_fused_moe_mxfp4(
+            x, w13, w2, weights, ids, w13_bias=self.w13_bias, activation=act
+        )
 
 
 class GptOssMoE(nn.Module):
