@@ -26,11 +26,7 @@ the process that needs them.
 | PAGEDSERVE_FLASH_CACHE_DIR | flash_cache_dir | flash_attn under cache_dir |
 | PAGEDSERVE_MEMORY_REPORT | memory_report | a file: each GPU rank's profiled peak |
 | PAGEDSERVE_STEP_TRACE | step_trace | a file prefix: one line per step, core and workers |
-<<<<<<< HEAD
-=======
-| PAGEDSERVE_CUSTOM_ALL_REDUCE | custom_all_reduce | 0, 1: small TP all-reduces one-shot (opt-in) |
 | PAGEDSERVE_MXFP4_EXPERTS | mxfp4_experts | dequantize, packed: gpt-oss's experts in MXFP4 (CUDA) |
->>>>>>> oss42d
 | PAGEDSERVE_API_KEY | (secret) | the API key (else VLLM_API_KEY) |
 | PAGEDSERVE_CURVE_KEY, PAGEDSERVE_CURVE_KEY_FILE | (secret) | multi-node CURVE key |
 """
