@@ -47,6 +47,24 @@ def json_spec(schema: dict) -> StructuredOutputs:
 
 
 # ---------------------------------------------------------------------- in-process
+def test_a_compile_that_ended_late_is_late_whenever_it_is_polled():
+    """The answer must not depend on when the caller polls: a compile that took longer than its
+    budget is refused even if no poll saw it running over (a poller held off, say by the GIL)."""
+    compiler = GrammarCompiler(default_model_dir(), 4096, budget_s=0.01, num_threads=1)
+    try:
+        compiler.hold(StructuredOutputs(choice=["warm"]))  # loads the tokenizer (no budget)
+        slow = json_spec(optional_properties(300))
+        compiler.submit(slow.key, slow)
+        deadline = time.monotonic() + 60
+        while not compiler._jobs[slow.key].done and time.monotonic() < deadline:
+            time.sleep(0.01)  # no poll meanwhile
+        [(key, error)] = compiler.poll()
+        assert key == slow.key and "--max-grammar-compile-seconds" in (error or ""), error
+        assert slow.key not in compiler.held_keys
+    finally:
+        compiler.close()
+
+
 def test_a_slow_grammar_compiles_beside_the_others_within_its_budget():
     compiler = GrammarCompiler(default_model_dir(), 4096, budget_s=0.5, num_threads=2)
     try:

@@ -77,11 +77,14 @@ def _yield_cpu() -> None:
 
 
 class _Job:
-    __slots__ = ("key", "spec", "started", "compiled", "error", "done", "overran", "replaced")
+    __slots__ = (
+        "key", "spec", "started", "ended", "compiled", "error", "done", "overran", "replaced",
+    )  # fmt: skip
 
     def __init__(self, key: str, spec: StructuredOutputs) -> None:
         self.key, self.spec = key, spec
         self.started: float | None = None  # when a thread took it (the budget counts from here)
+        self.ended: float | None = None  # when its compile returned
         self.compiled: Any = None
         self.error: str | None = None
         self.done = False
@@ -163,6 +166,9 @@ class GrammarCompiler:
             with self._lock:
                 if not job.done and not self._ran_over(job, now):
                     continue
+                if self._ended_late(job):  # polled only after it ended past its budget:
+                    job.compiled = None  # the same answer as a timely poll's
+                    self._answer_too_slow(job)
             del self._jobs[key]
             if job.error is None:
                 self._compiled[key] = job.compiled
@@ -174,6 +180,20 @@ class GrammarCompiler:
         replaced unless `num_threads` already run over). Called under the lock."""
         if job.started is None or now - job.started <= self.budget_s:
             return False
+        self._answer_too_slow(job)
+        self._num_overrunning += 1
+        if self._num_overrunning <= self.num_threads:
+            job.replaced = True
+            self._num_serving -= 1
+            self._start_thread()
+        return True
+
+    def _ended_late(self, job: _Job) -> bool:
+        if not job.done or job.overran or job.started is None:
+            return False
+        return job.ended - job.started > self.budget_s
+
+    def _answer_too_slow(self, job: _Job) -> None:
         job.overran = True
         job.error = (
             f"the grammar did not compile within this server's limit of {self.budget_s:g} s "
@@ -183,12 +203,6 @@ class GrammarCompiler:
         self._overran[job.key] = job.error
         if len(self._overran) > MAX_OVERRAN:
             self._overran.popitem(last=False)
-        self._num_overrunning += 1
-        if self._num_overrunning <= self.num_threads:
-            job.replaced = True
-            self._num_serving -= 1
-            self._start_thread()
-        return True
 
     def get(self, spec: StructuredOutputs) -> Any:
         """The compiled grammar of a request a plan brings: held, as the core waited for it."""
@@ -234,7 +248,7 @@ class GrammarCompiler:
             except Exception as e:  # a grammar only a raw client could send, or a bug
                 compiled, error = None, str(e)
             with self._lock:
-                job.done = True
+                job.done, job.ended = True, time.monotonic()
                 if job.overran:
                     self._num_overrunning -= 1
                     if job.replaced:
