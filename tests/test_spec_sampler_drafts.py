@@ -1,0 +1,98 @@
+"""ngram drafted by the sampling worker right after it samples (issue 38): the real scheduler and
+the real model runner in one process, the runner one step ahead as on a GPU (a plan starts while
+the step before is unfinished), two plans in flight as under async scheduling. A speculating
+row is planned again before its result returns, and the tokens are those of speculation off
+(greedy, seeded, logprobs), with preemptions too."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.frontend.llm import build_engine_config
+from pagedserve.ipc.messages import AddRequest, SamplingParams, StepPlan
+from pagedserve.parallel.groups import rank_info
+from pagedserve.speculative_config import SpeculativeConfig
+from pagedserve.worker.model_runner import ModelRunner
+
+from tiny_models import tiny_model_dir
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = tiny_model_dir("llama", str(tmp_path_factory.getbasetemp()))
+    config = build_engine_config(path, device="cpu", dtype="float32", block_size=BLOCK,
+                                 num_gpu_blocks_override=64, max_model_len=80,
+                                 speculative_config=NGRAM)  # fmt: skip
+    r = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    r.init_cache(64)
+    return r
+
+
+def requests(tag: str) -> list[AddRequest]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(12)] * 3, [7, 8, 9, 10] * 6, [5] * 9]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=30),
+        SamplingParams(temperature=0, max_tokens=35),
+    ]
+    return [
+        AddRequest(f"{tag}{i}", p, sampling=s, eos_token_ids=[1])
+        for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+    ]
+
+
+def drive(runner: ModelRunner, spec: dict | None, num_blocks: int, tag: str):
+    """The engine's loop in one process: the core plans step N+1 before N's result is applied
+    (two plans in flight), the runner starts N+1 before it finishes N (the GPU's order).
+    Returns each request's tokens and logprobs, the scheduler, and how many times a row with
+    sampler drafts was planned while its previous plan with them was still in flight."""
+    config = runner.config
+    sched = Scheduler(config.scheduler, config.cache, config.max_model_len, num_blocks,
+                      debug=True, async_scheduling=True, workers_keep_samples=True,
+                      speculative=SpeculativeConfig.from_value(spec) if spec else None)  # fmt: skip
+    for msg in requests(tag):
+        sched.add_request(msg)
+    tokens, logprobs, ahead = {}, {}, 0
+    pending = None  # (plan, the runner's pending step)
+    while sched.has_unfinished_requests() or pending is not None:
+        plan = sched.schedule() if sched.has_unfinished_requests() else None
+        started = None
+        if plan is not None and plan.scheduled_ids:
+            if pending is not None:
+                ahead += len(plan.num_sampler_drafts.keys() & pending[0].num_sampler_drafts)
+            started = runner.start(plan, pending[1] if pending else None)
+        if pending is not None:
+            result = runner.finish(pending[1])
+            assert sched.check_result(pending[0], result, config.model.vocab_size) is None
+            for _, delta in sched.update_from_output(pending[0], result):
+                tokens.setdefault(delta.req_id[1:], []).extend(delta.new_token_ids)
+                logprobs.setdefault(delta.req_id[1:], []).extend(delta.new_logprobs or [])
+        pending = (plan, runner.sample(started)) if started is not None else None
+    runner.execute(StepPlan(10**6, [], [], finished_ids=sched._finished_ids))
+    assert sched.kv.pool.num_free == num_blocks
+    return tokens, logprobs, sched, ahead
+
+
+@pytest.mark.parametrize("num_blocks", [64, 20])  # 20: preemptions with drafts in flight
+def test_sampler_drafts_plan_ahead_and_keep_the_tokens(runner, num_blocks):
+    off, off_lps, _, _ = drive(runner, None, num_blocks, "a")
+    on, on_lps, sched, ahead = drive(runner, NGRAM, num_blocks, "b")
+    assert on == off
+    assert len(on_lps["0"]) == len(on["0"])  # one entry per accepted token
+    for x, y in zip(on_lps["0"], off_lps["0"], strict=True):
+        assert x.token_ids == y.token_ids
+        assert max(abs(a - b) for a, b in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+    stats = sched.get_stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_drafts > 0
+    assert ahead > 0, "a speculating row was planned again before its result returned"
+    if num_blocks == 20:
+        assert sched.num_preemptions > 0
