@@ -134,6 +134,9 @@ class Scheduler:
         self.spec = None
         if speculative is not None:  # ngram on one stage: the sampling ranks draft
             after_sampling = speculative.method == "ngram" and workers_keep_samples
+            # (not where blocks behind a window are freed by `num_computed_tokens`, which runs
+            # ahead of a row's real position while its drafts are in flight)
+            after_sampling &= not any(group_windows or []) and num_state_slots is None
             self.spec = SpecDecoder(speculative, max_model_len, after_sampling)
         self.whole_prompts = whole_prompts
 
