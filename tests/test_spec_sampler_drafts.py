@@ -96,3 +96,33 @@ def test_sampler_drafts_plan_ahead_and_keep_the_tokens(runner, num_blocks):
     assert ahead > 0, "a speculating row was planned again before its result returned"
     if num_blocks == 20:
         assert sched.num_preemptions > 0
+
+
+def test_the_core_checks_the_workers_draft_counts():
+    """A result must say how many drafts each row left to the workers verified (at most the
+    plan's k), and bring at most that many plus one tokens."""
+    from pagedserve.config import CacheConfig, SchedulerConfig
+    from pagedserve.ipc.messages import StepResult
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+                      CacheConfig(block_size=BLOCK), 80, 64, debug=True, async_scheduling=True,
+                      workers_keep_samples=True,
+                      speculative=SpeculativeConfig.from_value(NGRAM))  # fmt: skip
+    sched.add_request(requests("c")[1])
+    first = sched.schedule()  # the prompt
+    second = sched.schedule()  # planned before the prompt's token is back, with 4 slots
+    assert second.num_sampler_drafts == {"c1": 4} and second.num_scheduled_tokens == [5]
+    assert sched.check_result(first, StepResult(first.step_id, [[11]]), 512) is None
+    sched.update_from_output(first, StepResult(first.step_id, [[11]]))
+    ok = StepResult(second.step_id, [[7, 8, 9]], num_drafts=[2])
+    for bad, words in [
+        (StepResult(second.step_id, [[7, 8, 9]]), "0 draft counts for 1"),
+        (StepResult(second.step_id, [[7]], num_drafts=[5]), "5 drafts where the plan allowed"),
+        (StepResult(second.step_id, [[7, 8, 9]], num_drafts=[1]), "at most 2 ids"),
+    ]:
+        assert words in sched.check_result(second, bad, 512)
+    assert sched.check_result(second, ok, 512) is None
+    sched.update_from_output(second, ok)
+    req = sched.requests["c1"]
+    assert req.output_token_ids == [11, 7, 8, 9] and req.spec.ahead == 0
+    assert req.num_computed_tokens == req.num_tokens - 1  # moved back over 2 unused slots
