@@ -53,15 +53,16 @@ def requests(tag: str) -> list[AddRequest]:
 def drive(runner: ModelRunner, spec: dict | None, num_blocks: int, tag: str):
     """The engine's loop in one process: the core plans step N+1 before N's result is applied
     (two plans in flight), the runner starts N+1 before it finishes N (the GPU's order).
-    Returns each request's tokens and logprobs, the scheduler, and how many times a row with
-    sampler drafts was planned while its previous plan with them was still in flight."""
+    Returns each request's tokens and logprobs, the scheduler, how many times a row with
+    sampler drafts was planned while its previous plan with them was still in flight, and how
+    many such rows ran their token in flight without waiting for it."""
     config = runner.config
     sched = Scheduler(config.scheduler, config.cache, config.max_model_len, num_blocks,
                       debug=True, async_scheduling=True, workers_keep_samples=True,
                       speculative=SpeculativeConfig.from_value(spec) if spec else None)  # fmt: skip
     for msg in requests(tag):
         sched.add_request(msg)
-    tokens, logprobs, ahead = {}, {}, 0
+    tokens, logprobs, ahead, not_waited = {}, {}, 0, 0
     pending = None  # (plan, the runner's pending step)
     while sched.has_unfinished_requests() or pending is not None:
         plan = sched.schedule() if sched.has_unfinished_requests() else None
@@ -70,6 +71,8 @@ def drive(runner: ModelRunner, spec: dict | None, num_blocks: int, tag: str):
             if pending is not None:
                 ahead += len(plan.num_sampler_drafts.keys() & pending[0].num_sampler_drafts)
             started = runner.start(plan, pending[1] if pending else None)
+            unknown = {started.inputs.unknown_ids[i] for i in range(len(started.inputs.unknown))}
+            not_waited += len(unknown & plan.num_sampler_drafts.keys())
         if pending is not None:
             result = runner.finish(pending[1])
             assert sched.check_result(pending[0], result, config.model.vocab_size) is None
@@ -79,13 +82,22 @@ def drive(runner: ModelRunner, spec: dict | None, num_blocks: int, tag: str):
         pending = (plan, runner.sample(started)) if started is not None else None
     runner.execute(StepPlan(10**6, [], [], finished_ids=sched._finished_ids))
     assert sched.kv.pool.num_free == num_blocks
-    return tokens, logprobs, sched, ahead
+    return tokens, logprobs, sched, ahead, not_waited
 
 
-@pytest.mark.parametrize("num_blocks", [64, 20])  # 20: preemptions with drafts in flight
-def test_sampler_drafts_plan_ahead_and_keep_the_tokens(runner, num_blocks):
-    off, off_lps, _, _ = drive(runner, None, num_blocks, "a")
-    on, on_lps, sched, ahead = drive(runner, NGRAM, num_blocks, "b")
+@pytest.mark.parametrize(
+    ("num_blocks", "device_busy"),
+    [(64, False), (20, False), (64, True)],  # 20: preemptions with drafts in flight
+)
+def test_sampler_drafts_plan_ahead_and_keep_the_tokens(runner, monkeypatch, num_blocks,
+                                                       device_busy):  # fmt: skip
+    """`device_busy`: as on a GPU, the step before is still running when a plan is applied
+    (its ids are not on the host), so a row keeps it only with a draft in sight."""
+    off, off_lps, *_ = drive(runner, None, num_blocks, "a")
+    if device_busy:
+        monkeypatch.setattr(runner, "is_done", lambda step: False)
+    on, on_lps, sched, ahead, not_waited = drive(runner, NGRAM, num_blocks, "b")
+    assert (not_waited > 0) == device_busy
     assert on == off
     assert len(on_lps["0"]) == len(on["0"])  # one entry per accepted token
     for x, y in zip(on_lps["0"], off_lps["0"], strict=True):

@@ -110,13 +110,19 @@ class InputBatch:
             self.num_drafts[row] = num
             self._draft_rows.append(row)
 
-    def set_sampler_drafts(self, req_id: str, propose: Callable, k: int) -> list[int]:
+    def set_sampler_drafts(
+        self, req_id: str, propose: Callable, k: int, token_in_flight: bool = False
+    ) -> list[int]:
         """The sampling ranks draft for `req_id` (up to `k`: `propose(req_id, tokens, k)`) from
-        all its tokens, which this rank holds (the step before was kept): it runs from its last
-        token, the only one not computed, then its drafts, which it returns."""
+        all its tokens this rank holds: it runs from its last token, the only one not computed,
+        then its drafts, which it returns. `token_in_flight`: its last token is still on the
+        device (the step before is not kept), so it runs that one alone, copied in there."""
         req = self.requests[req_id]
         row, n = req.row, int(self.num_tokens[req.row])
-        self.num_computed[row] = n - 1  # the plan's count assumed every draft in flight accepted
+        # the plan's count assumed every draft in flight accepted; this is where the row is
+        self.num_computed[row] = n if token_in_flight else n - 1
+        if token_in_flight:
+            return []
         drafts = propose(req_id, self.token_ids[row, :n], k)
         if drafts:
             self.token_ids[row, n : n + len(drafts)] = drafts

@@ -489,19 +489,18 @@ class ModelRunner:
     def _draft_after_sampling(
         self, plan: StepPlan, prev: PendingStep | None
     ) -> tuple[list[int], dict[str, list[int]]]:
-        """The sampling ranks' ngram drafts (worker/sampler_drafts.py), from every token
-        sampled so far (the step before is kept first; on a GPU that waits for its ids, as the
-        proposer must). Returns each row's tokens this step, and the drafts."""
-        if prev is not None:
-            self._keep(prev)
-        counts, drafts = list(plan.num_scheduled_tokens), {}
-        for i, req_id in enumerate(plan.scheduled_ids):
-            k = plan.num_sampler_drafts.get(req_id)
-            if k is not None:
-                propose = self.sampler_drafts.propose
-                drafts[req_id] = self.batch.set_sampler_drafts(req_id, propose, k)
-                counts[i] = 1 + len(drafts[req_id])
-        return counts, drafts
+        """The sampling ranks' ngram drafts (worker/sampler_drafts.py) and each row's tokens
+        this step. The step before is kept first (its ids on the host) where that is free or
+        where a row of it has a draft in sight; otherwise (a GPU still running it) its rows
+        decode their token in flight plainly, copied in on the device, and do not wait."""
+        in_flight: dict[str, int] = {}
+        if prev is not None and not prev.kept:
+            free = prev.accepted is not None or self.is_done(prev)
+            if free or self.sampler_drafts.in_sight(plan, self.batch, prev.index):
+                self._keep(prev)
+            else:
+                in_flight = prev.index
+        return self.sampler_drafts.draft(plan, self.batch, in_flight)
 
     def _step_rows(self, plan: StepPlan, inputs: StepInputs) -> dict[int, SamplingRow]:
         """The sampling row of each batch row that verifies drafts (for the draft model)."""

@@ -10,6 +10,12 @@ proposer drafts the continuation of the tokens just accepted, and the row runs f
 really is: its last token and its drafts (`1 + len(drafts)` tokens, maybe just one). Every
 sampling rank (the TP ranks of the one stage) holds the same tokens, so they draft alike.
 
+On a GPU the step before may still run when the plan is applied: keeping its ids waits for it,
+and loses the overlap of the host's work with the device's that async scheduling brings. So the
+runner keeps it only where a row of it has a draft in sight (the tokens known before its token
+in flight already draft something: a copy is under way, as the core's `_in_sight` rule); else
+such rows decode their token in flight plainly, copied in on the device (`in_flight`).
+
 The proposer is the core's (core/spec_decode/ngram.py: an incremental index), one per row, fed
 the row's tokens as they grow; a row that leaves the batch (finished, aborted, preempted) is
 forgotten, since a preempted row comes back with the core's tokens only.
@@ -17,11 +23,13 @@ forgotten, since a preempted row comes back with the core's tokens only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import numpy as np
 
 from pagedserve.core.spec_decode.ngram import NgramProposer
+from pagedserve.ipc.messages import StepPlan
+from pagedserve.worker.input_batch import InputBatch
 
 
 class SamplerDrafts:
@@ -42,3 +50,26 @@ class SamplerDrafts:
         seq, proposer = entry
         seq.extend(tokens[len(seq) :].tolist())
         return proposer.propose(seq, k)
+
+    def in_sight(self, plan: StepPlan, batch: InputBatch, in_flight: Container[str]) -> bool:
+        """Whether a row of `plan` with a token in flight already drafts from its known tokens."""
+        for req_id in plan.num_sampler_drafts:
+            if req_id in in_flight:
+                req = batch.requests[req_id]
+                if self.propose(req_id, batch.token_ids[req.row, : batch.num_tokens[req.row]], 1):
+                    return True
+        return False
+
+    def draft(
+        self, plan: StepPlan, batch: InputBatch, in_flight: Container[str]
+    ) -> tuple[list[int], dict[str, list[int]]]:
+        """Write each speculating row's drafts into the batch (none for a row whose last token
+        is `in_flight`: it runs that token alone); each row's tokens this step, the drafts."""
+        counts, drafts = list(plan.num_scheduled_tokens), {}
+        for i, req_id in enumerate(plan.scheduled_ids):
+            k = plan.num_sampler_drafts.get(req_id)
+            if k is not None:
+                ahead = req_id in in_flight
+                drafts[req_id] = batch.set_sampler_drafts(req_id, self.propose, k, ahead)
+                counts[i] = 1 + len(drafts[req_id])
+        return counts, drafts

@@ -188,7 +188,6 @@ class SpecDecoder:
         if planned:
             assert 0 <= accepted <= drafted <= planned, (req, num_sampled, drafted, planned)
             row.ahead -= planned
-            self._count_miss(req, row, bool(drafted))
             k = drafted
         else:
             k, planned = len(row.drafts), len(row.drafts)
