@@ -28,7 +28,9 @@ The workers verify all `k + 1` positions in one forward and return the accepted 
 Speculation turns itself off where it cannot pay:
 - for the whole step while `disable_by_batch_size` requests are running or waiting;
 - for a row (back to plain decoding, async scheduling included) after `MAX_MISSES` steps in a
-  row without a draft, or when its last verifications accepted on average fewer than
+  row without a draft (core drafting: such a step may have waited for its result; a sampler
+  drafted row's step without drafts is a plain one that waited for nothing, so it does not
+  count), or when its last verifications accepted on average fewer than
   `MIN_ACCEPTED` tokens; it tries again after a back-off that doubles each time
   (`MIN_BACKOFF`..`MAX_BACKOFF` output tokens) and resets when speculation pays again;
 - never for constrained rows (structured outputs: drafts would bypass the grammar).
