@@ -28,6 +28,7 @@ import numpy as np
 from pagedserve.benchmarks.spec_decode import workload
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.spec_decode.ngram import NgramProposer
 from pagedserve.ipc.messages import AddRequest, SamplingParams, StepResult
 from pagedserve.speculative_config import SpeculativeConfig
 from pagedserve.worker.sampler_drafts import SamplerDrafts
@@ -71,7 +72,8 @@ def replay(prompt: list[int], output: list[int], k: int, lo: int, hi: int) -> li
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=len(output), ignore_eos=True)
     sched.add_request(AddRequest("r", list(prompt), sampling=params, eos_token_ids=[]))
-    drafter, seq, steps, inflight = SamplerDrafts(lo, hi), list(prompt), [], []
+    drafter = SamplerDrafts(lambda: NgramProposer(lo, hi))
+    seq, steps, inflight = list(prompt), [], []
     while sched.has_unfinished_requests():
         while len(inflight) < 2 and (plan := sched.schedule()).scheduled_ids:
             inflight.append(plan)

@@ -23,8 +23,8 @@ listed once in `finished_ids`.
 With speculative decoding (core/spec_decode/) a decoding row may verify draft tokens: it is
 planned with `1 + k` tokens and its drafts travel in the plan; its result brings the accepted
 drafts plus one token, and `num_computed_tokens` moves back over the rejected ones. (With a
-draft model, and with ngram on one stage, the plan carries only how many drafts a row verifies:
-the workers draft.)
+draft model, and with ngram on one stage, the plan carries only how many drafts a row
+verifies: the workers draft.)
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ max_tokens)."""
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from pagedserve import LLM
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.spec_decode.decoder import SpecDecoder
+from pagedserve.core.spec_decode.decoder import SpecDecoder, token_proposer
 from pagedserve.core.spec_decode.ngram import NgramProposer
 from pagedserve.core.spec_decode.suffix import SuffixProposer
 from pagedserve.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult
@@ -98,8 +99,7 @@ class FakeWorkers:
     def __init__(self, spec: SpeculativeConfig | None = None) -> None:
         self.seqs: dict[str, list[int]] = {}
         self.tables: dict[str, list[int]] = {}  # block tables, kept as the workers keep them
-        lookup = (spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else (1, 1)
-        self.drafter = SamplerDrafts(*lookup)
+        self.drafter = SamplerDrafts(partial(token_proposer, spec))
 
     def run(self, plan: StepPlan) -> StepResult:
         self.drafter.forget(plan.finished_ids)

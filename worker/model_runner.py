@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig, kv_cache_groups
+from pagedserve.core.spec_decode.decoder import token_proposer
 from pagedserve.ipc.messages import (
     MAX_LOGPROBS,
     PoolingParams,
@@ -159,9 +161,9 @@ class ModelRunner:
             self.drafter = EagleRunner(config, self.dtype, device, self.sampler, self.model)
         elif spec is not None and spec.in_workers:
             self.drafter = DraftRunner(config, self.dtype, device, self.sampler)
-        self.sampler_drafts = None  # ngram drafted here, after sampling (one pipeline stage)
+        self.sampler_drafts = None  # ngram: drafted here after sampling (one pipeline stage)
         if spec is not None and spec.method == "ngram":
-            self.sampler_drafts = SamplerDrafts(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self.sampler_drafts = SamplerDrafts(partial(token_proposer, spec))
         self.profiled_peak: int | None = None
         self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"

@@ -4,15 +4,15 @@ Where the drafts come from:
 - ngram with one pipeline stage (`after_sampling`): the sampling ranks draft, right after they
   sample (worker/sampler_drafts.py; vLLM's way): they hold each row's tokens as soon as they are
   sampled, the core only when a result comes back. The core plans a speculating row with `1 + k`
-  tokens (`StepPlan.num_sampler_drafts`) without knowing its drafts, from where the row would be
-  if every draft in flight were accepted (`num_computed_tokens` counts them: optimistic), so it
-  plans the row again before its result returns, as async scheduling does for a plain row. The
-  workers run the row from where it really is, with the drafts they found (maybe none). Each
-  result says how many drafts a row verified (`StepResult.num_drafts`) and brings the accepted
-  ones plus one; the core moves `num_computed_tokens` back by the planned slots that were not
-  kept. It never exceeds the real end by more than the slots planned in flight (`RowSpec.ahead`),
-  so the blocks past it that `_free_rejected` gives back hold no position a plan in flight runs.
-- ngram with pipeline stages, and suffix: the core drafts from the token ids it holds when it
+  tokens (`StepPlan.num_sampler_drafts`) without knowing its drafts, from where the row would be if
+  every draft in flight were accepted (`num_computed_tokens` counts them: optimistic), so it plans
+  the row again before its result returns, as async scheduling does for a plain row. The workers run
+  the row from where it really is, with the drafts they found (maybe none). Each result says how
+  many drafts a row verified (`StepResult.num_drafts`) and brings the accepted ones plus one; the
+  core moves `num_computed_tokens` back by the planned slots that were not kept. It never exceeds
+  the real end by more than the slots planned in flight (`RowSpec.ahead`), so the blocks past it
+  that `_free_rejected` gives back hold no position a plan in flight runs.
+- suffix, and ngram with pipeline stages: the core drafts from the token ids it holds when it
   plans, budgets `1 + k` tokens and allocates their slots exactly, and the plan carries the
   drafts to every rank (a first pipeline stage embeds them). Such a row drafts from its last
   known token, so it waits for its result before its next plan, but only while its known tokens
@@ -89,6 +89,13 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+def token_proposer(c: SpeculativeConfig) -> NgramProposer | SuffixProposer:
+    """A new row's proposer for the methods that draft from token ids (ngram, suffix)."""
+    if c.method == "ngram":
+        return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+    return SuffixProposer(c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_spec_factor)
+
+
 class SpecDecoder:
     def __init__(
         self, config: SpeculativeConfig, max_model_len: int, after_sampling: bool = False
@@ -100,16 +107,8 @@ class SpecDecoder:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
     def _new_row(self, req: Request) -> RowSpec:
-        c = self.config
-        if c.in_workers or self.after_sampling:
-            proposer = None
-        elif c.method == "ngram":
-            proposer = NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
-        else:
-            proposer = SuffixProposer(
-                c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_spec_factor
-            )
-        req.spec = RowSpec(proposer)
+        in_workers = self.config.in_workers or self.after_sampling
+        req.spec = RowSpec(None if in_workers else token_proposer(self.config))
         return req.spec
 
     def is_busy(self, num_requests: int) -> bool:
