@@ -7,9 +7,10 @@ with measured step costs (issue 38).
 
 Greedy output is the same with speculation on and off, so one generation (speculation off, the
 workload's prompts through the chat template, cached in `--tokens-json`) fixes what every k
-would do: per step, the drafts `NgramProposer` proposes from the tokens known, the accepted
-ones (the longest prefix that matches the output), and the per-row rules of
-`core/spec_decode/decoder.py` (misses, the acceptance window, the back-off). Printed per k: the
+would do: the core's scheduler plans each step (two plans in flight, speculating rows planned
+ahead of their results, the per-row rules of `core/spec_decode/decoder.py`: misses, the
+acceptance window, the back-off), the sampling worker's ngram drafts them from the tokens known,
+and the accepted ones are the longest prefix that matches the output. Printed per k: the
 steps, verifications, mean acceptance length, and with `--step-cost` (the JSON of
 `tests/gpu/spec_verify_cost.py`: ms per step for k drafts a row, k = 0 a plain decode) the
 predicted speedup over plain decoding: tokens x decode cost / the steps' summed cost. Loaded
@@ -21,11 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections import deque
+
+import numpy as np
 
 from pagedserve.benchmarks.spec_decode import workload
-from pagedserve.core.spec_decode import decoder as rules
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.spec_decode.ngram import NgramProposer
+from pagedserve.ipc.messages import AddRequest, SamplingParams, StepResult
+from pagedserve.speculative_config import SpeculativeConfig
+from pagedserve.worker.sampler_drafts import SamplerDrafts
 
 
 def generate(args: argparse.Namespace) -> list[dict]:
@@ -48,39 +54,46 @@ def generate(args: argparse.Namespace) -> list[dict]:
 
 
 def replay(prompt: list[int], output: list[int], k: int, lo: int, hi: int) -> list[int]:
-    """Drafts verified per step (0: a plain decode step), as `SpecDecoder.drafts_for` plans
-    them with async scheduling (the prompt's step gives the first token; decode steps only
-    here): after a plain step its token is in flight, and the row waits
-    for it only where the tokens known before it already draft something (`_in_sight`)."""
-    proposer, steps, pos, in_flight = NgramProposer(lo, hi), [], 1, True  # the prompt's token
-    misses, off_until, backoff, recent = 0, 0, rules.MIN_BACKOFF, deque(maxlen=rules.WINDOW)
-    while pos < len(output):
-        room = len(output) - pos - 1
-        if in_flight and pos >= off_until:
-            in_flight = not proposer.propose(prompt + output[: pos - 1], 1)
-        drafts = []
-        if pos >= off_until and not in_flight and room > 0:
-            drafts = proposer.propose(prompt + output[:pos], min(k, room))
-            misses = 0 if drafts else misses + 1
-            if misses >= rules.MAX_MISSES:
-                off_until, backoff, misses = pos + backoff, min(2 * backoff, rules.MAX_BACKOFF), 0
-                recent.clear()
-        if not drafts:
-            steps.append(0)
-            pos, in_flight = pos + 1, True
-            continue
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == output[pos + accepted]:
-            accepted += 1
-        steps.append(len(drafts))
-        pos, in_flight = pos + accepted + 1, False
-        recent.append(accepted)
-        if len(recent) >= rules.MIN_WINDOW:
-            if sum(recent) < rules.MIN_ACCEPTED * len(recent):
-                off_until, backoff = pos + backoff, min(2 * backoff, rules.MAX_BACKOFF)
-                recent.clear()
-            else:
-                backoff = rules.MIN_BACKOFF
+    """Drafts verified per decode step (0: a plain step) when the engine generates `output`
+    greedily for `prompt` at batch 1 with ngram: the core's own scheduler and speculation rules
+    (core/spec_decode/decoder.py), two plans in flight as async scheduling keeps them, and the
+    sampling worker's drafting (worker/sampler_drafts.py), with `output` standing for the model
+    (a draft is accepted where it is the next token of `output`)."""
+    spec = SpeculativeConfig.from_value(
+        {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
+         "prompt_lookup_max": hi}
+    )  # fmt: skip
+    max_len = len(prompt) + len(output) + k + 1
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=max(len(prompt), 2048)),
+        CacheConfig(block_size=16, enable_prefix_caching=False),
+        max_len, -(-max_len // 16) + 1, async_scheduling=True, workers_keep_samples=True,
+        speculative=spec,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=len(output), ignore_eos=True)
+    sched.add_request(AddRequest("r", list(prompt), sampling=params, eos_token_ids=[]))
+    drafter = SamplerDrafts(lambda: NgramProposer(lo, hi))
+    seq, steps, inflight = list(prompt), [], []
+    while sched.has_unfinished_requests():
+        while len(inflight) < 2 and (plan := sched.schedule()).scheduled_ids:
+            inflight.append(plan)
+        plan = inflight.pop(0)
+        if plan.new_requests:  # the prompt's step gives the first token
+            sampled, num_drafts = [output[0]], 0
+        else:
+            drafts = drafter.propose("r", np.array(seq), plan.num_sampler_drafts.get("r", 0))
+            num_drafts, pos, sampled = len(drafts), len(seq) - len(prompt), []
+            for d in drafts:  # accepted while each is the output's next token
+                if pos + len(sampled) >= len(output) - 1 or d != output[pos + len(sampled)]:
+                    break
+                sampled.append(d)
+            sampled.append(output[pos + len(sampled)])
+            steps.append(num_drafts)
+        seq += sampled
+        result = StepResult(plan.step_id, [sampled])
+        if plan.num_sampler_drafts:
+            result.num_drafts = [num_drafts]
+        sched.update_from_output(plan, result)
     return steps
 
 

@@ -113,10 +113,14 @@ def _check_sampling(msg: AddRequest, limits: ModelLimits) -> None:
 
 
 def check_result(
-    record: list[tuple[Request, bool]], result: StepResult, vocab_size: int
+    record: list[tuple[Request, bool]],
+    result: StepResult,
+    vocab_size: int,
+    sampler_drafts: dict[str, int] | None = None,
 ) -> str | None:
     """Why `result` cannot answer the plan that scheduled `record` (each request, and whether
-    the result still applies to it); None: it can.
+    the result still applies to it); None: it can. `sampler_drafts`: the plan's
+    `num_sampler_drafts`.
 
     One list of at most one sampled id per scheduled request (1 + its drafts where it verified
     drafts), ids in the vocabulary, a sample only where the plan sampled (a current request has
@@ -124,10 +128,15 @@ def check_result(
     sampled = result.sampled_token_ids
     if len(sampled) != len(record):
         return f"{len(sampled)} sample lists for {len(record)} scheduled requests"
+    drafted = _sampler_drafts(record, result, sampler_drafts)
+    if isinstance(drafted, str):
+        return drafted
     for (req, current), token_ids in zip(record, sampled, strict=True):
         if not token_ids:  # (plain loop, no generators: this runs on every step's result)
             continue
         most = 1 + len(req.spec.drafts) if current and req.spec is not None else 1
+        if drafted is not None and req.req_id in sampler_drafts:
+            most = 1 + drafted[req.req_id]
         if len(token_ids) > most or not all(0 <= t < vocab_size for t in token_ids):
             return (
                 f"request {req.req_id!r}: sampled {token_ids[:4]} (at most {most} ids in the "
@@ -163,3 +172,20 @@ def _aligned(entry: TokenLogprobs) -> bool:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _sampler_drafts(
+    record: list[tuple[Request, bool]], result: StepResult, planned: dict[str, int] | None
+) -> dict[str, int] | str | None:
+    """The drafts the sampling ranks verified per request left to them, each within what the
+    plan allowed (a string: why not)."""
+    if not planned:
+        return None
+    if len(result.num_drafts) != len(record):
+        return f"{len(result.num_drafts)} draft counts for {len(record)} scheduled requests"
+    drafted = {}
+    for (req, _), n in zip(record, result.num_drafts, strict=True):
+        if not 0 <= n <= planned.get(req.req_id, 0):
+            return f"request {req.req_id!r}: {n} drafts where the plan allowed fewer"
+        drafted[req.req_id] = n
+    return drafted

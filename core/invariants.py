@@ -53,7 +53,7 @@ def check_invariants(sched: Scheduler) -> None:
         owners.update(ids)
         assert req.num_blocks * sched.block_size >= req.num_computed_tokens, req
         assert req.num_placeholders >= 0, req
-        drafts = len(req.spec.drafts) if req.spec is not None else 0
+        drafts = req.spec.num_planned if req.spec is not None else 0
         assert req.num_computed_tokens <= req.num_tokens + req.num_placeholders + drafts, req
         assert req.num_hashed_blocks <= req.num_blocks, req
     for block in pool.blocks:

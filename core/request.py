@@ -2,8 +2,8 @@
 
 Invariants:
 - `all_token_ids == prompt_token_ids + output_token_ids`;
-- `num_computed_tokens <= num_tokens + num_placeholders + len(spec.drafts)` (drafts planned
-  for verification, core/spec_decode/); it advances when a step is *planned*,
+- `num_computed_tokens <= num_tokens + num_placeholders + spec.num_planned` (draft slots
+  planned for verification, core/spec_decode/); it advances when a step is *planned*,
   not when it returns. `num_placeholders` counts tokens sampled by plans still in flight: with
   async scheduling the next plan already feeds such a token back in (the workers know it, the
   core does not yet), so a decoding request has

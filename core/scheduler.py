@@ -29,7 +29,8 @@ listed once in `finished_ids`.
 With speculative decoding (core/spec_decode/) a decoding row may verify draft tokens: it is
 planned with `1 + k` tokens and its drafts travel in the plan; its result brings the accepted
 drafts plus one token, and `num_computed_tokens` moves back over the rejected ones. (With a
-draft model the plan carries only how many drafts a row verifies: the workers draft.)
+draft model, and with ngram on one stage, the plan carries only how many drafts a row
+verifies: the workers draft.)
 """
 
 from __future__ import annotations
@@ -136,7 +137,13 @@ class Scheduler:
         self._grammar_of: dict[str, str] = {}  # req_id -> grammar key, constrained requests
         self.lora_users: Counter[str] = Counter()  # adapter name -> its unfinished requests
         self.lora_pool_counts = (0, 0)  # the workers' adapter loads and evictions (cumulative)
-        self.spec = None if speculative is None else SpecDecoder(speculative, max_model_len)
+        self.spec = None
+        if speculative is not None:  # ngram on one stage: the sampling ranks draft
+            after_sampling = speculative.method == "ngram" and workers_keep_samples
+            # (not where blocks behind a window are freed by `num_computed_tokens`, which runs
+            # ahead of a row's real position while its drafts are in flight)
+            after_sampling &= not any(group_windows or []) and num_state_slots is None
+            self.spec = SpecDecoder(speculative, max_model_len, after_sampling)
         self.whole_prompts = whole_prompts
 
     # ---------------------------------------------------------------- requests in and out
@@ -351,7 +358,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_placeholders = 0  # results of plans in flight are dropped (num_preemptions)
         if req.spec is not None:
-            req.spec.drafts = []
+            req.spec.forget_inflight()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.push_preempted(req)

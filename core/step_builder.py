@@ -53,8 +53,10 @@ def build_plan(sched: Scheduler, step: StepBuilder) -> StepPlan:
     for req, num_new in step.scheduled:
         drafts = step.drafts.get(req.req_id, ()) if step.drafts else ()
         if drafts:
-            req.spec.drafts = list(drafts)
-        known = req.num_tokens + req.num_placeholders + len(drafts)
+            sched.spec.planned(req, drafts)
+        known = req.num_tokens + req.num_placeholders
+        if req.spec is not None:
+            known += req.spec.num_planned
         assert req.num_computed_tokens + num_new <= known
         assert req.num_blocks >= cdiv(req.num_computed_tokens + num_new, sched.block_size)
         if req.in_batch:
@@ -85,7 +87,9 @@ def build_plan(sched: Scheduler, step: StepBuilder) -> StepPlan:
         cached=cached,
         finished_ids=sched._finished_ids,
     )
-    if sched.spec is not None and sched.spec.config.in_workers:
+    if sched.spec is not None and sched.spec.after_sampling:
+        plan.num_sampler_drafts = {r: len(d) for r, d in step.drafts.items()}
+    elif sched.spec is not None and sched.spec.config.in_workers:
         plan.num_model_drafts = {r: len(d) for r, d in step.drafts.items()}
     else:
         plan.draft_token_ids = step.drafts

@@ -47,7 +47,11 @@ def apply_result(
             continue
         assert req.num_placeholders > 0, f"{req} sampled mid-prompt"
         req.num_placeholders -= 1
-        rejected = sched.spec.verified(req, len(token_ids)) if sched.spec is not None else 0
+        rejected = 0
+        if sched.spec is not None:
+            planned = plan.num_sampler_drafts.get(req.req_id, 0) if plan.num_sampler_drafts else 0
+            drafted = result.num_drafts[i] if planned else 0
+            rejected = sched.spec.verified(req, len(token_ids), planned, drafted)
         new_ids, status = _append_tokens(req, token_ids, sched.max_model_len)
         if status is not None:
             finished.append(req)
@@ -78,9 +82,9 @@ def _finish_pooled(sched: Scheduler, req: Request, pooled: bytes) -> tuple[int, 
 
 
 def _free_rejected(sched: Scheduler, req: Request) -> None:
-    """Give back the blocks at `req`'s tail that only its rejected drafts used (no plan in
-    flight holds it: a speculating row waits for its result); the next plan tells the
-    workers where its new blocks start."""
+    """Give back the blocks at `req`'s tail that only its rejected drafts used (a plan in
+    flight runs no position past `num_computed_tokens`: core/spec_decode/decoder.py); the next
+    plan tells the workers where its new blocks start."""
     if sched.kv.free_tail(req, cdiv(req.num_computed_tokens, sched.block_size)):
         req.num_blocks_sent = min(req.num_blocks_sent, req.num_blocks)
         req.spec.tail_freed = True
@@ -94,7 +98,7 @@ def check_plan_result(
     if record is None:
         return f"no plan in flight with step id {plan.step_id}"
     current = [(req, _is_current(sched, req, n)) for req, n in record]
-    return check_result(current, result, vocab_size)
+    return check_result(current, result, vocab_size, plan.num_sampler_drafts)
 
 
 def _is_current(sched: Scheduler, req: Request, num_preemptions: int) -> bool:

@@ -34,7 +34,7 @@ def try_swap_out(sched: Scheduler, req: Request) -> bool:
     req.num_computed_tokens = num_keep
     req.num_placeholders = 0  # results of plans in flight are dropped (num_preemptions)
     if req.spec is not None:
-        req.spec.drafts = []
+        req.spec.forget_inflight()
     req.num_preemptions += 1
     sched.num_preemptions += 1
     sched.swapped.append(req)

@@ -355,6 +355,11 @@ class StepPlan(msgspec.Struct, tag=True, **_HOT):
     kv_to_host_ahead: list[tuple[int, int]] = []
     # ... or, with a draft model (the workers draft), how many drafts it proposes for a row
     num_model_drafts: dict[str, int] = {}
+    # ... or, with ngram on one pipeline stage, at most how many drafts the sampling ranks
+    # propose for a row from the tokens they just sampled (core/spec_decode/decoder.py): the
+    # row is planned with `1 + k` tokens from where it would be if every draft in flight were
+    # accepted, and the workers run it from where it is (`1 + len(drafts)` tokens)
+    num_sampler_drafts: dict[str, int] = {}
 
 
 class InitCache(msgspec.Struct, tag=True, **_HOT):
@@ -423,6 +428,9 @@ class StepResult(msgspec.Struct, tag=True, **_HOT):
     # LoRA (cumulative, this rank): adapters read into the host pool, evicted from device slots
     lora_loads: int = 0
     lora_evictions: int = 0
+    # Per scheduled request, the drafts the sampling ranks proposed and verified for it where
+    # the plan left them to (`StepPlan.num_sampler_drafts`; empty: no such row)
+    num_drafts: list[int] = []
 
 
 class WorkerError(msgspec.Struct, tag=True, **_HOT):

@@ -7,7 +7,9 @@ max_tokens)."""
 from __future__ import annotations
 
 import random
+from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -16,12 +18,13 @@ from pagedserve import LLM
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.spec_decode.decoder import SpecDecoder
+from pagedserve.core.spec_decode.decoder import SpecDecoder, token_proposer
 from pagedserve.core.spec_decode.ngram import NgramProposer
 from pagedserve.core.spec_decode.suffix import SuffixProposer
 from pagedserve.ipc.messages import AddRequest, SamplingParams, StepPlan, StepResult
 from pagedserve.speculative_config import SpeculativeConfig
 from pagedserve.worker.sampler import Sampler, SamplingRow, apply_penalties, filtered_probs
+from pagedserve.worker.sampler_drafts import SamplerDrafts
 from pagedserve.worker.spec_verify import verify
 
 from tiny_models import tiny_model_dir
@@ -89,14 +92,17 @@ def target_next(seq: list[int]) -> int:
 
 
 class FakeWorkers:
-    """Runs plans in order like the workers: keeps each request's tokens, verifies drafts
+    """Runs plans in order like the workers: keeps each request's tokens, drafts where the plan
+    leaves it to them (ngram after sampling: from where the row really is), verifies drafts
     greedily against `target_next` (accepted drafts, then the target's token)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: SpeculativeConfig | None = None) -> None:
         self.seqs: dict[str, list[int]] = {}
         self.tables: dict[str, list[int]] = {}  # block tables, kept as the workers keep them
+        self.drafter = SamplerDrafts(partial(token_proposer, spec))
 
     def run(self, plan: StepPlan) -> StepResult:
+        self.drafter.forget(plan.finished_ids)
         for new in plan.new_requests:
             self.seqs[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
             self.tables[new.req_id] = list(new.block_ids)
@@ -106,9 +112,15 @@ class FakeWorkers:
             table[start:] = delta.new_block_ids
         computed = {d.req_id: d.num_computed_tokens for d in plan.cached}
         computed |= {n.req_id: n.num_computed_tokens for n in plan.new_requests}
-        sampled = []
+        sampled, num_drafts = [], []
         for req_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
             seq, drafts = self.seqs[req_id], plan.draft_token_ids.get(req_id, [])
+            k = plan.num_sampler_drafts.get(req_id)
+            if k is not None:  # planned as if its drafts in flight were all accepted
+                assert computed[req_id] >= len(seq) - 1 and n == 1 + k
+                drafts = self.drafter.propose(req_id, np.array(seq), k)
+                computed[req_id], n = len(seq) - 1, 1 + len(drafts)
+            num_drafts.append(len(drafts))
             assert computed[req_id] + n <= len(seq) + len(drafts)
             if computed[req_id] + n < len(seq) + len(drafts):
                 sampled.append([])
@@ -121,7 +133,10 @@ class FakeWorkers:
             new.append(target_next(seq + new))
             seq += new
             sampled.append(new)
-        return StepResult(plan.step_id, sampled)
+        result = StepResult(plan.step_id, sampled)
+        if plan.num_sampler_drafts:
+            result.num_drafts = num_drafts
+        return result
 
 
 def run_scheduler(spec: SpeculativeConfig | None, num_blocks: int, async_scheduling: bool):
@@ -142,7 +157,7 @@ def run_scheduler(spec: SpeculativeConfig | None, num_blocks: int, async_schedul
         s.add_request(
             AddRequest(f"r{i}", prompt, sampling=SamplingParams(**sampling), eos_token_ids=[2])
         )
-    workers, inflight, outputs = FakeWorkers(), [], {}
+    workers, inflight, outputs = FakeWorkers(spec), [], {}
     while s.has_unfinished_requests() or inflight:
         while len(inflight) < 2 and s.has_unfinished_requests():
             plan = s.schedule()

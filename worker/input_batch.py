@@ -13,11 +13,15 @@ are written at the position the core counts from, so on a sampling rank they rew
 Speculative decoding: a plan's draft tokens are written after a row's known tokens for that step
 only (`num_drafts`); the row's sampled tokens (the accepted drafts and one more) overwrite them.
 A draft model's drafts (`num_model_drafts`) are not known to the host: the runner writes them
-into the step's input ids on the device.
+into the step's input ids on the device. The sampling ranks' own ngram drafts
+(`num_sampler_drafts`, worker/sampler_drafts.py) are written by `set_sampler_drafts`, which
+also moves the row back to where it really is (the plan counted every draft in flight as
+accepted).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,6 +109,26 @@ class InputBatch:
             row = self.requests[req_id].row
             self.num_drafts[row] = num
             self._draft_rows.append(row)
+
+    def set_sampler_drafts(
+        self, req_id: str, propose: Callable, k: int, token_in_flight: bool = False
+    ) -> list[int]:
+        """The sampling ranks draft for `req_id` (up to `k`: `propose(req_id, tokens, k)`) from
+        all its tokens this rank holds: it runs from its last token, the only one not computed,
+        then its drafts, which it returns. `token_in_flight`: its last token is still on the
+        device (the step before is not kept), so it runs that one alone, copied in there."""
+        req = self.requests[req_id]
+        row, n = req.row, int(self.num_tokens[req.row])
+        # the plan's count assumed every draft in flight accepted; this is where the row is
+        self.num_computed[row] = n if token_in_flight else n - 1
+        if token_in_flight:
+            return []
+        drafts = propose(req_id, self.token_ids[row, :n], k)
+        if drafts:
+            self.token_ids[row, n : n + len(drafts)] = drafts
+            self.num_drafts[row] = len(drafts)
+            self._draft_rows.append(row)
+        return drafts
 
     def _add(self, new: NewRequest) -> None:
         assert new.req_id not in self.requests, f"{new.req_id} is already in the batch"

@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig, kv_cache_groups
+from pagedserve.core.spec_decode.decoder import token_proposer
 from pagedserve.ipc.messages import (
     MAX_LOGPROBS,
     PoolingParams,
@@ -68,6 +70,7 @@ from pagedserve.worker.sampler import (
     compute_logprobs,
     to_device,
 )
+from pagedserve.worker.sampler_drafts import SamplerDrafts
 from pagedserve.worker.spec_verify import verify
 from pagedserve.worker.stage_tokens import stage_links
 from pagedserve.worker.step_features import step_features
@@ -92,6 +95,7 @@ class StartedStep:
     prompt_scores: PromptScores | None = None  # prompt logprobs of the rows that asked
     pooled: PooledRows | None = None  # pooling runner: vectors of the prompts that ended
     drafted: Drafted | None = None  # the draft model's drafts for this step
+    drafts: dict[str, list[int]] | None = None  # the sampling ranks' (num_sampler_drafts)
 
 
 @dataclass
@@ -109,6 +113,8 @@ class PendingStep:
     accepted: list[list[int]] | None = None  # each row's new tokens, where drafts were verified
     prompt_scores: PromptScores | None = None
     pooled: PooledRows | None = None
+    drafts: dict[str, list[int]] | None = None  # the sampling ranks' (num_sampler_drafts)
+    kept: bool = False  # its sampled ids are in the batch (`_keep`)
 
 
 class ModelRunner:
@@ -155,6 +161,9 @@ class ModelRunner:
             self.drafter = EagleRunner(config, self.dtype, device, self.sampler, self.model)
         elif spec is not None and spec.in_workers:
             self.drafter = DraftRunner(config, self.dtype, device, self.sampler)
+        self.sampler_drafts = None  # ngram: drafted here after sampling (one pipeline stage)
+        if spec is not None and spec.method == "ngram":
+            self.sampler_drafts = SamplerDrafts(partial(token_proposer, spec))
         self.profiled_peak: int | None = None
         self.scoring: set[str] = set()  # requests whose prompt logprobs are not all scored
         self._pin = device.type == "cuda"
@@ -410,6 +419,8 @@ class ModelRunner:
             self.sampled_in.forget(plan.finished_ids)
         if self.drafter is not None:
             self.drafter.forget(plan.finished_ids)
+        if self.sampler_drafts is not None:
+            self.sampler_drafts.forget(plan.finished_ids)
         if self.scoring or plan.new_requests:
             self._track_scoring(plan)
         if self.lora is not None:
@@ -420,7 +431,10 @@ class ModelRunner:
             self.constrained.track(plan.finished_ids, plan.new_requests)
         if not plan.scheduled_ids:
             return StartedStep(plan, None, None)
-        inputs = self.batch.prepare(plan.scheduled_ids, plan.num_scheduled_tokens)
+        counts, drafts = plan.num_scheduled_tokens, None
+        if plan.num_sampler_drafts:
+            counts, drafts = self._draft_after_sampling(plan, prev)
+        inputs = self.batch.prepare(plan.scheduled_ids, counts)
         if self.lora is not None:  # which slot each row uses; graphs hold LoRA too
             self.lora.prepare(plan.scheduled_ids, inputs.query_start_loc)
         if self.features.cascade:
@@ -466,10 +480,29 @@ class ModelRunner:
         if not inputs.sample_rows:
             return StartedStep(plan, inputs, None, prompt_scores=scores)
         if head:
-            return StartedStep(plan, inputs, *self._sampled_rows(inputs, *head))
+            logits, argmax = self._sampled_rows(inputs, *head)
+            return StartedStep(plan, inputs, logits, argmax, drafts=drafts)
         logits_idx = to_device(inputs.logits_indices, self.device)
         logits = self.model.compute_logits(hidden[logits_idx])  # [S, V] (a TP collective)
-        return StartedStep(plan, inputs, logits, prompt_scores=scores, drafted=drafted)
+        return StartedStep(
+            plan, inputs, logits, prompt_scores=scores, drafted=drafted, drafts=drafts
+        )
+
+    def _draft_after_sampling(
+        self, plan: StepPlan, prev: PendingStep | None
+    ) -> tuple[list[int], dict[str, list[int]]]:
+        """The sampling ranks' ngram drafts (worker/sampler_drafts.py) and each row's tokens
+        this step. The step before is kept first (its ids on the host) where that is free or
+        where a row of it has a draft in sight; otherwise (a GPU still running it) its rows
+        decode their token in flight plainly, copied in on the device, and do not wait."""
+        in_flight: dict[str, int] = {}
+        if prev is not None and not prev.kept:
+            free = prev.accepted is not None or self.is_done(prev)
+            if free or self.sampler_drafts.in_sight(plan, self.batch, prev.index):
+                self._keep(prev)
+            else:
+                in_flight = prev.index
+        return self.sampler_drafts.draft(plan, self.batch, in_flight)
 
     def _step_rows(self, plan: StepPlan, inputs: StepInputs) -> dict[int, SamplingRow]:
         """The sampling row of each batch row that verifies drafts (for the draft model)."""
@@ -576,7 +609,7 @@ class ModelRunner:
         index = {r: j for j, r in enumerate(sample_ids)}
         return PendingStep(
             plan, inputs, members, index, token_ids, host, ready, logprobs,
-            prompt_scores=step.prompt_scores,
+            prompt_scores=step.prompt_scores, drafts=step.drafts,
         )  # fmt: skip
 
     def _verify(self, step: StartedStep, sample_ids: list[str], rows: list) -> PendingStep:
@@ -595,14 +628,15 @@ class ModelRunner:
         if step.drafted is not None:  # the draft model's
             drafts, probs = step.drafted.per_row(inputs.num_drafts), step.drafted.probs
         else:
-            drafts = [plan.draft_token_ids.get(r, []) for r in sample_ids]
+            source = step.drafts if step.drafts is not None else plan.draft_token_ids
+            drafts = [source.get(r, []) for r in sample_ids]
         v = verify(self.sampler, step.logits, rows, drafts, want, probs)
         members = [self.batch.requests[r] for r in sample_ids]
         index = {r: j for j, r in enumerate(sample_ids)}
         host = v.token_ids.cpu()
         return PendingStep(
             plan, inputs, members, index, v.token_ids, host, None, v.logprobs, v.accepted,
-            step.prompt_scores,
+            step.prompt_scores, drafts=step.drafts,
         )  # fmt: skip
 
     def is_done(self, step: PendingStep) -> bool:
@@ -612,11 +646,7 @@ class ModelRunner:
     def finish(self, step: PendingStep) -> StepResult | None:
         """Wait for this step's sampled ids (not for later work), keep them, build the result."""
         plan = step.plan
-        if step.ready is not None:
-            step.ready.synchronize()
-        token_ids = step.host_ids.tolist() if step.host_ids is not None else []
-        new_ids = step.accepted if step.accepted is not None else [[t] for t in token_ids]
-        self.batch.append_sampled(step.members, new_ids)
+        new_ids = self._keep(step)
         if not self.info.is_driver:
             return None
         sampled: list[list[int]] = [[] for _ in plan.scheduled_ids]
@@ -633,7 +663,22 @@ class ModelRunner:
             result.pooled = step.pooled.to_messages(len(plan.scheduled_ids))
         if self.lora is not None:
             result.lora_loads, result.lora_evictions = self.lora.num_loads, self.lora.num_evictions
+        if plan.num_sampler_drafts:
+            drafts = step.drafts or {}
+            result.num_drafts = [len(drafts.get(r, ())) for r in plan.scheduled_ids]
         return result
+
+    def _keep(self, step: PendingStep) -> list[list[int]]:
+        """Wait for the step's sampled ids and append them to the batch (once); each sampling
+        row's new tokens."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.host_ids.tolist() if step.host_ids is not None else []
+        new_ids = step.accepted if step.accepted is not None else [[t] for t in token_ids]
+        if not step.kept:
+            self.batch.append_sampled(step.members, new_ids)
+            step.kept = True
+        return new_ids
 
     def _graph_bucket(self, inputs: StepInputs) -> tuple[int, bool] | None:
         num_seqs = len(inputs.seq_lens)
