@@ -103,7 +103,14 @@ class SpeculativeConfig:
 
     def check_engine(self, target: Any, tp: int, pp: int) -> None:
         """What the draft model needs of the engine (`target`: its ModelConfig): refused by
-        name where not built (pipeline stages, a draft TP size that is neither 1 nor tp)."""
+        name where not built (pipeline stages, a draft TP size that is neither 1 nor tp), and
+        any method on a target with linear-attention layers."""
+        if has_recurrent_state(target.hf):
+            raise ValueError(
+                f"--speculative-config: {self.method!r} on a model with linear-attention layers "
+                "(Qwen3-Next, Qwen3.5) is not implemented: their recurrent state would have to "
+                "roll back past each rejected draft"
+            )
         if not self.in_workers:
             return
         if pp > 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -53,6 +54,13 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 5}
 def test_config_refuses_by_name(value, words):
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.from_value(value)
+
+
+def test_every_method_refuses_a_linear_attention_target():
+    hybrid = SimpleNamespace(hf={"layer_types": ["linear_attention", "full_attention"]})
+    for value in (NGRAM, {"method": "suffix", "num_speculative_tokens": 3}):
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            SpeculativeConfig.from_value(value).check_engine(hybrid, 1, 1)
 
 
 def test_config_defaults_like_vllm():
