@@ -152,7 +152,11 @@ class RowHidden:
 
 class EagleRunner(DraftRunner):
     """The draft model's runner (its KV cache, profile and draws) around an EAGLE head: pairs
-    from the target's hidden states kept one step, drafts fed back with the head's own."""
+    from the target's hidden states kept one step, drafts fed back with the head's own.
+    EAGLE-3's (worker/eagle3.py) sets the head class and the target layers a pair reads."""
+
+    head_cls: type[EagleHead] = EagleHead
+    width = 1  # target layers whose hidden states a pair reads
 
     def __init__(
         self,
@@ -163,37 +167,18 @@ class EagleRunner(DraftRunner):
         target: nn.Module,
     ) -> None:
         mc = config.speculative.draft_model_config(config.model)
-        cls, width = EagleHead, 1
-        if config.speculative.method == "eagle3":
-            from pagedserve.worker.eagle3 import Eagle3Head  # which imports this module
-
-            cls, width = Eagle3Head, 3
-        head = build_eagle_head(mc, target, dtype, device, cls)
+        head = build_eagle_head(mc, target, dtype, device, self.head_cls)
         super().__init__(config, dtype, device, sampler, head)
-        # [.., width * H]: the target hidden states a pair reads (EAGLE-3: three layers')
-        self.hidden_size = width * int(config.model.hf["hidden_size"])
+        # [.., width * H]: the target hidden states a pair reads
+        self.hidden_size = self.width * int(config.model.hf["hidden_size"])
         self.vocab_size = int(mc.hf["vocab_size"])
         self.rows: dict[str, RowHidden] = {}  # req_id -> its hidden states not yet paired
         self.aux: list[torch.Tensor] = []  # EAGLE-3: this step's hidden states of three layers
-        if width == 3:
-            self._keep_aux(target, mc.hf, config.model.num_layers)
+        self.keep_target_states(target, mc.hf, config.model.num_layers)
 
-    def _keep_aux(self, target: nn.Module, hf: dict[str, Any], num_layers: int) -> None:
-        """Forward pre-hooks that keep the residual stream entering the head's three target
-        layers (hidden + residual; eager forwards only: the config asks for --enforce-eager)."""
-        from pagedserve.worker.eagle3 import aux_layer_ids
-
-        self.aux = [torch.empty(0)] * 3
-
-        def keep(j: int):
-            def hook(module: nn.Module, args: tuple) -> None:
-                hidden, residual = args[1], args[2]
-                self.aux[j] = hidden if residual is None else hidden + residual
-
-            return hook
-
-        for j, i in enumerate(aux_layer_ids(hf, num_layers)):
-            target.model.layers[str(i)].register_forward_pre_hook(keep(j))
+    def keep_target_states(self, target: nn.Module, hf: dict[str, Any], num_layers: int) -> None:
+        """Hooks on the target that keep the hidden states a pair reads besides its output's
+        (EAGLE: none)."""
 
     def forget(self, finished_ids: list[str]) -> None:
         for req_id in finished_ids:

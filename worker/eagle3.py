@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.worker.eagle import EagleHead
+from pagedserve.worker.eagle import EagleHead, EagleRunner
 from pagedserve.worker.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -138,3 +138,26 @@ class Eagle3Head(EagleHead):
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"{source}: 'd2t' maps draft tokens outside the target's vocabulary")
         self.target_ids.copy_(ids)
+
+
+class Eagle3Runner(EagleRunner):
+    """`EagleRunner` around an EAGLE-3 head: a pair reads the residual stream entering three
+    target layers (`aux_layer_ids`), side by side."""
+
+    head_cls = Eagle3Head
+    width = 3
+
+    def keep_target_states(self, target: nn.Module, hf: dict[str, Any], num_layers: int) -> None:
+        """Forward pre-hooks that keep the residual stream entering the head's three target
+        layers (hidden + residual; eager forwards only: the config asks for --enforce-eager)."""
+        self.aux = [torch.empty(0)] * 3
+
+        def keep(j: int):
+            def hook(module: nn.Module, args: tuple) -> None:
+                hidden, residual = args[1], args[2]
+                self.aux[j] = hidden if residual is None else hidden + residual
+
+            return hook
+
+        for j, i in enumerate(aux_layer_ids(hf, num_layers)):
+            target.model.layers[str(i)].register_forward_pre_hook(keep(j))

@@ -42,6 +42,7 @@ from pagedserve.worker.cuda_graphs import (
 )
 from pagedserve.worker.draft_model import Drafted, DraftRunner, merge_fills
 from pagedserve.worker.eagle import EagleRunner
+from pagedserve.worker.eagle3 import Eagle3Runner
 from pagedserve.worker.grammar import GrammarCompiler
 from pagedserve.worker.grammar_masks import ConstrainedRows
 from pagedserve.worker.host_tier import (
@@ -158,7 +159,8 @@ class ModelRunner:
         spec = config.speculative
         self.drafter = None  # a draft's weights, before the memory profile counts them
         if spec is not None and spec.method in ("eagle", "eagle3"):
-            self.drafter = EagleRunner(config, self.dtype, device, self.sampler, self.model)
+            runner = Eagle3Runner if spec.method == "eagle3" else EagleRunner
+            self.drafter = runner(config, self.dtype, device, self.sampler, self.model)
         elif spec is not None and spec.in_workers:
             self.drafter = DraftRunner(config, self.dtype, device, self.sampler)
         self.sampler_drafts = None  # ngram: drafted here after sampling (one pipeline stage)
