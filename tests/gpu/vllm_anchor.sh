@@ -150,7 +150,8 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
     qwen35-vllm) vllm_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} \
           --limit-mm-per-prompt '{"image": 0, "video": 0}' --gdn-prefill-backend triton ;;
     qwen35-ours) ours_pair "$(qwen_dir)" qwen35 ${QWEN_PROMPTS:-200} ;;
-    ds-vllm) VLLM_USE_DEEP_GEMM=0 vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
+    ds-vllm) VLLM_USE_DEEP_GEMM=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} --gpu-memory-utilization 0.8 ;;  # 0.92: OOM in capture
     ds-ours) ours_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
     *) echo "unknown step $step" ;;
   esac
