@@ -60,10 +60,17 @@ def describe_costs(spec: TierSpec, block_size: int, caching: bool) -> str:
         choice = "the prefix cache is on: recompute (a lazy swap)"
     else:
         choice = "swap" if swap < recompute else "recompute"
-    return (
+    text = (
         f"preemption cost per {block_size}-token block: swap out and in {swap:.1f} us, "
         f"recompute >= {recompute:.1f} us; chosen: {choice}"
     )
+    if caching:
+        share = spill_threshold(spec.swap_s_per_block, block_size, spec.recompute_s_per_token)
+        text += (
+            f". Evicted blocks spill to the host if a preempted request wants them, others while "
+            f">= {share:.0%} of them are read again"
+        )
+    return text
 
 
 class HostTier:

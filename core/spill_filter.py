@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-PRIOR = 64  # evictions the starting estimate is worth
+PRIOR = 256  # evictions the starting estimate is worth
 MAX_GHOSTS = 1 << 16
 
 

@@ -16,14 +16,14 @@ MT = ["--workload", "multi-turn", "--num-users", "16", "--device-blocks", "300",
 
 def test_unrelated_prompts_spill_only_what_preempted_requests_read_again():
     """W1's shape at a quarter of its KV: with the tier (auto: a lazy swap) no prompt token is
-    computed twice, and the blocks copied out are about those copied back in (before the
-    filter, every evicted block went out: 12x more than came back)."""
+    computed twice, and the blocks copied out are those copied back in and the filter's first
+    guesses (before the filter, every evicted block went out: 12x more than came back)."""
     args = parser().parse_args(W1)
     off, auto = w1(args, "off"), w1(args, "auto")
     assert auto["preemptions"] > 0 and auto["into"] > 0
     assert auto["tokens"] < off["tokens"]
-    assert auto["out"] + auto["ahead"] < 2 * auto["into"]
-    assert auto["skipped"] > 5 * auto["into"]
+    out = auto["out"] + auto["ahead"]
+    assert out < auto["into"] + 2 * PRIOR and auto["skipped"] > 2 * out
 
 
 def test_multi_turn_keeps_spilling_its_histories(capsys):
