@@ -5,6 +5,10 @@ small shapes (benchmarks/kv_tier_sim.py), and the filter's own rules."""
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import rule
+from test_host_tier import TierMachine
+
 from pagedserve.benchmarks.kv_tier_sim import main, multi_turn, parser, w1
 from pagedserve.core.spill_filter import PRIOR, SpillFilter, spill_threshold
 
@@ -56,3 +60,24 @@ def test_spill_threshold_from_the_measured_costs():
     """H100, 8B: 50 us a block copied, 23 us a token's prefill: a spill pays if ~16% are read."""
     assert abs(spill_threshold(50e-6, 16, 23e-6) - 50 / (16 * 23 - 50)) < 1e-9
     assert spill_threshold(0.0, 16, 1e-6) == 0.02 and spill_threshold(1.0, 16, 1e-6) == 0.5
+
+
+class ClosingFilterMachine(TierMachine):
+    """test_host_tier.py's state machine (its fake worker checks every step reads exactly its
+    tokens' KV), with a rule that closes the spill filter at any point: spills of wanted blocks
+    only, ghosts, and ghost hits reopening it, under the same checks."""
+
+    @rule()
+    def close_filter(self):
+        tier_filter = self.s.kv.tier.filter
+        tier_filter.rereads = 0.0
+        assert not tier_filter.open
+
+
+ClosingFilterMachine.TestCase.settings = settings(
+    max_examples=30,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_closing_filter_state_machine = ClosingFilterMachine.TestCase
