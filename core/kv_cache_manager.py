@@ -257,6 +257,8 @@ class KVCacheManager:
         if not req.blocks:
             req.blocks = [[] for _ in self.windows]
             req.num_skipped_blocks = [0] * self.num_groups
+            if self.tier is not None and req.num_preemptions:  # back: its blocks are in use
+                self.tier.filter.forget(req.block_hashes)
         # Every group's hits leave the free queue before any group pops new blocks: popping
         # first could evict (and hand to another group) a block that a later group hits.
         for g, group_hits in enumerate(hits):
@@ -330,17 +332,20 @@ class KVCacheManager:
     def swap_out(self, req: Request, num_keep_tokens: int) -> list[int] | None:
         """Copy the blocks of the first `num_keep_tokens` of a request being preempted to the
         host tier, if the cost model prefers that and there is room; its host blocks, or None
-        (then it is recomputed). Its device blocks are freed by the caller."""
+        (then it is recomputed: a lazy swap, whose full blocks the spill filter marks wanted).
+        Its device blocks are freed by the caller."""
         num_blocks = cdiv(num_keep_tokens, self.block_size)
         tier = self.tier
         if tier is None or not num_blocks:
             return None
-        if not tier.prefers_swap(num_blocks, num_keep_tokens, self.enable_caching):
-            return None
-        block_ids = [b.block_id for b in req.blocks[0][:num_blocks]]
         full = num_keep_tokens // self.block_size
         keys = self.block_hashes(req, full) if self.enable_caching else []
-        return tier.save(block_ids, keys)
+        host_ids = None
+        if tier.prefers_swap(num_blocks, num_keep_tokens, self.enable_caching):
+            host_ids = tier.save([b.block_id for b in req.blocks[0][:num_blocks]], keys)
+        if host_ids is None:
+            tier.filter.want(keys)
+        return host_ids
 
     def swap_in(self, req: Request, num_new_tokens: int) -> bool:
         """Give a swapped request device blocks for its kept tokens and `num_new_tokens` more
@@ -392,4 +397,5 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         if self.tier is not None and self.pool.num_free == self.pool.num_blocks:
             self.tier.pool.reset()
+            self.tier.filter.reset()
         return self.pool.reset_prefix_cache()

@@ -13,6 +13,11 @@ order, with these rules, makes every copy read what the core meant:
 - a host block read by a swap-in is referenced until the plan is built (`end_plan`), so no copy
   of the same plan overwrites it; copies of later plans run after it (workers execute in order).
 
+Not every evicted block is worth a spill: `SpillFilter` (core/spill_filter.py) always lets
+through the blocks of a request preempted by recompute (it reads them again) and the rest only
+while enough of them are read again (a multi-turn chat's histories, not a stream of unrelated
+prompts' blocks).
+
 Preemption by swap or recompute (`prefers_swap`). With the prefix cache on, recompute is a lazy
 swap: the victim's full blocks stay cached on the device, spill to the host only if evicted, and
 come back as device or host hits when it is admitted again, so only what was lost is copied or
@@ -28,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.core.host_pool import HostPool
+from pagedserve.core.spill_filter import SpillFilter, spill_threshold
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,17 @@ def describe_costs(spec: TierSpec, block_size: int, caching: bool) -> str:
         choice = "the prefix cache is on: recompute (a lazy swap)"
     else:
         choice = "swap" if swap < recompute else "recompute"
-    return (
+    text = (
         f"preemption cost per {block_size}-token block: swap out and in {swap:.1f} us, "
         f"recompute >= {recompute:.1f} us; chosen: {choice}"
     )
+    if caching:
+        share = spill_threshold(spec.swap_s_per_block, block_size, spec.recompute_s_per_token)
+        text += (
+            f". Evicted blocks spill to the host if a preempted request wants them, others while "
+            f">= {share:.0%} of them are read again"
+        )
+    return text
 
 
 class HostTier:
@@ -65,6 +78,9 @@ class HostTier:
         self.spec = spec
         self.block_size = block_size
         self.pool = HostPool(spec.num_blocks)
+        threshold = spill_threshold(spec.swap_s_per_block, block_size, spec.recompute_s_per_token)
+        self.filter = SpillFilter(threshold, spec.num_blocks)  # core/spill_filter.py
+        self._unwanted = bytearray(spec.num_blocks)  # host blocks spilled though not wanted
         self.swap_out: list[tuple[int, int]] = []  # (device block, host block), this plan
         self.swap_in: list[tuple[int, int]] = []  # (host block, device block), this plan
         self.ahead: list[tuple[int, int]] = []  # (device block, host block): spills ahead
@@ -84,37 +100,46 @@ class HostTier:
 
     def spill(self, block_id: int, key: bytes) -> None:
         """A cached device block is evicted: keep its content on the host (if it is not there
-        already and a host block can be had)."""
+        already, the spill filter admits it and a host block can be had)."""
         assert block_id not in self._filled, "a block filled by this plan cannot be evicted"
         i = self.pool.lookup(key)
+        wanted = key in self.filter.wanted
+        if not self.filter.evicted(key, i is not None):
+            return
         if i is not None:
             self.pool.touch(i)
             return
-        self._spill(block_id, key, self.swap_out)
+        self._spill(block_id, key, self.swap_out, wanted)
 
     def spill_ahead(self, block_id: int, key: bytes) -> None:
         """A cached device block that is free, and so evicted soon, is copied to the host now,
         by a copy that runs beside this plan's forward (the plan does not write the block:
         it was free once the plan's blocks were taken); its eviction then copies nothing.
         The caller checked that the host does not hold `key` (no touch: a scan is not a use)."""
-        self._spill(block_id, key, self.ahead)
+        if self.filter.admits(key):
+            self._spill(block_id, key, self.ahead, key in self.filter.wanted)
 
-    def _spill(self, block_id: int, key: bytes, copies: list[tuple[int, int]]) -> None:
+    def _spill(
+        self, block_id: int, key: bytes, copies: list[tuple[int, int]], wanted: bool
+    ) -> None:
         if not self.pool.num_free:
             return
         (i,) = self.pool.allocate(1)
         self.pool.set_hash(i, key)
         self.pool.unref([i])  # cached: evictable, findable
+        self._unwanted[i] = not wanted
         copies.append((block_id, i))
 
     def hits(self, keys: list[bytes]) -> list[int]:
-        """Host blocks of the longest run of `keys` the host holds (not yet taken)."""
+        """Host blocks of the longest run of `keys` the host holds (not yet taken); the keys
+        after it that the spill filter let go count as its ghost hits."""
         out = []
         for key in keys:
             i = self.pool.lookup(key)
             if i is None:
                 break
             out.append(i)
+        self.filter.ghost_hits(keys[len(out) :])
         return out
 
     def save(self, block_ids: list[int], keys: list[bytes]) -> list[int] | None:
@@ -125,6 +150,8 @@ class HostTier:
         host_ids = self.pool.allocate(len(block_ids))
         for i, key in zip(host_ids, keys, strict=False):
             self.pool.set_hash(i, key)
+        for i in host_ids:
+            self._unwanted[i] = 0
         self.swap_out += zip(block_ids, host_ids, strict=True)
         return host_ids
 
@@ -134,6 +161,7 @@ class HostTier:
         references are dropped so (its blocks become cached or free)."""
         if take_ref:
             self.pool.ref(host_ids)
+            self.filter.reread(sum(self._unwanted[i] for i in host_ids))
         self._pinned += host_ids
 
     def load(self, host_ids: list[int], block_ids: list[int]) -> None:

@@ -310,6 +310,7 @@ def test_start_up_line_states_the_preemption_choice():
     assert "swap out and in 100.0 us, recompute >= 480.0 us; chosen: swap" in text
     assert describe_costs(spec, 2, caching=False).endswith("chosen: recompute")
     assert "lazy swap" in describe_costs(spec, 16, caching=True)
+    assert describe_costs(spec, 16, caching=True).endswith(">= 12% of them are read again")
     forced = TierSpec(num_blocks=8, mode="recompute")
     assert describe_costs(forced, 16, caching=False).endswith("--preemption-mode recompute")
 

@@ -9,6 +9,8 @@
 #     recompute (tier off) against `--kv-offloading-size 16`, auto (a lazy swap: recompute
 #     with spills and host hits) and `--preemption-mode swap` (eager);
 #  4. `copy-bench`: tests/gpu/host_tier_copy_bench.py (host time per plan's copies; a round trip);
+#  5. `sim`: benchmarks/kv_tier_sim.py, the same W1 and multi-turn shapes through the core alone
+#     (what each mode computes and copies; CPU only, seconds);
 #  the host<->device bandwidth the workers measured at start-up beside a plain torch copy of the
 #  same bytes (their log line), and where each run's copies spent their time (the shutdown line).
 #   STEPS="multi-turn w1 gpu-tests" bash tests/gpu/kv_tier_run.sh
@@ -29,6 +31,10 @@ for step in ${STEPS:-multi-turn w1 gpu-tests}; do
     gpu-tests) timeout 120 python3 -m pytest -q -x -m gpu tests/test_host_tier_engine.py \
         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu-tests.txt" ;;
     copy-bench) timeout 120 python3 tests/gpu/host_tier_copy_bench.py 2>&1 | tee "$OUT/copy-bench.txt" ;;
+    sim) { python3 -m pagedserve.benchmarks.kv_tier_sim --num-prompts $W1_PROMPTS
+        python3 -m pagedserve.benchmarks.kv_tier_sim --workload multi-turn --num-users $USERS \
+          --num-turns $TURNS --device-blocks 2048 --host-blocks 32768 --modes off,auto
+      } 2>&1 | tee "$OUT/sim.txt" ;;
     multi-turn)
       for tier in off on; do
         flags=""; [ $tier = on ] && flags="--kv-offloading-size ${TIER_GIB:-64}"

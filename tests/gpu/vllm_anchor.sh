@@ -23,6 +23,9 @@
 #                           memory loading 8 on an H100), FP8 block
 #                           weights (tests/gpu/deepseek_shape.py): batch-1 ms/token, W1-shaped
 #                           req/s (DS_PROMPTS x 1024/128)
+#   offload-vllm            issue 41's multi-turn run (tests/gpu/kv_tier_run.sh's, same client and
+#                           users) against `vllm serve` of the 8B shape, KV at 4 GiB, offloading
+#                           off, then native at 64 GiB: cached share, TTFT p50, req/s (own lines)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source tests/gpu/env.sh
@@ -119,6 +122,30 @@ ours_pair() {  # the same two runs through pagedserve bench
   $T $PS throughput --model $1 --load-format dummy --dtype bfloat16 --max-model-len 2048 $W1 \
     --num-prompts $3 --output-json "$OUT/$2-ours-w1.json" 2>&1 | tail -2
 }
+offload_vllm() {  # TIER (off|on): one multi-turn run against vLLM; JSON apart from the table's
+  local flags="" srv
+  [ $1 = on ] && flags="--kv-offloading-size ${TIER_GIB:-64} --kv-offloading-backend native"
+  mkdir -p "$OUT/offload"
+  $VLLM -m vllm.entrypoints.cli.main serve $M8 --load-format dummy --dtype bfloat16 \
+    --kv-cache-memory-bytes 4294967296 $flags --enable-prompt-tokens-details \
+    --host 127.0.0.1 --port 8041 > "$OUT/offload/vllm-$1-server.log" 2>&1 &
+  srv=$!
+  for _ in $(seq 1500); do
+    curl -sf localhost:8041/health >/dev/null && break; kill -0 $srv 2>/dev/null || break; sleep 0.2
+  done
+  $T $PS serve --base-url http://127.0.0.1:8041 --endpoint /v1/chat/completions \
+    --dataset-name multi-turn --tokenizer $M8 --num-users ${USERS:-64} --num-turns ${TURNS:-4} \
+    --system-prompt-len 32 --user-turn-len 256 --turn-output-len 64 --think-time 1.0 \
+    --output-json "$OUT/offload/vllm-$1.json" > "$OUT/offload/vllm-$1.txt" 2>&1
+  kill -TERM $srv; wait $srv
+  python3 - "$OUT/offload/vllm-$1.json" $1 <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1])) if __import__("os").path.exists(sys.argv[1]) else {}
+print(f"offload-vllm tier {sys.argv[2]}: cached share {r.get('cached_share', 0):.3f}, TTFT p50 "
+      f"{r.get('median_ttft_ms', 0):.1f} ms, {r.get('request_throughput', 0):.2f} req/s, "
+      f"completed {r.get('completed')}")
+PY
+}
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 t0=$(date +%s)
 for step in ${STEPS:-embed-vllm embed-ours}; do
@@ -153,6 +180,7 @@ for step in ${STEPS:-embed-vllm embed-ours}; do
     ds-vllm) VLLM_USE_DEEP_GEMM=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         vllm_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} --gpu-memory-utilization 0.8 ;;  # 0.92: OOM in capture
     ds-ours) ours_pair "$(ds_dir)" ds ${DS_PROMPTS:-32} ;;
+    offload-vllm) offload_vllm off; offload_vllm on ;;
     *) echo "unknown step $step" ;;
   esac
 done
