@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.attention.metadata import AttentionMetadata
-from pagedserve.kernels.backend import use_triton
+from pagedserve.kernels.backend import fusion_enabled, use_triton
 
 
 def write_latent_cache(
@@ -84,24 +84,42 @@ def mla_decode(
     w_uv: torch.Tensor,  # [H, V, R]
     scale: float,
 ) -> torch.Tensor:  # [B, H, V]
-    """Absorbed: one query per row against its latent rows, padded to the longest context (in
-    a CUDA graph, to its host upper bound; the mask reads the lengths on the device)."""
-    rank = w_uk.shape[2]
+    """Absorbed: the query into latent space, attention over the latent rows (on CUDA the Triton
+    kernel, kernels/triton_mla.py; else `mla_decode_ref`), the output through `W_UV`. Both read
+    the lengths on the device (CUDA-graph safe); the host lengths only bound them."""
     seq_lens = meta.seq_lens_cpu if rows is None else meta.seq_lens_cpu[rows]
-    width = min(-(-int(seq_lens.max()) // meta.block_size), meta.block_tables.shape[1])
-    tables, lens = meta.block_tables[:, :width], meta.seq_lens  # [B, W], [B]
+    tables, lens = meta.block_tables, meta.seq_lens  # [B, W], [B]
     if rows is not None:
         index = torch.as_tensor(rows, dtype=torch.int64, device=q_nope.device)
         tables, lens = tables.index_select(0, index), lens.index_select(0, index)
-    latents = kv_cache[tables].reshape(len(seq_lens), width * meta.block_size, -1)  # [B, S, R+P]
-    c, k_pe = latents[..., :rank], latents[..., rank:]
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, R]
+    attend = mla_decode_ref
+    if use_triton(q_lat) and fusion_enabled("mla-decode"):
+        from pagedserve.kernels.triton_mla import triton_mla_decode as attend
+    o_lat = attend(q_lat, q_pe, kv_cache, tables, lens, int(seq_lens.max(initial=0)), scale)
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+
+
+def mla_decode_ref(
+    q_lat: torch.Tensor,  # [B, H, R]
+    q_pe: torch.Tensor,  # [B, H, P]
+    kv_cache: torch.Tensor,  # [num_blocks, 1, block_size, 1, R + P]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B], on the device
+    max_seq_len: int,  # host upper bound on seq_lens
+    scale: float,
+) -> torch.Tensor:  # [B, H, R]
+    """Latent attention in torch: each row's latent rows gathered and padded to `max_seq_len`
+    (in a CUDA graph max_model_len), the mask from the device lengths."""
+    rank, block_size = q_lat.shape[2], kv_cache.shape[2]
+    width = min(-(-max_seq_len // block_size), block_tables.shape[1])
+    latents = kv_cache[block_tables[:, :width]].reshape(len(q_lat), width * block_size, -1)
+    c, k_pe = latents[..., :rank], latents[..., rank:]  # [B, S, R], [B, S, P]
     scores = torch.einsum("bhr,bsr->bhs", q_lat, c) + torch.einsum("bhp,bsp->bhs", q_pe, k_pe)
-    pad = torch.arange(scores.shape[-1], device=q_nope.device)[None, :] >= lens[:, None]
+    pad = torch.arange(scores.shape[-1], device=q_lat.device)[None, :] >= seq_lens[:, None]
     scores = scores.float().masked_fill(pad[:, None, :], float("-inf")) * scale
     probs = torch.softmax(scores, dim=-1).to(c.dtype)  # [B, H, S]
-    o_lat = torch.einsum("bhs,bsr->bhr", probs, c)  # [B, H, R]
-    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+    return torch.einsum("bhs,bsr->bhr", probs, c)
 
 
 def mla_prefill(

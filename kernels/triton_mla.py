@@ -1,12 +1,21 @@
-"""MLA's latent cache write in Triton: one program copies one token's `[c | k_pe]` row into its
-slot of `[num_blocks, 1, block_size, 1, R + P]`, skipping slots < 0 (the padding rows of a CUDA
-graph's decode batch, which must not touch block 0's rows that a real request may own)."""
+"""MLA's Triton kernels over the paged latent cache (kernels/mla.py launches them on CUDA).
+
+- The latent cache write: one program copies one token's `[c | k_pe]` row into its slot of
+  `[num_blocks, 1, block_size, 1, R + P]`, skipping slots < 0 (the padding rows of a CUDA graph's
+  decode batch, which must not touch block 0's rows that a real request may own).
+- The absorbed decode (`triton_mla_decode`): flash-decoding in latent space, each latent tile read
+  once for a group of heads, split over the context with a merge kernel (see below). The torch
+  reference is kernels/mla.py's `mla_decode_ref`.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.kernels.attention.triton import LOG2E, _num_sms
+from pagedserve.kernels.backend import dot_precision
 
 
 @triton.jit
@@ -39,3 +48,191 @@ def triton_write_latent_cache(
         latent, kv_cache, slot_mapping, latent.stride(0), kv_cache.stride(0), kv_cache.stride(2),
         WIDTH=width, BLOCK=triton.next_power_of_2(width), BLOCK_SIZE=kv_cache.shape[2],
     )  # fmt: skip
+
+
+# Absorbed decode over the paged latent cache (flash-decoding in latent space).
+#
+# A program owns one row, BLOCK_H of its heads and one split of its context. Every MLA head reads
+# the same latent, so each [BLOCK_N, R + P] tile of `[c | k_pe]` is loaded once for the program's
+# heads and feeds three dots: scores `q_lat c^T + q_pe k_pe^T` ([BLOCK_H, BLOCK_N]) and the
+# output `p c` ([BLOCK_H, R]); an online softmax in float32 (exp2, log2(e) folded into the scale).
+# The row's length is read on the device: a CUDA graph's split count is fixed at capture (from
+# its host bound, max_model_len) and the row's tiles are divided among the splits at replay, so a
+# short row leaves the later splits empty (they store a -inf max and weigh nothing in the merge).
+# With one split the program normalizes and stores o_lat itself; else it stores the unnormalized
+# partial and its (max, sum), and `_mla_reduce_kernel` merges each (row, head) over the splits.
+# A row of length 0 (an empty slot of a padded batch) gets zeros.
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_decode_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_cb, stride_cs, stride_bt, stride_ob,
+    stride_oh, num_heads, num_splits, qk_scale,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
+    h_ok = head < num_heads
+    seq_len = tl.load(seq_lens_ptr + row)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    r = tl.arange(0, BLOCK_R)
+    e = tl.arange(0, BLOCK_P)
+    r_ok, e_ok = r < RANK, e < ROPE
+    q_ptrs = q_lat_ptr + row * stride_qb + head[:, None] * stride_qh + r[None, :]
+    q_lat = tl.load(q_ptrs, mask=h_ok[:, None] & r_ok[None, :], other=0.0)  # [H, R]
+    pe_ptrs = q_pe_ptr + row * stride_pb + head[:, None] * stride_ph + e[None, :]
+    q_pe = tl.load(pe_ptrs, mask=h_ok[:, None] & e_ok[None, :], other=0.0)  # [H, P]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    table = tables_ptr + row * stride_bt
+    for t in range(tile_lo, tile_hi):  # each tile holds at least one of the row's tokens
+        pos = t * BLOCK_N + n  # [N]
+        ok = pos < seq_len
+        block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        base = cache_ptr + block * stride_cb + (pos % BLOCK_SIZE) * stride_cs  # [N]
+        c = tl.load(base[:, None] + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+        k_pe = tl.load(base[:, None] + RANK + e[None, :], mask=ok[:, None] & e_ok[None, :],
+                       other=0.0)  # fmt: skip
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)  # [H, N]
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = h_ok[:, None] & r_ok[None, :]
+    if not SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + row * stride_ob + head[:, None] * stride_oh + r[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # partials [B, S, Hh, BLOCK_R] and (max, sum) [B, S, Hh, 2], contiguous
+        slot = (row * num_splits + split) * num_heads + head  # [H]
+        tl.store(part_out_ptr + slot[:, None] * BLOCK_R + r[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + slot * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_reduce_kernel(
+    part_out_ptr, part_ml_ptr, out_ptr, num_heads, num_splits, stride_ob, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    slot = (row * num_splits + s) * num_heads + head  # [S]
+    m = tl.load(part_ml_ptr + slot * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + slot * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty row: every split empty
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [S]; empty splits weigh 0
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.load(part_out_ptr + slot[:, None] * BLOCK_R + r[None, :], mask=s_ok[:, None],
+                  other=0.0)  # fmt: skip
+    denom = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # [R]
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + r, out.to(out_ptr.dtype.element_ty),
+             mask=r < RANK)  # fmt: skip
+
+
+MAX_SPLITS = 16  # partials [B, S, H, R] float32: 4 MB at batch 1 and V3's 128 heads
+MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs its parallelism
+PROGRAMS_PER_SM = 2
+DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def choose_mla_splits(num_rows: int, head_groups: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per row so a decode batch's programs fill the SMs about twice, none shorter than
+    `MIN_TOKENS_PER_SPLIT` of the host bound on the longest row (in a CUDA graph max_model_len:
+    the rows' actual tiles are divided among the splits on the device)."""
+    by_occupancy = round(PROGRAMS_PER_SM * num_sms / (num_rows * head_groups))
+    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _check_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    rank, rope = q_lat.shape[-1], q_pe.shape[-1]
+    if q_lat.dim() != 3 or q_pe.shape[:2] != q_lat.shape[:2] or kv_cache.dim() != 5:
+        shapes = f"{tuple(q_lat.shape)}, {tuple(q_pe.shape)}, {tuple(kv_cache.shape)}"
+        raise ValueError(f"expected q_lat [B, H, R], q_pe [B, H, P], a 5-d cache; got {shapes}")
+    if kv_cache.shape[-1] != rank + rope or not kv_cache.is_contiguous():
+        raise ValueError(
+            f"cache {tuple(kv_cache.shape)} does not hold rows of R + P = {rank + rope}"
+        )
+    if q_lat.dtype != kv_cache.dtype or q_pe.dtype != kv_cache.dtype:
+        raise ValueError(
+            f"q_lat {q_lat.dtype}, q_pe {q_pe.dtype} differ from cache {kv_cache.dtype}"
+        )
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if block_tables.shape[0] != q_lat.shape[0] or seq_lens.shape != (q_lat.shape[0],):
+        raise ValueError("block_tables and seq_lens need one row per query row")
+    if any(t.device != q_lat.device for t in (q_pe, kv_cache, block_tables, seq_lens)):
+        raise ValueError("q_lat, q_pe, kv_cache, block_tables and seq_lens must share one device")
+
+
+def triton_mla_decode(
+    q_lat: torch.Tensor,  # [B, H, R]: the absorbed query, W_UK^T q_nope
+    q_pe: torch.Tensor,  # [B, H, P], rotated
+    kv_cache: torch.Tensor,  # [num_blocks, 1, block_size, 1, R + P]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, on the device (0: an empty row, zeros out)
+    max_seq_len: int,  # host upper bound on seq_lens (picks the split count)
+    scale: float,
+    num_splits: int | None = None,  # None: choose (tests force it)
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:  # [B, H, R]: softmax(q_lat c^T + q_pe k_pe^T) c
+    _check_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens)
+    cfg = dict(config or DECODE_CONFIG)
+    block_h, (rows, heads, rank), rope = cfg.pop("BLOCK_H"), q_lat.shape, q_pe.shape[-1]
+    q_lat = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(2) == 1 else q_pe.contiguous()
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    out = q_lat.new_empty(rows, heads, rank)
+    if rows == 0:
+        return out
+    groups = triton.cdiv(heads, block_h)
+    if num_splits is None:
+        sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 1
+        num_splits = choose_mla_splits(rows, groups, max_seq_len, sms)
+    block_r = triton.next_power_of_2(rank)
+    part_out = part_ml = out  # placeholders when unsplit
+    if num_splits > 1:
+        part_out = q_lat.new_empty(rows, num_splits, heads, block_r, dtype=torch.float32)
+        part_ml = q_lat.new_empty(rows, num_splits, heads, 2, dtype=torch.float32)
+    _mla_decode_kernel[(rows, groups, num_splits)](
+        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_ml,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
+        kv_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), heads,
+        num_splits, scale * LOG2E,
+        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1,
+        DOT_PRECISION=dot_precision(q_lat.dtype), **cfg,
+    )  # fmt: skip
+    if num_splits > 1:
+        _mla_reduce_kernel[(rows, heads)](
+            part_out, part_ml, out, heads, num_splits, out.stride(0), out.stride(1),
+            RANK=rank, BLOCK_R=block_r, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,115 @@
+"""MLA's Triton decode kernel (kernels/triton_mla.py) against the torch latent attention
+(kernels/mla.py `mla_decode_ref`): rows of several lengths over shuffled paged blocks, tiles that
+span blocks, one split and several (some left empty by short rows), and an empty padding row.
+Under the Triton interpreter without a GPU (tiny shapes, float32 and float16: the interpreter's
+bfloat16 dots are wrong); with one, the `gpu` tests add DeepSeek-V3's head shapes in bf16 (128
+heads, R = 512, P = 64), a CUDA-graph replay with other lengths, and the decode path's dispatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_env import HAS_CUDA, needs_triton, tiny
+
+pytestmark = needs_triton
+
+from pagedserve.kernels.mla import mla_decode_ref  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+SMALL = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}  # a tile spans 2 blocks
+
+
+def latent_batch(lens, heads, rank, rope, block_size, dtype, seed=0):
+    """Queries and a paged latent cache whose rows' blocks are shuffled over the pool (block 0
+    left to the padding rows, as in a CUDA graph)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens) + 1
+    num_blocks = len(lens) * width + 1
+    cache = torch.randn(num_blocks, 1, block_size, 1, rank + rope, generator=gen)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * width] + 1).view(
+        -1, width
+    )
+    q_lat = torch.randn(len(lens), heads, rank, generator=gen) / rank**0.25
+    q_pe = torch.randn(len(lens), heads, rope, generator=gen)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    tensors = (q_lat, q_pe, cache, tables.to(torch.int32), lens)
+    return [t.to(DEV, dtype) if t.is_floating_point() else t.to(DEV) for t in tensors]
+
+
+def _check(lens, dtype, num_splits, heads=4, rank=32, rope=16, config=SMALL, tol=None):
+    from pagedserve.kernels.triton_mla import triton_mla_decode
+
+    q_lat, q_pe, cache, tables, seq_lens = latent_batch(lens, heads, rank, rope, 16, dtype)
+    scale, max_len = (rank + rope) ** -0.5, max(lens)
+    got = triton_mla_decode(
+        q_lat, q_pe, cache, tables, seq_lens, max_len, scale, num_splits, config
+    )
+    want = mla_decode_ref(q_lat, q_pe, cache, tables, seq_lens, max_len, scale)
+    live = seq_lens > 0
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got[live].float(), want[live].float(), **tol)
+    assert torch.equal(got[~live], torch.zeros_like(got[~live]))  # an empty row: zeros, no NaN
+    return got
+
+
+@tiny
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_mla_decode_equals_torch(dtype):
+    """Lengths 1 (one token), 0 (an empty padding row), a block's edge, several tiles; unsplit,
+    3 splits (the short rows leave some empty) and the split count the kernel chooses."""
+    lens = [1, 40, 0, 16, 97]
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    if HAS_CUDA and dtype == torch.float32:
+        tol = dict(atol=1e-3, rtol=1e-3)
+    one = _check(lens, dtype, 1, tol=tol)
+    split = _check(lens, dtype, 3, tol=tol)
+    torch.testing.assert_close(split, one, **tol)
+    _check(lens, dtype, None, heads=20, tol=tol)  # heads past one group, the chosen splits
+
+
+@tiny
+def test_triton_mla_decode_refuses_bad_inputs():
+    from pagedserve.kernels.triton_mla import triton_mla_decode
+
+    q_lat, q_pe, cache, tables, lens = latent_batch([5, 9], 4, 32, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="R \\+ P"):
+        triton_mla_decode(q_lat[..., :16], q_pe, cache, tables, lens, 9, 0.1)
+    with pytest.raises(ValueError, match="differ from cache"):
+        triton_mla_decode(q_lat.half(), q_pe.half(), cache, tables, lens, 9, 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        triton_mla_decode(q_lat, q_pe, cache, tables.long(), lens, 9, 0.1)
+
+
+V3 = dict(heads=128, rank=512, rope=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("lens", [[1], [200], [3000, 1, 0, 517, 64, 2048, 33, 128]])
+def test_gpu_triton_mla_decode_v3_shapes(lens):
+    """DeepSeek-V3's head shapes in bf16 with the chosen launch (config and splits)."""
+    tol = dict(atol=2e-2, rtol=2e-2)
+    _check(lens, torch.bfloat16, None, config=None, tol=tol, **V3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_gpu_triton_mla_decode_graph_replays_other_lengths():
+    """Captured in a CUDA graph with a host bound of 4096 (the split count fixed then), replayed
+    with other lengths written on the device: equal to the torch reference each time."""
+    from pagedserve.kernels.triton_mla import triton_mla_decode
+
+    q_lat, q_pe, cache, tables, lens = latent_batch([4000, 7, 1, 0], 128, 512, 64, 16,
+                                                    torch.bfloat16)  # fmt: skip
+    scale = 576**-0.5
+    run = lambda: triton_mla_decode(q_lat, q_pe, cache, tables, lens, 4096, scale)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for new in ([1, 4000, 300, 2], [129, 3, 4001, 5]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        want = mla_decode_ref(q_lat, q_pe, cache, tables, lens, 4096, scale)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
