@@ -3,7 +3,8 @@
 span blocks, one split and several (some left empty by short rows), and an empty padding row.
 Under the Triton interpreter without a GPU (tiny shapes, float32 and float16: the interpreter's
 bfloat16 dots are wrong); with one, the `gpu` tests add DeepSeek-V3's head shapes in bf16 (128
-heads, R = 512, P = 64), a CUDA-graph replay with other lengths, and the decode path's dispatch.
+heads, R = 512, P = 64) and a CUDA-graph replay with other lengths. The model's decode path
+through the kernel (decode graphs, mixed steps' decode rows) is test_deepseek_v3.py's GPU test.
 """
 
 from __future__ import annotations
@@ -14,33 +15,17 @@ from triton_env import HAS_CUDA, needs_triton, tiny
 
 pytestmark = needs_triton
 
+from pagedserve.benchmarks.kernels.bench_mla import latent_batch  # noqa: E402
 from pagedserve.kernels.mla import mla_decode_ref  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 SMALL = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}  # a tile spans 2 blocks
 
 
-def latent_batch(lens, heads, rank, rope, block_size, dtype, seed=0):
-    """Queries and a paged latent cache whose rows' blocks are shuffled over the pool (block 0
-    left to the padding rows, as in a CUDA graph)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // block_size) for n in lens) + 1
-    num_blocks = len(lens) * width + 1
-    cache = torch.randn(num_blocks, 1, block_size, 1, rank + rope, generator=gen)
-    tables = (torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * width] + 1).view(
-        -1, width
-    )
-    q_lat = torch.randn(len(lens), heads, rank, generator=gen) / rank**0.25
-    q_pe = torch.randn(len(lens), heads, rope, generator=gen)
-    lens = torch.tensor(lens, dtype=torch.int32)
-    tensors = (q_lat, q_pe, cache, tables.to(torch.int32), lens)
-    return [t.to(DEV, dtype) if t.is_floating_point() else t.to(DEV) for t in tensors]
-
-
 def _check(lens, dtype, num_splits, heads=4, rank=32, rope=16, config=SMALL, tol=None):
     from pagedserve.kernels.triton_mla import triton_mla_decode
 
-    q_lat, q_pe, cache, tables, seq_lens = latent_batch(lens, heads, rank, rope, 16, dtype)
+    q_lat, q_pe, cache, tables, seq_lens = latent_batch(lens, heads, rank, rope, 16, dtype, DEV)
     scale, max_len = (rank + rope) ** -0.5, max(lens)
     got = triton_mla_decode(
         q_lat, q_pe, cache, tables, seq_lens, max_len, scale, num_splits, config
@@ -72,7 +57,7 @@ def test_triton_mla_decode_equals_torch(dtype):
 def test_triton_mla_decode_refuses_bad_inputs():
     from pagedserve.kernels.triton_mla import triton_mla_decode
 
-    q_lat, q_pe, cache, tables, lens = latent_batch([5, 9], 4, 32, 16, 16, torch.float32)
+    q_lat, q_pe, cache, tables, lens = latent_batch([5, 9], 4, 32, 16, 16, torch.float32, DEV)
     with pytest.raises(ValueError, match="R \\+ P"):
         triton_mla_decode(q_lat[..., :16], q_pe, cache, tables, lens, 9, 0.1)
     with pytest.raises(ValueError, match="differ from cache"):
@@ -101,7 +86,7 @@ def test_gpu_triton_mla_decode_graph_replays_other_lengths():
     from pagedserve.kernels.triton_mla import triton_mla_decode
 
     q_lat, q_pe, cache, tables, lens = latent_batch([4000, 7, 1, 0], 128, 512, 64, 16,
-                                                    torch.bfloat16)  # fmt: skip
+                                                    torch.bfloat16, DEV)  # fmt: skip
     scale = 576**-0.5
     run = lambda: triton_mla_decode(q_lat, q_pe, cache, tables, lens, 4096, scale)  # noqa: E731
     run()
