@@ -11,7 +11,7 @@ so attention runs two ways with the same result:
 - decode (one new token per row): absorbed. The query moves into latent space
   (`q_lat_h = W_UK[h]^T q_nope_h`), scores are `q_lat . c + q_pe . k_pe` over the cached rows
   themselves, the weighted sum stays latent and leaves through `W_UV[h]`: the cache is read
-  once, as is, for every head.
+  once, as is, for every head (on CUDA a Triton kernel, kernels/triton_mla.py).
 - prefill (several new tokens): the row's latents expand to per-head K and V
   (`kv_b_proj` over the context), then ordinary causal attention with 192-wide keys and
   128-wide values: fewer FLOPs than absorption when the queries are many.
