@@ -5,10 +5,15 @@ it replaces (kernels/mla.py `mla_decode_ref`, padded to the host bound as in a d
 Run: `python -m pagedserve.benchmarks.kernels.bench_mla`. Columns as bench_kernels.py's: the
 kernel's median time replaying a CUDA graph, the reference's eagerly, and the bandwidth from the
 latent bytes a step must read (every row's `[c | k_pe]` once) against the H100's ~3000 GB/s.
+`--sweep`: the launch configurations (heads per program, keys per tile, warps, stages) and split
+counts instead, each case's time in us, to choose `DECODE_CONFIG` and `choose_mla_splits`.
 Tests share `latent_batch`.
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import torch
 
@@ -45,6 +50,38 @@ def latent_batch(
     return [q_lat.to(dtype), q_pe.to(dtype), cache, tables, seq_lens]
 
 
+def _time_us(args: list[torch.Tensor], splits: int | None, config: dict[str, int]) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    from pagedserve.kernels.triton_mla import triton_mla_decode
+
+    fn = functools.partial(triton_mla_decode, *args, MAX_MODEL_LEN, 0.1, splits, config)
+    try:
+        return 1e3 * do_bench_cudagraph(fn, return_mode="median")
+    except Exception as exc:  # a configuration past the SM's resources
+        print(f"  {config}: {type(exc).__name__}")
+        return float("nan")
+
+
+def sweep() -> None:
+    from pagedserve.kernels.triton_mla import DECODE_CONFIG
+
+    batches = [latent_batch([ctx] * b, HEADS, RANK, ROPE, BLOCK_SIZE, torch.bfloat16, "cuda")
+               for b, ctx in CASES]  # fmt: skip
+    print(
+        "BLOCK_H BLOCK_N warps stages".ljust(40)
+        + "".join(f"B={b},ctx={c}".rjust(15) for b, c in CASES)
+    )
+    names = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
+    grid = itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3))
+    launches = [(dict(zip(names, g, strict=True)), None) for g in grid]
+    launches += [(DECODE_CONFIG, n) for n in (1, 2, 4, 8, 16)]
+    for config, splits in launches:
+        times = [_time_us(args, splits, config) for args in batches]
+        label = " ".join(f"{v}" for v in config.values()) + (f" splits={splits}" if splits else "")
+        print(label.ljust(40) + "".join(f"{t:15.1f}" for t in times))
+
+
 def main() -> None:
     from pagedserve.kernels.triton_mla import triton_mla_decode
 
@@ -64,4 +101,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sweep() if "--sweep" in sys.argv else main()
