@@ -216,7 +216,7 @@ def triton_mla_decode(
     if num_splits is None:
         sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 1
         num_splits = choose_mla_splits(rows, groups, max_seq_len, sms)
-    block_r = triton.next_power_of_2(rank)
+    block_r = max(16, triton.next_power_of_2(rank))  # tl.dot needs K >= 16
     part_out = part_ml = out  # placeholders when unsplit
     if num_splits > 1:
         part_out = q_lat.new_empty(rows, num_splits, heads, block_r, dtype=torch.float32)
@@ -226,7 +226,7 @@ def triton_mla_decode(
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), heads,
         num_splits, scale * LOG2E,
-        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(rope),
+        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1,
         DOT_PRECISION=dot_precision(q_lat.dtype), **cfg,
     )  # fmt: skip
