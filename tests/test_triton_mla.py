@@ -56,6 +56,39 @@ def test_triton_mla_decode_equals_torch(dtype):
 
 
 @tiny
+def test_triton_mla_causal_rows_equal_the_model_path():
+    """A mixed step on the device layout alone (`causal`: the path of DeepSeek's mixed CUDA
+    graphs) equals kernels/mla.py's host path (decode rows absorbed, prompt rows expanded): a
+    fresh 5-token prompt, decodes, a 17-token chunk across blocks after 16 cached tokens, and
+    empty rows (one between, one last, as a mixed graph's slots); unsplit and in 3 splits."""
+    from pagedserve.kernels.attention.metadata import build_attention_metadata
+    from pagedserve.kernels.mla import mla_attention, mla_decode
+    from pagedserve.kernels.triton_mla import triton_mla_decode
+
+    heads, nope, rank, rope, v_dim, bs = 4, 16, 24, 8, 16, 16
+    computed, new = [0, 20, 0, 16, 3, 0], [5, 1, 0, 17, 1, 0]
+    gen = torch.Generator().manual_seed(3)
+    order = (torch.randperm(12, generator=gen) + 1).tolist()
+    tables = [
+        [order.pop() for _ in range(-(-(c + n) // bs))] for c, n in zip(computed, new, strict=True)
+    ]
+    meta, _ = build_attention_metadata(computed, new, tables, bs, DEV)
+    cache = torch.randn(13, 1, bs, 1, rank + rope, generator=gen).to(DEV)
+    q_nope, q_pe = (torch.randn(sum(new), heads, d, generator=gen).to(DEV) for d in (nope, rope))
+    w_uk = (torch.randn(heads, nope, rank, generator=gen) / rank**0.5).to(DEV)
+    w_uv = (torch.randn(heads, v_dim, rank, generator=gen) / rank**0.5).to(DEV)
+    scale = (nope + rope) ** -0.5
+    want = mla_attention(q_nope, q_pe, cache, meta, w_uk, w_uv, scale)  # host path on the CPU
+    got = mla_decode(q_nope, q_pe, cache, meta, None, w_uk, w_uv, scale, causal=True)
+    tol = dict(atol=1e-3, rtol=1e-3) if HAS_CUDA else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    layout = (meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+    split = triton_mla_decode(q_lat, q_pe, cache, *layout, 3, SMALL, meta.query_start_loc)
+    torch.testing.assert_close(torch.einsum("thr,hvr->thv", split, w_uv), want, **tol)
+
+
+@tiny
 def test_triton_mla_decode_refuses_bad_inputs():
     from pagedserve.kernels.triton_mla import triton_mla_decode
 
