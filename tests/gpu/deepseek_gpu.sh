@@ -6,8 +6,8 @@
 # ms/token (W3-shaped) and offline throughput (W1-shaped, W1_PROMPTS prompts), each beside the
 # weight-read floor. Routed experts stay FP8 on the GPU (11.3 GB per MoE layer, the grouped
 # Triton kernel scaling each tile by its block): LAYERS=8 (3 dense + 5 MoE, ~63 GB) fits an
-# 80 GB card. Decode steps run in CUDA graphs. `gpu-test`: the tiny model on CUDA (decode graphs)
-# against transformers, the grouped kernel at DeepSeek's and gpt-oss's shapes, and the Triton MLA
+# 80 GB card. Decode steps and steps of up to 256 tokens run in CUDA graphs. `gpu-test`: the tiny
+# model on CUDA (decode and mixed-step graphs) against transformers, the grouped kernel at DeepSeek's and gpt-oss's shapes, and the Triton MLA
 # decode kernel against torch at V3's head shapes (and in a replayed graph). `mla-bench`: that
 # kernel's time against the torch decode it replaced (`mla-sweep`, not in the default steps: its
 # launch configurations and split counts); `w3-off`: W3 with the torch decode
