@@ -81,7 +81,9 @@ def _query_row(query_start_loc_ptr, seq_lens_ptr, tok, num_seqs, EXTEND: tl.cons
             else:
                 hi = mid
         row = lo - 1
-        seen = tl.load(seq_lens_ptr + row) - (tl.load(query_start_loc_ptr + row + 1) - tok) + 1
+        q_end = tl.load(query_start_loc_ptr + row + 1)
+        seen = tl.load(seq_lens_ptr + row) - (q_end - tok) + 1
+        seen = tl.where(tok < q_end, seen, 0)  # a graph's capture runs over a zeroed layout
     else:
         row = tok
         seen = tl.load(seq_lens_ptr + tok)
@@ -153,7 +155,8 @@ def _mla_decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # partials [B, S, Hh, BLOCK_R] and (max, sum) [B, S, Hh, 2], contiguous
         slot = (tok * num_splits + split) * num_heads + head  # [H]
-        tl.store(part_out_ptr + slot[:, None] * BLOCK_R + r[None, :], acc, mask=out_mask)
+        # every column, the padding ones zero: the merge reads them all
+        tl.store(part_out_ptr + slot[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
         tl.store(part_ml_ptr + slot * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=h_ok)
 
