@@ -252,8 +252,8 @@ def capture_graphs(
     )
     sched = config.scheduler
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
-    if mixed is not True:
-        max_tokens = min(max_tokens, int(mixed))
+    if not isinstance(mixed, bool):  # a token cap: no bucket past it
+        max_tokens = min(max_tokens, max(t for t in MIXED_TOKEN_SIZES if t <= int(mixed)))
     mixed_graphs = None
     if state_scratch is None and mixed:
         mixed_graphs = MixedGraphs(
