@@ -3,8 +3,9 @@
 span blocks, one split and several (some left empty by short rows), and an empty padding row.
 Under the Triton interpreter without a GPU (tiny shapes, float32 and float16: the interpreter's
 bfloat16 dots are wrong); with one, the `gpu` tests add DeepSeek-V3's head shapes in bf16 (128
-heads, R = 512, P = 64) and a CUDA-graph replay with other lengths. The model's decode path
-through the kernel (decode graphs, mixed steps' decode rows) is test_deepseek_v3.py's GPU test.
+heads, R = 512, P = 64), rows of several tokens (causal) and a CUDA-graph replay with other
+lengths. The model through the kernel (decode and mixed-step graphs) is test_deepseek_v3.py's
+GPU test.
 """
 
 from __future__ import annotations
@@ -133,3 +134,26 @@ def test_gpu_triton_mla_decode_graph_replays_other_lengths():
         graph.replay()
         want = mla_decode_ref(q_lat, q_pe, cache, tables, lens, 4096, scale)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_gpu_triton_mla_causal_v3_shapes():
+    """Rows of 37, 1, 0 and 200 new tokens after 100, 900, 0 and 0 cached ones at V3's head
+    shapes in bf16: each token equals a one-token row over the keys up to it."""
+    from pagedserve.kernels.triton_mla import triton_mla_decode
+
+    seq_lens, q_lens = [137, 901, 0, 200], [37, 1, 0, 200]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    rows = torch.repeat_interleave(torch.arange(4), torch.tensor(q_lens))  # [T]
+    seen = [n - q + j + 1 for n, q in zip(seq_lens, q_lens, strict=True) for j in range(q)]
+    _, _, cache, tables, lens = latent_batch(seq_lens, 1, 512, 64, 16, torch.bfloat16, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    q_lat = torch.randn(len(seen), 128, 512, generator=gen, device=DEV) / 512**0.25
+    q_pe = torch.randn(len(seen), 128, 64, generator=gen, device=DEV)
+    q_lat, q_pe = q_lat.bfloat16(), q_pe.bfloat16()
+    got = triton_mla_decode(q_lat, q_pe, cache, tables, lens, 901, 0.05,
+                            query_start_loc=qsl.to(DEV))  # fmt: skip
+    per_token = torch.tensor(seen, dtype=torch.int32, device=DEV)
+    want = mla_decode_ref(q_lat, q_pe, cache, tables[rows.to(DEV)], per_token, 901, 0.05)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
