@@ -10,8 +10,9 @@
 # model on CUDA (decode and mixed-step graphs) against transformers, the grouped kernel at DeepSeek's and gpt-oss's shapes, and the Triton MLA
 # decode kernel against torch at V3's head shapes (and in a replayed graph). `mla-bench`: that
 # kernel's time against the torch decode it replaced (`mla-sweep`, not in the default steps: its
-# launch configurations and split counts); `w3-off`: W3 with the torch decode
-# (PAGEDSERVE_DISABLE_FUSIONS=mla-decode), beside `w3` in the same lease.
+# launch configurations and split counts); `w3-off` (and `w1-off`, not in the default steps):
+# W3 (W1) with the torch MLA and no mixed-step graphs (PAGEDSERVE_DISABLE_FUSIONS=mla-decode),
+# beside `w3` (`w1`) in the same lease.
 #   bash tests/gpu/deepseek_gpu.sh                    # all steps; outputs in $OUT (or /tmp/out)
 #   LAYERS=8 W1_PROMPTS=32 STEPS="w3 w1" bash tests/gpu/deepseek_gpu.sh
 set -uo pipefail
@@ -64,6 +65,9 @@ PY
           | tee "$OUT/deepseek-mla-bench.txt" ;;
     mla-sweep) $T python3 -m pagedserve.benchmarks.kernels.bench_mla --sweep 2>&1 \
           | tee "$OUT/deepseek-mla-sweep.txt" ;;
+    w1-off) PAGEDSERVE_DISABLE_FUSIONS=mla-decode $T $PS bench throughput $COMMON --input-len 1024 \
+          --output-len 128 --num-prompts ${W1_PROMPTS:-64} --output-json "$OUT/deepseek-w1-off.json" \
+          2>&1 | tail -6 ;;
     w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
           --num-prompts ${W1_PROMPTS:-64} --output-json "$OUT/deepseek-w1.json" 2>&1 | tail -6 ;;
     *) echo "unknown step $step" ;;
