@@ -45,6 +45,7 @@ FUSIONS = (
     "l2-prefetch", "qkv-rope", "swiglu-gemm", "lora-gemv",
     "lora-swiglu",
     "moe-gemv",
+    "mla-decode",
 )  # fmt: skip
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 CURVE_KEY_ENV = "PAGEDSERVE_CURVE_KEY"

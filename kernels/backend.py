@@ -24,8 +24,8 @@ once per process into `settings.Settings` (start-up settings, never flipped at r
   `swiglu-gemm` (a prompt-sized batch's gate/up GEMM with silu-and-mul in its epilogue, quack's,
   kernels/swiglu_gemm.py), `lora-gemv` (a decode batch's LoRA shrink inside the base GEMV,
   kernels/triton_lora.py), `lora-swiglu` (a prompt's gate/up LoRA deltas formed inside its
-  silu-and-mul), `moe-gemv` (a few tokens' experts as two GEMVs, kernels/triton_moe_decode.py);
-  `all` turns off every one.
+  silu-and-mul), `moe-gemv` (a few tokens' experts as two GEMVs, kernels/triton_moe_decode.py),
+  `mla-decode` (MLA's absorbed decode in Triton, kernels/triton_mla.py); `all` turns off every one.
 """
 
 from __future__ import annotations

@@ -238,8 +238,9 @@ def test_launch_seeded_samples_equal_tp2(launched, oracle):
 
 @pytest.mark.gpu
 def test_gpu_engine_equals_transformers(path, oracle):
-    """On a GPU (float32): Triton rotary, norms, experts and FP8-free linears around the torch
-    MLA, chunked and preempted as on the CPU above."""
+    """On a GPU (float32): Triton rotary, norms, experts, FP8-free linears and the Triton MLA
+    kernel (decode graphs; 32-token steps of chunks and decodes in mixed-step graphs, absorbed),
+    chunked and preempted as on the CPU above."""
     prompts, want = oracle
     greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(

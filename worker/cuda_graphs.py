@@ -235,14 +235,15 @@ def capture_graphs(
     head: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
     cascade: bool,
     state_scratch: int | None = None,
-    mixed: bool = True,
+    mixed: bool | int = True,
     num_groups: int = 1,
 ) -> tuple[DecodeGraphs, MixedGraphs | None]:
     """Both kinds, captured for the engine's limits: the mixed-step graphs first (the largest
     activations first: one pool for all), then the decode graphs into the same pool. A model
     with recurrent state (`state_scratch`: its scratch slot) or whose prompt attention reads
-    host lengths (`mixed` False: MLA) gets decode graphs only. `num_groups`: the model's KV
-    cache groups (each one's block table and slot mapping a graph input)."""
+    host lengths (`mixed` False) gets decode graphs only; `mixed` a number: mixed graphs up to
+    that many tokens (MLA: its device-layout path, kernels/mla.py). `num_groups`: the model's
+    KV cache groups (each one's block table and slot mapping a graph input)."""
     shape = dict(
         max_blocks=max_blocks,
         max_model_len=config.max_model_len,
@@ -251,6 +252,8 @@ def capture_graphs(
     )
     sched = config.scheduler
     max_tokens = min(sched.max_num_batched_tokens, config.max_model_len)
+    if not isinstance(mixed, bool):  # a token cap: no bucket past it
+        max_tokens = min(max_tokens, max(t for t in MIXED_TOKEN_SIZES if t <= int(mixed)))
     mixed_graphs = None
     if state_scratch is None and mixed:
         mixed_graphs = MixedGraphs(

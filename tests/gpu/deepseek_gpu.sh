@@ -6,8 +6,13 @@
 # ms/token (W3-shaped) and offline throughput (W1-shaped, W1_PROMPTS prompts), each beside the
 # weight-read floor. Routed experts stay FP8 on the GPU (11.3 GB per MoE layer, the grouped
 # Triton kernel scaling each tile by its block): LAYERS=8 (3 dense + 5 MoE, ~63 GB) fits an
-# 80 GB card. Decode steps run in CUDA graphs. `gpu-test`: the tiny model on CUDA (decode graphs)
-# against transformers, and the grouped kernel at DeepSeek's and gpt-oss's shapes.
+# 80 GB card. Decode steps and steps of up to 256 tokens run in CUDA graphs. `gpu-test`: the tiny
+# model on CUDA (decode and mixed-step graphs) against transformers, the grouped kernel at DeepSeek's and gpt-oss's shapes, and the Triton MLA
+# decode kernel against torch at V3's head shapes (and in a replayed graph). `mla-bench`: that
+# kernel's time against the torch decode it replaced (`mla-sweep`, not in the default steps: its
+# launch configurations and split counts); `w3-off` (and `w1-off`, not in the default steps):
+# W3 (W1) with the torch MLA and no mixed-step graphs (PAGEDSERVE_DISABLE_FUSIONS=mla-decode),
+# beside `w3` (`w1`) in the same lease.
 #   bash tests/gpu/deepseek_gpu.sh                    # all steps; outputs in $OUT (or /tmp/out)
 #   LAYERS=8 W1_PROMPTS=32 STEPS="w3 w1" bash tests/gpu/deepseek_gpu.sh
 set -uo pipefail
@@ -22,7 +27,7 @@ LAYERS=${LAYERS:-8}
 M=${M:-/tmp/deepseek-v3-shape-$LAYERS}
 PS="python3 -m pagedserve.entrypoints.cli"
 COMMON="--model $M --load-format dummy --dtype bfloat16 --max-model-len 2048 ${EXTRA:-}"
-STEPS=${STEPS:-"gpu-test floor w3 w1"}
+STEPS=${STEPS:-"gpu-test mla-bench floor w3 w3-off w1"}
 T="timeout ${STEP_TIMEOUT:-300}"
 
 [ -f $M/config.json ] || python3 tests/gpu/deepseek_shape.py "$M" "$LAYERS" "${SHAPE:-v3}"
@@ -31,8 +36,8 @@ for step in $STEPS; do
   echo "=== $step"
   case $step in
     gpu-test) $T python3 -m pytest -q -s tests/test_deepseek_v3.py tests/test_moe_fast_path.py \
-        -k "gpu or fp8 or latent or gpt_oss" 2>&1 | tee "$OUT/deepseek-gpu-test.txt" \
-        | grep -E "moe batch|passed|failed|Error" ;;
+        tests/test_triton_mla.py -k "gpu or fp8 or latent or gpt_oss or mla" 2>&1 \
+        | tee "$OUT/deepseek-gpu-test.txt" | grep -E "moe batch|passed|failed|Error" ;;
     floor) python3 - "$M" <<'PY' 2>&1 | tee "$OUT/deepseek-floor.txt"
 # Bytes one decode step must read (the active parameters): every dense weight (fp8, 1 byte),
 # the shared and the chosen experts of each MoE layer (fp8), the LM head (bf16). Batch 1 reads
@@ -53,6 +58,16 @@ PY
     ;;
     w3) $T $PS bench latency $COMMON --batch-size 1 --input-len 128 --output-len 64 \
           --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/deepseek-w3.json" 2>&1 | tail -6 ;;
+    w3-off) PAGEDSERVE_DISABLE_FUSIONS=mla-decode $T $PS bench latency $COMMON --batch-size 1 \
+          --input-len 128 --output-len 64 --num-iters-warmup 1 --num-iters 2 \
+          --output-json "$OUT/deepseek-w3-off.json" 2>&1 | tail -6 ;;
+    mla-bench) $T python3 -m pagedserve.benchmarks.kernels.bench_mla 2>&1 \
+          | tee "$OUT/deepseek-mla-bench.txt" ;;
+    mla-sweep) $T python3 -m pagedserve.benchmarks.kernels.bench_mla --sweep 2>&1 \
+          | tee "$OUT/deepseek-mla-sweep.txt" ;;
+    w1-off) PAGEDSERVE_DISABLE_FUSIONS=mla-decode $T $PS bench throughput $COMMON --input-len 1024 \
+          --output-len 128 --num-prompts ${W1_PROMPTS:-64} --output-json "$OUT/deepseek-w1-off.json" \
+          2>&1 | tail -6 ;;
     w1) $T $PS bench throughput $COMMON --input-len 1024 --output-len 128 \
           --num-prompts ${W1_PROMPTS:-64} --output-json "$OUT/deepseek-w1.json" 2>&1 | tail -6 ;;
     *) echo "unknown step $step" ;;

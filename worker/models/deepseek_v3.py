@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.mla import ABSORB_MAX_TOKENS, triton_mla_enabled
 from pagedserve.parallel.state import tp_all_reduce
 from pagedserve.quant_config import Fp8Scheme
 from pagedserve.worker.layers.fp8_moe import Fp8BlockMoE, expert_scale_name, expert_scale_param
@@ -134,8 +135,13 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The Llama serving interface over MLA layers: the KV cache is latent (`kv_block_shape`)."""
 
     model_class = DeepseekV3Model
-    # Decode graphs only: kernels/mla.py's decode reads device lengths, its prefill host ones.
-    mixed_cuda_graphs = False
+
+    @property
+    def mixed_cuda_graphs(self) -> int | bool:
+        """Mixed-step graphs up to ABSORB_MAX_TOKENS tokens where MLA attends in Triton from the
+        device layout alone (kernels/mla.py); else decode graphs only (the torch prefill reads
+        host lengths)."""
+        return ABSORB_MAX_TOKENS if triton_mla_enabled() else False
 
     def __init__(
         self,
