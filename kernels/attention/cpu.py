@@ -19,8 +19,10 @@ Rows of a few queries (up to `MAX_SHORT_QUERIES`: a speculative verification's k
 prompt) form a third group, which the kernel runs too, as one decode row per query over the
 keys up to its position (its block table repeated). That is exactly what the decode steps of
 those positions compute, the same sums in the same order, so a verification's attention equals
-plain decoding's bit for bit; and on a CPU the padded SDPA over a gathered context cost ~0.4 ms a
-layer for 9 queries against the kernel's few tens of microseconds (SmolLM2, 600 keys).
+plain decoding's bit for bit (greedy output with speculation on is the same by construction, not
+by luck of rounding). It is faster too, less so with more queries (SmolLM2's 9 query and 3 KV
+heads over 600 keys, 2 threads of the EPYC: 3 queries 234 against 410 us a layer through the
+gather, mask and SDPA, 9 queries 569 against 716, 13 queries 648 against 644).
 """
 
 from __future__ import annotations
