@@ -72,9 +72,13 @@ class PaddedGroup:
         return q_pos, k_pos, mask
 
     @functools.cached_property
-    def query_seq_lens(self) -> torch.Tensor:  # [B * L] int64: each query's position + 1
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [B * L, nb], seq_lens [B * L] int64) of each query as a decode row of its
+        own: its row's table, its position + 1."""
         q_pos = self.query_positions[:, : self.max_query_len] + 1  # the first of G copies
-        return torch.from_numpy(np.ascontiguousarray(q_pos.reshape(-1))).to(self.seq_lens.device)
+        seq_lens = torch.from_numpy(np.ascontiguousarray(q_pos.reshape(-1)))
+        tables = self.block_tables.repeat_interleave(self.max_query_len, dim=0).contiguous()
+        return tables, seq_lens.to(self.seq_lens.device)
 
 
 def _group(meta: AttentionMetadata, rows: np.ndarray, dense: bool, group: int) -> PaddedGroup:
@@ -213,11 +217,8 @@ def _attend_decode(
     """Every query of the group as a decode row of its own: its row's block table, its keys up
     to its position (padding queries repeat the row's last one)."""
     q = query if group.dest is None else query[group.token_index]  # [B * L, Hq, D]
-    tables, seq_lens = group.block_tables, group.seq_lens
     length = group.max_query_len
-    if length > 1:
-        tables = tables.repeat_interleave(length, dim=0)  # [B * L, nb]
-        seq_lens = group.query_seq_lens  # [B * L]
+    tables, seq_lens = group.query_rows if length > 1 else (group.block_tables, group.seq_lens)
     out = cpu_native.decode_attention(q, kv_cache, tables, seq_lens, scale, sliding_window)
     return out.view(-1, length, *out.shape[1:])
 
