@@ -37,10 +37,16 @@ def test_verification_rows_equal_decode_rows_bit_for_bit(window, dtype):
     torch.testing.assert_close(out, ref, **tol)
 
 
-def test_short_rows_beside_a_prefill_chunk_match_the_reference():
-    """Decode, short (verification) and prefill rows in one step: three groups, scattered back."""
-    computed = [30, 0, 9, 5, 0]
-    new = [1, MAX_SHORT_QUERIES + 4, 5, MAX_SHORT_QUERIES, 2]
+@pytest.mark.parametrize(
+    ("computed", "new"),
+    [
+        ([30, 0, 9, 5, 0], [1, MAX_SHORT_QUERIES + 4, 5, MAX_SHORT_QUERIES, 2]),  # three groups
+        ([3, 7], [9, 9]),  # one short group, no padding: its output is the step's, in order
+        ([0, 5, 9], [20, 20, 20]),  # the same for a prefill group
+    ],
+)
+def test_short_rows_beside_other_rows_match_the_reference(computed, new):
+    """Decode, short (verification) and prefill rows in one step, scattered back or dense."""
     q, kv, meta = random_batch(computed, new, 8, 2, 32, 16, torch.float32, "cpu", seed=5)
-    ref = paged_attention_ref(q, kv, meta, 0.2)
-    torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.2), ref, atol=1e-5, rtol=1e-5)
+    ref = paged_attention_ref(q, kv, meta, 0.2, 11)
+    torch.testing.assert_close(cpu_paged_attention(q, kv, meta, 0.2, 11), ref, atol=1e-5, rtol=1e-5)
