@@ -23,10 +23,10 @@ kernels load (kernels/cpu_native.py): a step of at most `SMALL_M` rows (decode) 
 1.4x faster than oneDNN's blocked layout at M = 1, 1.1x at M = 16, even at 32;
 docs/cpu_avx.md), and larger steps (prefill) run oneDNN's inner product on the plain weight (as
 fast as the prepacked one from M ~ 64 up: oneDNN packs inside the call). One copy either way,
-and a tied LM head shares the embedding's. A smaller model's weights sit in cache, where the
-step is compute-bound and oneDNN's blocked GEMM is the faster one (the embedded model's 4096 x
-128 LM head: 0.24 against 0.39 ms at M = 8), so `settle_layouts` packs them once the whole
-model is loaded.
+and a tied LM head shares the embedding's; its weights too small to pack (`MIN_PACKED_ELEMENTS`)
+take `small_linear` too. A smaller model's weights sit in cache, where the step is compute-bound
+and oneDNN's blocked GEMM is the faster one (the embedded model's 4096 x 128 LM head: 0.24
+against 0.39 ms at M = 8), so `settle_layouts` packs them once the whole model is loaded.
 
 `PAGEDSERVE_CPU_LINEAR` (read once per process): `onednn` (the default, as above), `packed`
 (every weight in oneDNN's blocked layout, the previous default; the A/B arm) or `torch` (every CPU
@@ -120,9 +120,26 @@ def settle_layouts(model: torch.nn.Module) -> None:
         return
     tensors = {t.data_ptr(): t for t in (*model.parameters(), *(m.packed for m in plain))}
     if sum(t.numel() * t.element_size() for t in tensors.values()) >= STREAMED_MODEL_BYTES:
+        _small_weights_to_kernel(model)
         return
     for module in plain:
         try:
             module.packed = torch.ops.mkldnn._reorder_linear_weight(module.packed, None)
         except RuntimeError:  # a build without this oneDNN path: the plain weight serves
             return
+
+
+def _small_weights_to_kernel(model: torch.nn.Module) -> None:
+    """In a streamed model, the float32 weights under `MIN_PACKED_ELEMENTS` (SmolLM2's 576 x 576
+    o_proj) run `small_linear` too: oneDNN's call overhead that kept them on `F.linear` is not
+    this kernel's, and MKL's sgemm on them took ~0.17 ms at M = 1 and ~0.35 at M = 9 (a
+    speculative verification) on the 2-core EPYC, a few times the kernel's time."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "packed") or module.packed is not None or weight is None:
+            continue
+        if getattr(module, "weight_scale", None) is not None or weight.device.type != "cpu":
+            continue
+        if weight.dim() == 2 and keeps_plain(weight) and not getattr(module, "tied", False):
+            module.packed = weight.detach().contiguous()
+            module.weight = None

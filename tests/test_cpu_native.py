@@ -82,13 +82,15 @@ def test_backend_sends_decode_rows_through_the_kernel(monkeypatch):
     monkeypatch.setattr(cpu_native, "decode_attention", counted)
     q, kv, meta = random_batch(*MIXED, 8, 2, 32, 4, torch.float32, "cpu", seed=3)
     out = cpu_paged_attention(q, kv, meta, 0.3, 7)
-    assert calls == [3]  # the three decode rows, scattered among the prefill chunks
+    # the three decode rows, scattered among the prefill chunks; then the rows of 6 and 3
+    # queries (at most MAX_SHORT_QUERIES), one decode row per query padded to 6; 20 go to SDPA
+    assert calls == [3, 12]
     torch.testing.assert_close(out, paged_attention_ref(q, kv, meta, 0.3, 7), atol=1e-5, rtol=1e-5)
     fp8 = kv.to(torch.float8_e4m3fn)  # a cache the kernel does not read: the torch path
     ref = paged_attention_ref(q, fp8, meta, 0.3, 7, k_scale=0.5, v_scale=2.0)
     got = cpu_paged_attention(q, fp8, meta, 0.3, 7, k_scale=0.5, v_scale=2.0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    assert calls == [3]
+    assert calls == [3, 12]
 
 
 def test_failed_build_or_setting_leaves_torch_serving(fresh_kernel, tmp_path, caplog):

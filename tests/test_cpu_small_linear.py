@@ -109,3 +109,24 @@ def test_small_model_or_packed_setting_takes_onednn_layout(setting, streamed, en
     assert model.head.weight is model.embed.weight  # the head packed a copy
     x = torch.randn(2, 1024)
     torch.testing.assert_close(model.proj(x) - model.proj.bias, x @ weight.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_streamed_model_runs_its_small_weights_on_the_kernel(streamed, env, monkeypatch):
+    """A weight under `MIN_PACKED_ELEMENTS` (SmolLM2's o_proj) of a streamed model runs the C++
+    kernel at decode sizes too (plain, no copy), as F.linear; a small model keeps it on
+    F.linear (its compiled forward needs unpacked layers)."""
+    env("PAGEDSERVE_CPU_LINEAR", "onednn")
+    if streamed:
+        monkeypatch.setattr(cpu_linear, "STREAMED_MODEL_BYTES", 0)
+    model = _model(1024, 512)
+    model.small = layers.RowParallelLinear(256, 256, bias=False)
+    weight = model.small.weight.data.clone()
+    after_loading(model)
+    assert (model.small.packed is not None) == streamed and (model.small.weight is None) == streamed
+    calls = []
+    small_linear = cpu_native.small_linear
+    monkeypatch.setattr(cpu_native, "small_linear", lambda *a: calls.append(1) or small_linear(*a))
+    x = torch.randn(9, 256)
+    torch.testing.assert_close(model.small(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+    assert bool(calls) == streamed

@@ -210,3 +210,30 @@ def _reference_head(ref, head_dir: str, ids: torch.Tensor, hidden: torch.Tensor)
         out = layer(h, position_embeddings=rotary, position_ids=positions, attention_mask=None)
         h = out[0] if isinstance(out, tuple) else out
     return h[0]
+
+
+def test_memory_profile_holds_the_kept_hidden_states(dirs):
+    """The profiled step runs with a step's worth of kept target hidden states alive ([T, H] in
+    the head's rows, as `after_target` leaves them), so the CUDA profile's peak counts them; the
+    profile drops them after."""
+    from pagedserve.frontend.llm import build_engine_config
+    from pagedserve.parallel.groups import rank_info
+    from pagedserve.worker.model_runner import ModelRunner
+
+    target, head = dirs
+    config = build_engine_config(
+        target, device="cpu", dtype="float32", max_num_seqs=4, speculative_config=eagle(head),
+        max_num_batched_tokens=48,
+    )  # fmt: skip
+    runner = ModelRunner(config, torch.device("cpu"), rank_info(config.parallel, 0))
+    kept, forward = [], runner.model.forward
+
+    def spy(*args, **kwargs):
+        rows = runner.drafter.rows.values()
+        kept.append((sum(len(r.hidden) for r in rows), {tuple(r.hidden.shape[1:]) for r in rows}))
+        return forward(*args, **kwargs)
+
+    runner.model.forward = spy
+    runner._dummy_forward()
+    hidden = config.model.hf["hidden_size"]
+    assert kept == [(48, {(hidden,)})] and not runner.drafter.rows

@@ -101,6 +101,10 @@ class DraftRunner:
             for _ in range(self.mc.num_layers)
         ]
 
+    def before_profile(self, inputs: StepInputs) -> None:
+        """What the drafter keeps from one step for the next, as of a step like `inputs`, held
+        through the profiled step (a draft model keeps nothing but its KV cache)."""
+
     def profile(self, inputs: StepInputs, num_blocks: int) -> None:
         """The memory profile's worst step through the draft too (its activations and a logits
         row per sampling row), over a throwaway cache, so that the peak counts them."""

@@ -211,6 +211,17 @@ class EagleRunner(DraftRunner):
             ids[fill[0]] = fill[1]
         return ids
 
+    def before_profile(self, inputs: StepInputs) -> None:
+        """The hidden states a step as large as the profiled one leaves for the next ([T, width
+        * H], `after_target`), kept in `rows` through the profiled step so that its peak counts
+        them; `profile` drops them."""
+        ids = to_device(inputs.input_ids, self.device)
+        hidden = torch.zeros(len(ids), self.hidden_size, dtype=self.dtype, device=self.device)
+        qsl = inputs.query_start_loc.tolist()
+        for b in range(len(qsl) - 1):
+            s, e = qsl[b], qsl[b + 1]
+            self.rows[f"profile-{b}"] = RowHidden(int(inputs.positions[s]), ids[s:e], hidden[s:e])
+
     def profile(self, inputs: StepInputs, num_blocks: int) -> None:
         self.init_cache(num_blocks)
         ids = to_device(inputs.input_ids, self.device)
@@ -218,6 +229,7 @@ class EagleRunner(DraftRunner):
         hidden = self._head(inputs, ids, zeros)
         self.model.compute_logits(hidden[to_device(inputs.logits_indices, self.device)])
         self.kv_caches = []
+        self.rows.clear()  # the profile's kept states (`before_profile`)
 
     def _head(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         meta = attention_metadata(inputs, self.block_size, self.device)

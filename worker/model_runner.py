@@ -276,6 +276,8 @@ class ModelRunner:
             inputs.state_slots = np.arange(len(inputs.seq_lens), dtype=np.int64)
         num_tokens = len(inputs.input_ids)
         with torch.inference_mode():
+            if self.drafter is not None:  # e.g. an EAGLE head's kept hidden states
+                self.drafter.before_profile(inputs)
             intermediate = None
             if not self.info.is_first_stage:
                 zeros = torch.zeros(
