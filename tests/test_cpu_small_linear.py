@@ -121,6 +121,7 @@ def test_streamed_model_runs_its_small_weights_on_the_kernel(streamed, env, monk
         monkeypatch.setattr(cpu_linear, "STREAMED_MODEL_BYTES", 0)
     model = _model(1024, 512)
     model.small = layers.RowParallelLinear(256, 256, bias=False)
+    model.small.weight.data.normal_()  # (the layer allocates it uninitialized: a NaN now and then)
     weight = model.small.weight.data.clone()
     after_loading(model)
     assert (model.small.packed is not None) == streamed and (model.small.weight is None) == streamed
