@@ -1,0 +1,106 @@
+"""On a GPU: the drafter's own CUDA graphs (worker/draft_graphs.py, PAGEDSERVE_DRAFT_CUDA_GRAPHS)
+captured for real draft what eager drafting drafts, at float32. The model runner's drafter
+alone (the steps of tests/test_spec_draft_graphs.py: buckets of 4, 2 and 1, a step past the
+largest, replays with new lengths): the same drafts, the seeded row's q and the same KV cache;
+and the engine: greedy output with the graphs on equals their off and speculation off, at batch
+sizes 1, 3 and 8, for a draft model and an EAGLE head. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from test_spec_draft_graphs import PER_ROW, make_runner, run_steps
+from test_spec_eagle import write_head
+from transformers import LlamaForCausalLM
+
+from pagedserve import LLM
+from pagedserve.ipc.messages import SamplingParams
+
+from tiny_models import tiny_model_dir
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+]
+
+
+class CountingGraph:
+    """A captured graph that counts its replays."""
+
+    def __init__(self, graph) -> None:
+        self.graph, self.count = graph, 0
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self.count += 1
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The tiny Llama, a one-layer draft cut from it and an EAGLE head built for it."""
+    base = str(tmp_path_factory.getbasetemp())
+    target = tiny_model_dir("llama", base)
+    draft = os.path.join(base, "draft-1layer-g")
+    if not os.path.isdir(draft):
+        model = LlamaForCausalLM.from_pretrained(target)
+        model.model.layers = model.model.layers[:1]
+        model.config.num_hidden_layers = 1
+        model.save_pretrained(draft, safe_serialization=True)
+        for name in os.listdir(target):
+            if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(os.path.join(target, name), draft)
+    return target, draft, write_head(target, os.path.join(base, "eagle-head-g"))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_captured_drafts_equal_eager(dirs, method):
+    target, draft, head = dirs
+    spec = {"method": method, "model": draft if method == "draft_model" else head,
+            "num_speculative_tokens": 3}  # fmt: skip
+    runner = make_runner(target, spec, torch.device("cuda"))
+    runner.max_num_seqs = 4  # buckets 4, 2, 1 as on the CPU (the step of 5 rows: eager)
+    runner.capture_graphs(PER_ROW)
+    graphs = runner.graphs
+    for key, graph in list(graphs.decode.graphs.items()):
+        graphs.decode.graphs[key] = CountingGraph(graph)
+    replays = run_steps(runner, graphs)
+    assert replays == ([3, 4, 0, 4] if method == "draft_model" else [2, 3, 0, 3]), replays
+
+
+def generate(target, spec, graphs: str | None, batches) -> list[list[list[int]]]:
+    if graphs is not None:
+        os.environ["PAGEDSERVE_DRAFT_CUDA_GRAPHS"] = graphs
+    try:
+        with LLM(target, dtype="float32", speculative_config=spec, max_model_len=256,
+                 max_num_seqs=8, gpu_memory_utilization=0.3) as llm:  # fmt: skip
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+            out = []
+            for prompts in batches:
+                got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                out.append([o.outputs[0].token_ids for o in got])
+            stats = llm.last_stats
+    finally:
+        os.environ.pop("PAGEDSERVE_DRAFT_CUDA_GRAPHS", None)
+    if spec is not None:
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    return out
+
+
+BATCHES = [
+    [list(range(40, 70))],
+    [[7, 8, 9] * 5, list(range(100, 190)), [5, 6]],
+    [[3 + (i * 29 + j * 13) % 400 for j in range(8 + 9 * i)] for i in range(8)],
+]
+
+
+def test_engine_greedy_same_with_draft_graphs(dirs):
+    """Greedy output with the drafter's graphs on equals their off and speculation off."""
+    target, draft, head = dirs
+    off = generate(target, None, None, BATCHES)
+    for model, method in ((draft, "draft_model"), (head, "eagle")):
+        spec = {"method": method, "model": model, "num_speculative_tokens": 3}
+        assert generate(target, spec, "0", BATCHES) == off, method
+        assert generate(target, spec, "1", BATCHES) == off, method
