@@ -2,7 +2,7 @@
 drafter alone (no target forward, no processes), ms per draft token at each batch size.
 
     python -m pagedserve.tests.gpu.draft_graphs_bench TARGET_DIR [--method draft_model eagle]
-        [--batch 1 32] [--k 4] [--ctx 512] [--output-json F]
+        [--batch 1 32] [--k 4] [--ctx 512] [--output-json F] [--device cpu --draft same]
 
 TARGET_DIR is an HF config directory (e.g. the Llama-3-8B shape of .gpucarry/make_model_dir.py);
 weights are dummy. `draft_model` drafts with a Llama-3.2-1B-shaped model (the target's
@@ -12,6 +12,8 @@ target is built: 16 GB for 8B in bf16). Each row holds a `--ctx`-token context a
 tokens a step: forward 0 over its last known token, then k - 1 more forwards (eagle: k - 1
 feedbacks after its pair). One step is timed synchronously (median of `--steps`), eager and
 graphed in turn on one runner and one KV cache; a step's ms / k is the cost per draft token.
+`--device cpu --draft same` (a draft of the target's shape) smoke-tests the script on a tiny
+model: eager only, no graphs to capture there.
 """
 
 from __future__ import annotations
@@ -81,13 +83,15 @@ def build_runner(args, method: str, max_batch: int) -> DraftRunner:
     if method == "eagle":
         draft = config_dir(args.target, "eagle-head-1layer", num_hidden_layers=1)
     else:
-        draft = config_dir(args.target, "draft-llama-1b", **LLAMA_1B)
+        draft = config_dir(
+            args.target, "draft-model", **(LLAMA_1B if args.draft == "llama-1b" else {})
+        )
     spec = {"method": method, "model": draft, "num_speculative_tokens": args.k}
     config = build_engine_config(
         args.target, load_format="dummy", dtype=args.dtype, max_num_seqs=max_batch,
         max_model_len=args.ctx + args.k + 16, speculative_config=spec,
     )  # fmt: skip
-    device, dtype = torch.device("cuda", 0), getattr(torch, args.dtype)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sampler = Sampler(seed=0, device=device)
     if method == "eagle":
         target = build_model(config.model, dtype, device)
@@ -96,7 +100,8 @@ def build_runner(args, method: str, max_batch: int) -> DraftRunner:
         runner = DraftRunner(config, dtype, device, sampler)
     per_row = -(-config.max_model_len // config.cache.block_size)
     runner.init_cache(max_batch * per_row)
-    runner.capture_graphs(per_row)
+    if device.type == "cuda":
+        runner.capture_graphs(per_row)
     return runner
 
 
@@ -105,25 +110,28 @@ def time_steps(runner: DraftRunner, batch: int, args) -> dict[str, float]:
     block = runner.block_size
     per_row = runner.kv_caches[0].shape[0] // runner.max_num_seqs
     ids = [f"r{b}" for b in range(batch)]
-    prompt = [[3 + (b * 31 + j * 17) % 1000 for j in range(args.ctx)] for b in range(batch)]
+    top = min(1000, int(runner.mc.hf["vocab_size"]))  # token ids drawn below this
+    prompt = [[3 + (b * 31 + j * 17) % (top - 3) for j in range(args.ctx)] for b in range(batch)]
     runner.graphs, graphs = None, runner.graphs
     runner.run(step_inputs([(b, 0, p) for b, p in enumerate(prompt)], None, per_row, block),
                None, {}, ids)  # fmt: skip
     k = [args.k] * batch
     step = step_inputs([(b, args.ctx, [5] + [0] * args.k) for b in range(batch)], k, per_row, block)
     rows = {b: SamplingRow(SamplingParams(temperature=0), prompt[b], []) for b in range(batch)}
-    times: dict[str, list[float]] = {"eager": [], "graphed": []}
+    times: dict[str, list[float]] = {"eager": [], "graphed": []} if graphs else {"eager": []}
     for _ in range(args.rounds):
         for mode in times:
             runner.graphs = graphs if mode == "graphed" else None
             for i in range(3 + args.steps):
-                torch.cuda.synchronize()
+                if graphs is not None:
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 runner.run(step, None, rows, ids).token_ids.cpu()
                 if i >= 3:  # after the warm-up
                     times[mode].append(time.perf_counter() - t0)
     runner.graphs = graphs
-    return {mode: 1000 * statistics.median(ts) for mode, ts in times.items()}
+    ms = {mode: 1000 * statistics.median(ts) for mode, ts in times.items()}
+    return {"graphed": float("nan"), **ms}
 
 
 def main() -> None:
@@ -136,6 +144,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--draft", choices=["llama-1b", "same"], default="llama-1b")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     results = []
@@ -153,7 +163,8 @@ def main() -> None:
                   f"ms/draft token, graphed {r['graphed_ms_per_draft']:.3f} "
                   f"({r['speedup']:.2f}x)", flush=True)  # fmt: skip
         del runner
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
