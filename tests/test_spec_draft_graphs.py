@@ -19,6 +19,7 @@ from test_spec_eagle import write_head
 from pagedserve.frontend.engine_args import build_engine_config
 from pagedserve.ipc.messages import SamplingParams
 from pagedserve.kernels.attention.metadata import AttentionMetadata
+from pagedserve.settings import Settings
 from pagedserve.tests.gpu.draft_graphs_bench import step_inputs as bench_step_inputs
 from pagedserve.worker.draft_graphs import DraftGraphs, replay_plan
 from pagedserve.worker.draft_model import DraftRunner
@@ -200,3 +201,12 @@ def test_graphed_drafts_equal_eager(target, method, tmp_path_factory):
     # rows (not 5); EAGLE: one a draft but the last, and the pairs where each row has one (not
     # after the prompt); the step of 5 speculating rows, eager
     assert replays == ([3, 4, 0, 4] if method == "draft_model" else [2, 3, 0, 3]), replays
+
+
+def test_setting_is_off_by_default():
+    """PAGEDSERVE_DRAFT_CUDA_GRAPHS: off unless 1 (main's GPU behaviour stays eager until the
+    GPU test passes); any other value is refused by name; a CPU never captures."""
+    assert not Settings.from_env({}).draft_cuda_graphs
+    assert Settings.from_env({"PAGEDSERVE_DRAFT_CUDA_GRAPHS": "1"}).draft_cuda_graphs
+    with pytest.raises(ValueError, match="PAGEDSERVE_DRAFT_CUDA_GRAPHS='yes'"):
+        Settings.from_env({"PAGEDSERVE_DRAFT_CUDA_GRAPHS": "yes"})

@@ -8,13 +8,12 @@ sizes 1, 3 and 8, for a draft model and an EAGLE head. Skipped without CUDA."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 from test_spec_draft_graphs import PER_ROW, make_runner, run_steps
+from test_spec_draft_model import one_layer_draft
 from test_spec_eagle import write_head
-from transformers import LlamaForCausalLM
 
 from pagedserve import LLM
 from pagedserve.ipc.messages import SamplingParams
@@ -43,15 +42,7 @@ def dirs(tmp_path_factory):
     """The tiny Llama, a one-layer draft cut from it and an EAGLE head built for it."""
     base = str(tmp_path_factory.getbasetemp())
     target = tiny_model_dir("llama", base)
-    draft = os.path.join(base, "draft-1layer-g")
-    if not os.path.isdir(draft):
-        model = LlamaForCausalLM.from_pretrained(target)
-        model.model.layers = model.model.layers[:1]
-        model.config.num_hidden_layers = 1
-        model.save_pretrained(draft, safe_serialization=True)
-        for name in os.listdir(target):
-            if name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                shutil.copy(os.path.join(target, name), draft)
+    draft = one_layer_draft(target, os.path.join(base, "draft-1layer"))
     return target, draft, write_head(target, os.path.join(base, "eagle-head-g"))
 
 
