@@ -16,7 +16,10 @@ from test_spec_draft_model import one_layer_draft
 from test_spec_eagle import write_head
 
 from pagedserve import LLM
+from pagedserve.frontend.engine_args import build_engine_config
 from pagedserve.ipc.messages import SamplingParams
+from pagedserve.parallel.groups import rank_info
+from pagedserve.worker.model_runner import ModelRunner
 
 from tiny_models import tiny_model_dir
 
@@ -61,12 +64,34 @@ def test_captured_drafts_equal_eager(dirs, method):
     assert replays == ([3, 4, 0, 4] if method == "draft_model" else [2, 3, 0, 3]), replays
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_model_runner_captures_them(dirs, method, monkeypatch):
+    """With the setting on, the worker's model runner captures the drafter's graphs after the
+    target's (off: none)."""
+    target, draft, head = dirs
+    spec = {"method": method, "model": draft if method == "draft_model" else head,
+            "num_speculative_tokens": 3}  # fmt: skip
+    for on in ("0", "1"):
+        monkeypatch.setenv("PAGEDSERVE_DRAFT_CUDA_GRAPHS", on)
+        config = build_engine_config(
+            target, dtype="float32", max_model_len=256, max_num_seqs=8,
+            max_num_batched_tokens=256, speculative_config=spec,
+        )  # fmt: skip
+        runner = ModelRunner(config, torch.device("cuda", 0), rank_info(config.parallel, 0))
+        runner.init_cache(64)
+        assert runner.graphs is not None and runner.features.draft_cuda_graphs == (on == "1")
+        graphs = runner.drafter.graphs
+        assert graphs is None if on == "0" else graphs.decode.sizes == [8, 4, 2, 1]
+        del runner
+
+
 def generate(target, spec, graphs: str | None, batches) -> list[list[list[int]]]:
     if graphs is not None:
         os.environ["PAGEDSERVE_DRAFT_CUDA_GRAPHS"] = graphs
     try:
         with LLM(target, dtype="float32", speculative_config=spec, max_model_len=256,
-                 max_num_seqs=8, gpu_memory_utilization=0.3) as llm:  # fmt: skip
+                 max_num_seqs=8, max_num_batched_tokens=256,
+                 gpu_memory_utilization=0.3) as llm:  # fmt: skip
             params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
             out = []
             for prompts in batches:
