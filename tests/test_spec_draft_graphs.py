@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from test_spec_eagle import write_head
+from test_spec_eagle3 import write_head3
 
 from pagedserve.frontend.engine_args import build_engine_config
 from pagedserve.ipc.messages import SamplingParams
@@ -24,6 +25,7 @@ from pagedserve.tests.gpu.draft_graphs_bench import step_inputs as bench_step_in
 from pagedserve.worker.draft_graphs import DraftGraphs, replay_plan
 from pagedserve.worker.draft_model import DraftRunner
 from pagedserve.worker.eagle import EagleRunner
+from pagedserve.worker.eagle3 import Eagle3Runner
 from pagedserve.worker.input_batch import StepInputs
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow
@@ -113,12 +115,13 @@ def cpu_graphs(runner: DraftRunner, max_batch: int) -> DraftGraphs:
 def make_runner(target: str, spec: dict, device: torch.device) -> DraftRunner:
     config = build_engine_config(
         target, device=device.type, dtype="float32", block_size=BLOCK, max_model_len=MAX_LEN,
-        max_num_seqs=8, speculative_config=spec,
+        max_num_seqs=8, speculative_config=spec, enforce_eager=spec["method"] == "eagle3",
     )  # fmt: skip
     sampler = Sampler(seed=0, device=device)
-    if spec["method"] == "eagle":
+    if spec["method"] in ("eagle", "eagle3"):
         model = build_model(config.model, torch.float32, device)
-        runner = EagleRunner(config, torch.float32, device, sampler, model)
+        cls = Eagle3Runner if spec["method"] == "eagle3" else EagleRunner
+        runner = cls(config, torch.float32, device, sampler, model)
     else:
         runner = DraftRunner(config, torch.float32, device, sampler)
     runner.init_cache(8 * PER_ROW)
@@ -132,6 +135,9 @@ PROMPTS = [[3 + (b * 37 + j * 11) % 400 for j in range(n)] for b, n in enumerate
 # 4 of 4, 2, 1), 3 of them with new lengths and a one-token pair a row, 5 (eager: past 4), 1
 STEPS = [([0, 1, 2, 3, 4], [3, 1, 0, 2, 3]), ([0, 1, 3], [2, 3, 1]), ([0, 1, 2, 3, 4], [1] * 5),
          ([2], [3])]  # fmt: skip
+
+
+EXPECTED_REPLAYS = {"draft_model": [3, 4, 0, 4], "eagle": [2, 3, 0, 3], "eagle3": [2, 2, 0, 2]}
 
 
 def run_steps(runner: DraftRunner, graphs: DraftGraphs, hidden_seed: int = 0) -> list[int]:
@@ -149,8 +155,11 @@ def run_steps(runner: DraftRunner, graphs: DraftGraphs, hidden_seed: int = 0) ->
     replays = []
     for rows, k in STEPS:
         if isinstance(runner, EagleRunner):  # the target's states of the last step
-            states = torch.randn(len(last.input_ids), hidden, generator=gen).to(dev)
-            runner.after_target(last_ids, last, None, states)
+            states = [torch.randn(len(last.input_ids), hidden, generator=gen).to(dev)
+                      for _ in range(3)]  # fmt: skip
+            if isinstance(runner, Eagle3Runner):  # (its hooks keep three layers' inputs)
+                runner.aux = states
+            runner.after_target(last_ids, last, None, states[0])
         tokens = [(b, done[b], [5 + b] + [0] * n) for b, n in zip(rows, k, strict=True)]
         step = step_inputs(tokens, k)
         sampling = {i: SamplingRow(SEEDED if b == 1 else GREEDY, PROMPTS[b], [4] * done[b])
@@ -186,21 +195,24 @@ def target(tmp_path_factory):
     return tiny_model_dir("llama", str(tmp_path_factory.getbasetemp()))
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
 def test_graphed_drafts_equal_eager(target, method, tmp_path_factory):
-    """The draft model (the target itself as its draft) and an EAGLE head, a greedy and a seeded
-    row among others: each step's drafts, the seeded row's q and the KV cache written are those
-    of eager drafting, steps of 4, 3, 5 and 1 speculating rows with buckets of 4, 2 and 1."""
-    model = target
+    """The draft model (the target itself as its draft), an EAGLE and an EAGLE-3 head, a greedy
+    and a seeded row among others: each step's drafts, the seeded row's q and the KV cache
+    written are those of eager drafting, steps of 4, 3, 5 and 1 speculating rows with buckets of
+    4, 2 and 1."""
+    base, model = str(tmp_path_factory.getbasetemp()), target
     if method == "eagle":
-        model = write_head(target, os.path.join(str(tmp_path_factory.getbasetemp()), "head-g"))
+        model = write_head(target, os.path.join(base, "head-g"))
+    elif method == "eagle3":
+        model = write_head3(target, os.path.join(base, "head3-g"))
     spec = {"method": method, "model": model, "num_speculative_tokens": 3}
     runner = make_runner(target, spec, torch.device("cpu"))
     replays = run_steps(runner, cpu_graphs(runner, 4))
     # draft model: one replay a draft, and forward 0 (a token a row) where a bucket holds its
     # rows (not 5); EAGLE: one a draft but the last, and the pairs where each row has one (not
-    # after the prompt); the step of 5 speculating rows, eager
-    assert replays == ([3, 4, 0, 4] if method == "draft_model" else [2, 3, 0, 3]), replays
+    # after the prompt; EAGLE-3's pairs read 3H: eager); the step of 5 speculating rows, eager
+    assert replays == EXPECTED_REPLAYS[method], replays
 
 
 def test_setting_is_off_by_default():
