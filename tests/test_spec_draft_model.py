@@ -24,13 +24,9 @@ from pagedserve.worker.spec_verify import verify
 from tiny_models import tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    """The tiny Llama target, and a one-layer draft cut from it (its embedding, first layer,
-    norm and head, so it agrees with the target often but not always), same tokenizer."""
-    base = tmp_path_factory.getbasetemp()
-    target = tiny_model_dir("llama", str(base))
-    draft = os.path.join(str(base), "draft-1layer")
+def one_layer_draft(target: str, draft: str) -> str:
+    """A one-layer draft cut from `target` into `draft` (its embedding, first layer, norm and
+    head, so it agrees with the target often but not always), same tokenizer."""
     if not os.path.isdir(draft):
         model = LlamaForCausalLM.from_pretrained(target)
         model.model.layers = model.model.layers[:1]
@@ -39,7 +35,15 @@ def dirs(tmp_path_factory):
         for name in os.listdir(target):
             if name.startswith(("tokenizer", "special_tokens", "generation_config")):
                 shutil.copy(os.path.join(target, name), draft)
-    return target, draft
+    return draft
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The tiny Llama target, and a one-layer draft cut from it."""
+    base = tmp_path_factory.getbasetemp()
+    target = tiny_model_dir("llama", str(base))
+    return target, one_layer_draft(target, os.path.join(str(base), "draft-1layer"))
 
 
 def draft_spec(draft: str, k: int = 3, **extra) -> dict:

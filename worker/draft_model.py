@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.worker.cuda_graphs import DECODE_MAX_BATCH
+from pagedserve.worker.draft_graphs import DraftGraphs, DraftPlan
 from pagedserve.worker.input_batch import StepInputs, _last_tokens
 from pagedserve.worker.models import build_model
 from pagedserve.worker.sampler import Sampler, SamplingRow, argmax_rows, filtered_probs, to_device
@@ -47,6 +49,13 @@ class Drafted:
         flat = self.token_ids.tolist()
         ends = np.cumsum(num_drafts)
         return [flat[e - n : e] for e, n in zip(ends.tolist(), num_drafts, strict=True)]
+
+
+def pick(x: torch.Tensor, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Rows `rows` of `x` (all of them, in order: `x` itself, nothing to copy)."""
+    if len(rows) == len(x):
+        return x
+    return x[to_device(rows, device)]
 
 
 def merge_fills(
@@ -72,6 +81,30 @@ class DraftRunner:
         self.block_size = config.cache.block_size
         self.model = model if model is not None else build_model(self.mc, dtype, device)
         self.kv_caches: list[torch.Tensor] = []
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.graphs: DraftGraphs | None = None  # capture_graphs (PAGEDSERVE_DRAFT_CUDA_GRAPHS)
+
+    def capture_graphs(self, max_blocks: int, pool=None) -> None:
+        """The drafter's one-token forward in CUDA graphs of its own (worker/draft_graphs.py),
+        over its allocated KV cache, into `pool` (the target's, where it has graphs)."""
+        self.graphs = DraftGraphs(
+            self._graph_forward, min(self.max_num_seqs, DECODE_MAX_BATCH), max_blocks,
+            self.mc.max_model_len, self.block_size, self.device, self._graph_hidden(),
+        )  # fmt: skip
+        self.graphs.capture(pool)
+
+    def _graph_forward(self, ids, positions, meta, hidden) -> torch.Tensor:
+        return self.model(ids, positions, self.kv_caches, meta)  # [n, H]
+
+    def _graph_hidden(self) -> tuple[int, torch.dtype] | None:
+        """The hidden states each graphed forward reads beside its tokens (a head's)."""
+        return None
+
+    def _graph_plan(
+        self, inputs: StepInputs, rows: np.ndarray, first_idx: np.ndarray, counts: np.ndarray
+    ) -> DraftPlan | None:
+        """This step's replays (worker/draft_graphs.py); None: draft eagerly."""
+        return None if self.graphs is None else self.graphs.plan(inputs, rows, first_idx, counts)
 
     def after_target(
         self,
@@ -116,9 +149,11 @@ class DraftRunner:
     def _forward(
         self, inputs: StepInputs, input_ids: torch.Tensor, logits_idx: np.ndarray
     ) -> torch.Tensor | None:  # [len(logits_idx), V] float32
-        meta = attention_metadata(inputs, self.block_size, self.device)
-        positions = to_device(inputs.positions, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
+        hidden = self.graphs.forward(inputs, input_ids) if self.graphs is not None else None
+        if hidden is None:  # not decode-shaped (or no graphs): eager
+            meta = attention_metadata(inputs, self.block_size, self.device)
+            positions = to_device(inputs.positions, self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
         if not len(logits_idx):
             return None
         return self.model.compute_logits(hidden[to_device(logits_idx, self.device)])
@@ -152,19 +187,41 @@ class DraftRunner:
             probs = torch.zeros(len(draft_idx), logits.shape[1], device=self.device)
         offsets = np.cumsum(k[spec]) - k[spec]  # [R] each row's first draft in `out`
         live = np.arange(len(spec))  # rows of `spec` still drafting
+        plan = self._graph_plan(inputs, spec, ends[spec] - k[spec], k[spec])
         for j in range(1, int(k.max()) + 1):
             slots = to_device(offsets[live] + j - 1, self.device)
             ids, q = self._draw(logits, [spec_rows[i] for i in live], j - 1)
             out[slots] = ids
             if q is not None:
                 probs[slots] = q
-            idx = ends[spec[live]] - k[spec[live]] - 1 + j  # [L] draft j's input index
             more = k[spec[live]] > j  # rows with a further draft to make
-            one = self._one_token(inputs, spec[live], idx)
-            logits = self._forward(one, ids, np.nonzero(more)[0])
+            logits = self._next_logits(inputs, k, spec, live, more, j, ids, plan)
             live = live[more]
         fill_idx = to_device(draft_idx, self.device)
         return Drafted((fill_idx, out), out, probs)
+
+    def _next_logits(
+        self,
+        inputs: StepInputs,
+        k: np.ndarray,
+        spec: np.ndarray,
+        live: np.ndarray,
+        more: np.ndarray,
+        j: int,
+        ids: torch.Tensor,
+        plan: DraftPlan | None,
+    ) -> torch.Tensor | None:
+        """Forward j over draft j (`ids`) of rows `spec[live]`, which writes its KV; the logits
+        of the rows with a further draft to make (`more`; None: none has)."""
+        if plan is not None:  # every row of the plan replays; the live ones' outputs are read
+            hidden = self.graphs.replay(plan, j, live, ids)  # [R, H]
+            if not more.any():
+                return None
+            return self.model.compute_logits(pick(hidden, live[more], self.device))
+        rows = spec[live]
+        ends = inputs.query_start_loc[1:].astype(np.int64)
+        idx = ends[rows] - k[rows] - 1 + j  # [L] draft j's input index
+        return self._forward(self._one_token(inputs, rows, idx), ids, np.nonzero(more)[0])
 
     def _draw(
         self, logits: torch.Tensor, rows: list[SamplingRow], num_before: int

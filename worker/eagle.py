@@ -30,7 +30,8 @@ from torch import nn
 
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention.selection import select_backend
-from pagedserve.worker.draft_model import Drafted, DraftRunner
+from pagedserve.worker.draft_graphs import DraftPlan
+from pagedserve.worker.draft_model import Drafted, DraftRunner, pick
 from pagedserve.worker.input_batch import StepInputs, _last_tokens
 from pagedserve.worker.layers.linear import (
     ColumnParallelLinear,
@@ -176,6 +177,12 @@ class EagleRunner(DraftRunner):
         self.aux: list[torch.Tensor] = []  # EAGLE-3: this step's hidden states of three layers
         self.keep_target_states(target, mc.hf, config.model.num_layers)
 
+    def _graph_forward(self, ids, positions, meta, hidden) -> torch.Tensor:
+        return self.model(ids, hidden, positions, self.kv_caches, meta)  # [n, H]
+
+    def _graph_hidden(self) -> tuple[int, torch.dtype]:
+        return int(self.mc.hf["hidden_size"]), self.dtype  # the head's own, fed back
+
     def keep_target_states(self, target: nn.Module, hf: dict[str, Any], num_layers: int) -> None:
         """Hooks on the target that keep the hidden states a pair reads besides its output's
         (EAGLE: none)."""
@@ -232,6 +239,10 @@ class EagleRunner(DraftRunner):
         self.rows.clear()  # the profile's kept states (`before_profile`)
 
     def _head(self, inputs: StepInputs, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None:  # a pair a row: the head's decode graphs
+            out = self.graphs.forward(inputs, ids, hidden)
+            if out is not None:
+                return out
         meta = attention_metadata(inputs, self.block_size, self.device)
         positions = to_device(inputs.positions, self.device)
         return self.model(ids, hidden, positions, self.kv_caches, meta)  # [T, H]
@@ -331,6 +342,9 @@ class EagleRunner(DraftRunner):
             probs = torch.zeros(num, self.vocab_size, device=self.device)
         offsets = np.cumsum(k[spec]) - k[spec]  # [R] each row's first draft in `out`
         live = np.arange(len(spec))  # rows of `spec` still drafting
+        # graphed: every row replays (draft j at position n + j - 1 while it has more to make)
+        plan = self._graph_plan(inputs, spec, ends[spec] - k[spec] - 1, k[spec] - 1)
+        g_all = g  # [R, H] graphed: every row's hidden state
         for j in range(1, int(k.max()) + 1):
             logits = self.model.compute_logits(g)  # [L, V]
             slots = to_device(offsets[live] + j - 1, self.device)
@@ -341,10 +355,31 @@ class EagleRunner(DraftRunner):
             more = k[spec[live]] > j  # rows with a further draft to make
             if not more.any():
                 break
-            rows = spec[live][more]
-            idx = ends[rows] - k[rows] - 1 + (j - 1)  # the input index of position n + j - 1
-            keep = to_device(np.nonzero(more)[0], self.device)
-            g = self._head(self._one_token(inputs, rows, idx), ids[keep], g[keep])
+            g, g_all = self._feed_back(inputs, k, spec, live, more, j, ids, g, g_all, plan)
             live = live[more]
         draft_idx = _last_tokens(ends, k)  # [D] the drafts' input indices, row by row
         return Drafted((to_device(draft_idx, self.device), out), out, probs)
+
+    def _feed_back(
+        self,
+        inputs: StepInputs,
+        k: np.ndarray,
+        spec: np.ndarray,
+        live: np.ndarray,
+        more: np.ndarray,
+        j: int,
+        ids: torch.Tensor,  # [L] draft j of rows `spec[live]`
+        g: torch.Tensor,  # [L, H] the hidden states they were drafted from
+        g_all: torch.Tensor,  # [R, H] graphed: every row's
+        plan: DraftPlan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over draft j at position n + j - 1 of the rows with a further draft to
+        make (`more`): their next hidden states, and graphed, every row's (all replay)."""
+        if plan is not None:
+            g_all = self.graphs.replay(plan, j, live, ids, g_all)  # [R, H]
+            return pick(g_all, live[more], self.device), g_all
+        rows = spec[live][more]
+        ends = inputs.query_start_loc[1:].astype(np.int64)
+        idx = ends[rows] - k[rows] - 1 + (j - 1)  # the input index of position n + j - 1
+        keep = to_device(np.nonzero(more)[0], self.device)
+        return self._head(self._one_token(inputs, rows, idx), ids[keep], g[keep]), g_all

@@ -350,6 +350,11 @@ class ModelRunner:
                 num_groups=self.batch.block_tables.shape[0],
             )  # fmt: skip
             timings["CUDA graphs"] = time.perf_counter() - t0 - sum(timings.values())
+        if self.features.draft_cuda_graphs and self.drafter is not None:
+            t1 = time.perf_counter()  # the drafter's own, in the target's pool where it has one
+            pool = next((g.pool for g in (self.mixed_graphs, self.graphs) if g is not None), None)
+            self.drafter.capture_graphs(self.batch.block_tables.shape[2], pool)
+            timings["draft CUDA graphs"] = time.perf_counter() - t1
         if (
             self.device.type == "cuda"
             and self.info.is_last_stage

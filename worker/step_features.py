@@ -37,6 +37,10 @@ class StepFeatures:
     graph_head: bool
     # The compiled CPU forward (worker/cpu_compile.py says for which models).
     cpu_compile: bool
+    # The drafter's own one-token CUDA graphs (worker/draft_graphs.py; draft_model, eagle,
+    # eagle3): PAGEDSERVE_DRAFT_CUDA_GRAPHS=1 where the target has CUDA graphs, or eagle3's
+    # head, whose target runs eager only for its hooks (--enforce-eager holds the target).
+    draft_cuda_graphs: bool = False
 
 
 def step_features(
@@ -57,6 +61,17 @@ def step_features(
         and getattr(model, "cuda_graphs", True)  # False: its attention reads host metadata
         and all(c.cuda_graphs for c in caps)
     )
+    spec = config.speculative
+    draft_cuda_graphs = (
+        config.settings.draft_cuda_graphs
+        and spec is not None
+        and spec.in_workers
+        # eagle3's target runs eager (its hooks), its head need not
+        and (
+            cuda_graphs
+            or (spec.method == "eagle3" and is_cuda and all(c.cuda_graphs for c in caps))
+        )
+    )
     return StepFeatures(
         cascade=is_cuda and any(c.cascade for c in caps) and fusion_enabled("cascade"),
         cuda_graphs=cuda_graphs,
@@ -71,4 +86,5 @@ def step_features(
             and eligible(config, device, model)
             and config.lora is None  # no LoRA inside
         ),
+        draft_cuda_graphs=bool(draft_cuda_graphs),
     )

@@ -22,6 +22,12 @@
 # - draft-smoke: method draft_model on the 8B shape with a one-layer draft of it (dummy
 #   weights): greedy on = off token for token on the GPU, ms/token at batch 1
 #   (tests/gpu/spec_draft_smoke.py).
+# - draft-graphs: the drafter's own CUDA graphs (PAGEDSERVE_DRAFT_CUDA_GRAPHS=1,
+#   worker/draft_graphs.py): their GPU tests (tests/test_spec_draft_graphs_gpu.py, float32:
+#   graphed drafts equal eager ones, greedy output the same), then ms per draft token eager
+#   against graphed for the 8B shape's Llama-1B-shaped draft and a one-layer EAGLE head, batch
+#   1 and 32, k = 4 (tests/gpu/draft_graphs_bench.py: the drafter alone); draft-graphs-smoke:
+#   draft-smoke's end-to-end check and batch-1 ms/token with the graphs on.
 # JSON results land in $OUT (or /tmp/out); a table last.
 #   STEPS="verify-cost disable64" bash tests/gpu/spec_decode_run.sh
 # (from a helper's worktree, as tests/gpu/device_run.sh says: copy the branch, carry it, cd there)
@@ -47,7 +53,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 source tests/gpu/env.sh
 ps_setup
 M=/tmp/m8b
-if has verify-cost || has disable64 || has draft-smoke; then
+if has verify-cost || has disable64 || has draft-smoke || has draft-graphs || has draft-graphs-smoke; then
   [ -d $M ] || python3 .gpucarry/make_model_dir.py $M --arch llama3-8b >/dev/null
 fi
 if has verify-cost; then
@@ -75,6 +81,16 @@ PY
 fi
 if has draft-smoke; then
   python3 -m pagedserve.tests.gpu.spec_draft_smoke $M 2>&1 | tee "$OUT/draft-smoke.log" | tail -1
+fi
+if has draft-graphs; then
+  python -m pytest -q tests/test_spec_draft_graphs_gpu.py tests/test_spec_draft_graphs.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/draft-graphs-tests.log" | tail -3
+  python3 -m pagedserve.tests.gpu.draft_graphs_bench $M --batch 1 32 --k 4 \
+    --output-json "$OUT/draft-graphs.json" 2>&1 | tee "$OUT/draft-graphs.log" | grep -E "ms/draft|Error" || true
+fi
+if has draft-graphs-smoke; then
+  PAGEDSERVE_DRAFT_CUDA_GRAPHS=1 python3 -m pagedserve.tests.gpu.spec_draft_smoke $M 2>&1 |
+    tee "$OUT/draft-smoke-graphs.log" | tail -1
 fi
 has tests && python -m pytest -q -x tests/test_spec_decode.py -p no:cacheprovider
 has smollm2 || exit 0
