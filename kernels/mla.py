@@ -112,7 +112,7 @@ def mla_decode(
         tables, lens = tables.index_select(0, index), lens.index_select(0, index)
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, H, R]
     bound = int(seq_lens.max(initial=0))
-    if causal or (use_triton(q_lat) and fusion_enabled("mla-decode")):
+    if causal or (q_lat.is_cuda and triton_mla_enabled()):
         from pagedserve.kernels.triton_mla import triton_mla_decode
 
         qsl = meta.query_start_loc if causal else None
