@@ -26,6 +26,8 @@ runs the GEMV and the rotary + cache kernel (`qkv_rope_applies`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +35,7 @@ import triton.language as tl
 from pagedserve.kernels.triton_gemv import GEMV_MAX_M, gemv_config
 from pagedserve.kernels.triton_rope_cache import _to_cache
 
-BLOCK_H = 16  # rotary pairs per program
+BLOCK_H = 16  # rotary pairs per program; 8 where 16 leaves SMs idle (`block_h_for`)
 
 
 @triton.jit
@@ -113,6 +115,22 @@ def qkv_rope_applies(x: torch.Tensor, weight: torch.Tensor, rotary_dim: int, hea
     )
 
 
+def block_h_for(heads: int, half: int, device: torch.device) -> int:
+    """Rotary pairs per program: BLOCK_H, or 8 where BLOCK_H's programs (`heads * half /
+    BLOCK_H`, each streaming its `2 BLOCK_H` weight rows) would be fewer than the GPU's SMs,
+    which then leave part of the memory bandwidth unused: Llama-3-70B's qkv at `--tp 4` (16 + 2 +
+    2 heads a rank: 80 programs on an H100's 132 SMs). Each half-tile still fills a 16-row dot."""
+    if device.type != "cuda" or half % 8:
+        return BLOCK_H
+    return 8 if heads * (half // BLOCK_H) < _sm_count(device.index) else BLOCK_H
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def triton_qkv_rope_cache(
     x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
     weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K]: q heads, k heads, v heads
@@ -125,7 +143,7 @@ def triton_qkv_rope_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
-    config: dict[str, int] | None = None,  # BLOCK_K, num_warps, num_stages (tests, benches)
+    config: dict[str, int] | None = None,  # BLOCK_K, num_warps, num_stages, BLOCK_H (tests)
 ) -> torch.Tensor:  # [M, Hq * D], rotated
     """The rotated query of `x @ weight.T + bias`; the rotated keys and the values go into the
     cache at `slot_mapping` (what the GEMV, then `triton_rope_and_cache`, do)."""
@@ -149,14 +167,15 @@ def triton_qkv_rope_cache(
         raise ValueError(f"positions and slot_mapping must be [{m}]")
     q = torch.empty((m, num_q_heads * head_dim), dtype=x.dtype, device=x.device)
     cfg = config or gemv_config(heads * head_dim, k, m=m, elem_bytes=x.element_size())
-    cfg = {key: cfg[key] for key in ("BLOCK_K", "num_warps", "num_stages")}
     half = head_dim // 2
-    _qkv_rope_cache_kernel[(heads * (half // BLOCK_H),)](
+    block_h = cfg.get("BLOCK_H") or block_h_for(heads, half, x.device)
+    cfg = {key: cfg[key] for key in ("BLOCK_K", "num_warps", "num_stages")}
+    _qkv_rope_cache_kernel[(heads * (half // block_h),)](
         x, weight, bias if bias is not None else x, q, positions, cos_sin_cache, kv_cache,
         slot_mapping, m, k, x.stride(0), weight.stride(0), q.stride(0), cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale,
         num_q_heads, num_kv_heads,
-        HEAD_DIM=head_dim, HALF=half, BLOCK_H=BLOCK_H, BLOCK_M=16 if m <= 16 else 32,
+        HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_M=16 if m <= 16 else 32,
         BLOCK_SIZE=kv_cache.shape[2], HAS_BIAS=bias is not None,
         EVEN_K=k % cfg["BLOCK_K"] == 0, FP8=kv_cache.dtype == torch.float8_e4m3fn, **cfg,
     )  # fmt: skip

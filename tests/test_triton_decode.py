@@ -131,10 +131,20 @@ def _qkv_rope_reference(x, w, bias, rope, positions, slots, kv, heads, scales):
 
 @tiny
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("m", "head_dim", "bias"), [(1, 32, False), (5, 64, True), (20, 32, True)])
-def test_qkv_rope_cache(dtype, m, head_dim, bias):
+@pytest.mark.parametrize(
+    ("m", "head_dim", "bias", "block_h"),
+    [
+        (1, 32, False, 16),
+        (5, 64, True, 16),
+        (20, 32, True, 16),
+        (1, 32, False, 8),
+        (5, 64, True, 8),
+    ],  # fmt: skip
+)
+def test_qkv_rope_cache(dtype, m, head_dim, bias, block_h):
     """The qkv GEMV with rotary and the cache write in its epilogue: the unfused reference's
-    query and cache, padding rows (slot -1) writing nothing, a bias (Qwen2), 32-row tiles."""
+    query and cache, padding rows (slot -1) writing nothing, a bias (Qwen2), 32-row tiles, and
+    the 8-pair programs that narrow projections (few heads a TP rank) take on a GPU."""
     from pagedserve.kernels.triton_qkv_rope import qkv_rope_applies, triton_qkv_rope_cache
 
     heads, k = (4, 2, head_dim), 72  # K not a multiple of BLOCK_K: the masked loads
@@ -154,7 +164,7 @@ def test_qkv_rope_cache(dtype, m, head_dim, bias):
     q = triton_qkv_rope_cache(
         x.to(DEV), w.to(DEV), b.to(DEV) if bias else None, positions.to(DEV),
         rope.cos_sin_cache.to(DEV), kv_d, slots.to(DEV), heads[0],
-        config=dict(BLOCK_K=32, num_warps=4, num_stages=2),
+        config=dict(BLOCK_K=32, num_warps=4, num_stages=2, BLOCK_H=block_h),
     )  # fmt: skip
     torch.testing.assert_close(q.cpu(), want_q, **_tol(dtype))
     torch.testing.assert_close(kv_d.cpu(), want_kv, **_tol(dtype))

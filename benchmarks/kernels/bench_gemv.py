@@ -4,12 +4,15 @@ copy ceiling is ~3000 GB/s) for M = 1, 2, 4, 8, both timed replaying a CUDA grap
 the model's dispatch (kernels/linear.py, which measures both itself) picks.
 
     python -m pagedserve.benchmarks.kernels.bench_gemv [--sweep] [--qkv-rope] [--json PATH]
+        [--shapes llama3-8b|llama3-70b-tp4]
 
 `--sweep` also times every candidate launch configuration per shape at M = 1, the weights out of
 L2 as a decode step reads them, and prints the best (what `gemv_config` should return). Each row
 checks the GEMV against F.linear first. `--qkv-rope` times the qkv GEMV with rotary and the cache
 write in its epilogue (kernels/triton_qkv_rope.py) per launch config at M = 1, the same way,
-against the plain qkv GEMV and the GEMV + rotary/cache kernel pair it replaces.
+against the plain qkv GEMV and the GEMV + rotary/cache kernel pair it replaces, with 16 and 8
+rotary pairs a program. `--shapes llama3-70b-tp4`: the weights one rank of Llama-3-70B holds at
+`--tp 4` (16 query and 2 KV heads, a quarter of the MLP and of the LM head).
 """
 
 from __future__ import annotations
@@ -22,13 +25,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # name: (N, K)
-    "o_proj": (4096, 4096),
-    "qkv": (6144, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+SHAPE_SETS = {  # name: ({weight: (N, K)}, (query heads, KV heads) of the qkv weight)
+    "llama3-8b": (
+        {"o_proj": (4096, 4096), "qkv": (6144, 4096), "gate_up": (28672, 4096),
+         "down": (4096, 14336), "lm_head": (128256, 4096)},
+        (32, 8),
+    ),
+    "llama3-70b-tp4": (
+        {"o_proj": (8192, 2048), "qkv": (2560, 8192), "gate_up": (14336, 8192),
+         "down": (8192, 7168), "lm_head": (32064, 8192)},
+        (16, 2),
+    ),
+}  # fmt: skip
+SHAPES, QKV_HEADS = SHAPE_SETS["llama3-8b"]  # `--shapes` replaces them
 
 
 def _ms(fn) -> float:
@@ -132,24 +141,25 @@ def qkv_rope() -> None:
     from pagedserve.worker.layers.rotary import RotaryEmbedding
 
     n, k = SHAPES["qkv"]
+    hq, hkv = QKV_HEADS
     ws = _cold_weights(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     cos_sin = RotaryEmbedding(128, 8192, rope_config({"rope_theta": 5e5})).cos_sin_cache.cuda()
     pos = torch.tensor([300], device="cuda")
     slots = torch.tensor([4000], device="cuda")
-    kv = torch.zeros(512, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros(512, 2, 16, hkv, 128, device="cuda", dtype=torch.bfloat16)
 
     def pair(w: torch.Tensor) -> torch.Tensor:
-        q, kk, v = triton_gemv(x, w).split([4096, 1024, 1024], dim=-1)
+        q, kk, v = triton_gemv(x, w).split([hq * 128, hkv * 128, hkv * 128], dim=-1)
         return triton_rope_and_cache(pos, q, kk, v, kv, slots, cos_sin)
 
     def fused(w: torch.Tensor, cfg: dict) -> torch.Tensor:
-        return triton_qkv_rope_cache(x, w, None, pos, cos_sin, kv, slots, 32, config=cfg)
+        return triton_qkv_rope_cache(x, w, None, pos, cos_sin, kv, slots, hq, config=cfg)
 
     gb = n * k * 2 / 1e6
     rows = [("gemv alone", lambda w: triton_gemv(x, w)), ("gemv + rope/cache kernel", pair)]
-    for warps, stages in itertools.product((4, 8), (2, 3, 4)):
-        cfg = {**gemv_config(n, k), "num_warps": warps, "num_stages": stages}
+    for block_h, warps, stages in itertools.product((16, 8), (4, 8), (2, 3, 4)):
+        cfg = {**gemv_config(n, k), "num_warps": warps, "num_stages": stages, "BLOCK_H": block_h}
         rows.append((f"fused {cfg}", lambda w, c=cfg: fused(w, c)))
     for label, one in rows:
         try:
@@ -165,11 +175,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--qkv-rope", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama3-8b")
     args = parser.parse_args()
+    global SHAPES, QKV_HEADS
+    SHAPES, QKV_HEADS = SHAPE_SETS[args.shapes]
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA device")
     torch.manual_seed(0)
-    print(torch.cuda.get_device_name(), "bf16 GEMV vs cuBLAS, Llama-3-8B weight shapes")
+    print(torch.cuda.get_device_name(), f"bf16 GEMV vs cuBLAS, {args.shapes} weight shapes")
     result = {"compare": compare()}
     if args.sweep:
         result["sweep"] = sweep()
