@@ -26,8 +26,6 @@ runs the GEMV and the rotary + cache kernel (`qkv_rope_applies`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +33,10 @@ import triton.language as tl
 from pagedserve.kernels.triton_gemv import GEMV_MAX_M, gemv_config
 from pagedserve.kernels.triton_rope_cache import _to_cache
 
-BLOCK_H = 16  # rotary pairs per program; 8 where 16 leaves SMs idle (`block_h_for`)
+# Rotary pairs per program. Where 16 leave SMs idle (Llama-3-70B's qkv at `--tp 4`: 16 + 2 + 2
+# heads a rank, 80 programs on an H100's 132 SMs), 8 were slower still: 22.2 us against 19.3
+# (`bench_gemv --shapes llama3-70b-tp4 --qkv-rope`, H100, 2026-11-27); a config's BLOCK_H sets it.
+BLOCK_H = 16
 
 
 @triton.jit
@@ -115,22 +116,6 @@ def qkv_rope_applies(x: torch.Tensor, weight: torch.Tensor, rotary_dim: int, hea
     )
 
 
-def block_h_for(heads: int, half: int, device: torch.device) -> int:
-    """Rotary pairs per program: BLOCK_H, or 8 where BLOCK_H's programs (`heads * half /
-    BLOCK_H`, each streaming its `2 BLOCK_H` weight rows) would be fewer than the GPU's SMs,
-    which then leave part of the memory bandwidth unused: Llama-3-70B's qkv at `--tp 4` (16 + 2 +
-    2 heads a rank: 80 programs on an H100's 132 SMs). Each half-tile still fills a 16-row dot."""
-    if device.type != "cuda" or half % 8:
-        return BLOCK_H
-    return 8 if heads * (half // BLOCK_H) < _sm_count(device.index) else BLOCK_H
-
-
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    index = torch.cuda.current_device() if index is None else index
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def triton_qkv_rope_cache(
     x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
     weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K]: q heads, k heads, v heads
@@ -168,7 +153,7 @@ def triton_qkv_rope_cache(
     q = torch.empty((m, num_q_heads * head_dim), dtype=x.dtype, device=x.device)
     cfg = config or gemv_config(heads * head_dim, k, m=m, elem_bytes=x.element_size())
     half = head_dim // 2
-    block_h = cfg.get("BLOCK_H") or block_h_for(heads, half, x.device)
+    block_h = cfg.get("BLOCK_H", BLOCK_H)
     cfg = {key: cfg[key] for key in ("BLOCK_K", "num_warps", "num_stages")}
     _qkv_rope_cache_kernel[(heads * (half // block_h),)](
         x, weight, bias if bias is not None else x, q, positions, cos_sin_cache, kv_cache,

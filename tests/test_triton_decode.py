@@ -144,7 +144,7 @@ def _qkv_rope_reference(x, w, bias, rope, positions, slots, kv, heads, scales):
 def test_qkv_rope_cache(dtype, m, head_dim, bias, block_h):
     """The qkv GEMV with rotary and the cache write in its epilogue: the unfused reference's
     query and cache, padding rows (slot -1) writing nothing, a bias (Qwen2), 32-row tiles, and
-    the 8-pair programs that narrow projections (few heads a TP rank) take on a GPU."""
+    8-pair programs (a config's BLOCK_H)."""
     from pagedserve.kernels.triton_qkv_rope import qkv_rope_applies, triton_qkv_rope_cache
 
     heads, k = (4, 2, head_dim), 72  # K not a multiple of BLOCK_K: the masked loads
