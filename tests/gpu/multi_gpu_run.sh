@@ -8,7 +8,8 @@
 # `serve-L`: `launch` layout L under `bench serve`, 600 requests ($SERVE_PROMPTS; 300 before
 # 2026-11-27) of 512 +-50% in / 256 +-50% out at 8 req/s ($SERVE_RATE); target with tp2pp2: keeps
 # up (sustained_request_throughput >= 7.8, beside the run's steady_send_rate; results.py
-# keeping_up: completed / duration stays near 6 at any speed), TPOT p99 <= 45 ms.
+# keeping_up: completed / duration stays near 6 at any speed), TPOT p99 <= 45 ms. The arrivals'
+# seed is $SERVE_SEED (default 0: its 600 sends come at 7.51 a second; seed 7's at 7.97).
 # The A/B of planning micro-batches ahead: STEPS="base:serve-tp2pp2 serve-tp2pp2". `mt-dpN`: the 8B shape, `launch -dp N` under a multi-turn `bench serve` (the cached share of
 # prompt tokens, -dp 4 within 10% of -dp 1's). `STEP@FLAG,FLAG`: STEP with these engine flags
 # too (`thr-tp2pp2@--max-num-seqs=128`). TRACE=1: each engine writes a step trace
@@ -90,7 +91,7 @@ for step in $STEPS; do
           --output-json "$json" 2>&1 | grep -v "^USDT" | tail -3 ;;
     serve-*) serve "$COMMON $(layout "${step#serve-}") $X" "--model $M --vocab-size ${VOCAB:-128000} \
           --num-prompts ${SERVE_PROMPTS:-600} --random-input-len 512 --random-output-len 256 \
-          --random-range-ratio 0.5 --request-rate ${SERVE_RATE:-8} --ignore-eos" ;;
+          --random-range-ratio 0.5 --request-rate ${SERVE_RATE:-8} --seed ${SERVE_SEED:-0} --ignore-eos" ;;
     mt-dp*) [ -d $M8 ] || python3 .gpucarry/make_model_dir.py $M8 --arch llama3-8b >/dev/null
         serve "--model $M8 --load-format dummy --dtype bfloat16 -dp ${step#mt-dp} $X \
           --enable-prompt-tokens-details" "--endpoint /v1/chat/completions \
