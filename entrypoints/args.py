@@ -109,7 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a("--master-port", type=_positive_int, help="node 0's rendezvous port (multi-node; it also "
       "uses the next two ports for the step plans and results)")  # fmt: skip
     a("--max-num-seqs", type=int, help="requests running at once (256)")
-    a("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
+    a("--max-num-batched-tokens", type=int,
+      help="tokens per step (8192; 512 for a served engine with --pp > 1)")  # fmt: skip
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
       help="always on (long prompts are split over steps); --no-... is refused")  # fmt: skip
     a("--block-size", type=int, default=16)

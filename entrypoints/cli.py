@@ -30,8 +30,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags describe (ValueError / TypeError / OSError: a user mistake)."""
+def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConfig:
+    """The EngineConfig the flags describe (ValueError / TypeError / OSError: a user mistake);
+    `serving`: for `launch` (frontend/engine_args.py's serving defaults)."""
     from pagedserve.frontend.engine_args import build_engine_config
     from pagedserve.frontend.generation_config import sampling_defaults
 
@@ -42,7 +43,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"no model given and the embedded default model is missing at {model}")
         kwargs["served_model_name"] = kwargs["served_model_name"] or [DEFAULT_MODEL_NAME]
-    config = build_engine_config(model, **kwargs)
+    config = build_engine_config(model, serving=serving, **kwargs)
     sampling_defaults(config.model)  # a bad generation_config.json is an error now, not later
     return config
 
@@ -83,7 +84,7 @@ def launch(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     from pagedserve.entrypoints.launcher import Launcher
 
     try:
-        config = engine_config(args)
+        config = engine_config(args, serving=True)
         opts = launch_options(args)
         from pagedserve.frontend.engine_cores import check_devices
 

@@ -286,3 +286,23 @@ def test_gen_key_prints_or_writes_a_private_key_file(tmp_path, capsys):
         main(["gen-key", "--output", str(path)])
     with pytest.raises(ValueError, match="64 hex digits"):
         CurveKey.parse(printed[:-2])
+
+
+def test_served_pipeline_takes_smaller_steps(model_dir: str) -> None:
+    """`launch --pp P` (P > 1) plans 512 tokens a step unless told (a whole prompt in one
+    micro-batch's step stalls every stage: frontend/engine_args.py); one stage, `LLM` and an
+    explicit --max-num-batched-tokens keep theirs."""
+    from pagedserve.entrypoints.cli import build_parser, engine_config
+    from pagedserve.frontend.engine_args import build_engine_config
+
+    parser, _ = build_parser()
+
+    def budget(*flags: str, serving: bool = True) -> int:
+        args = parser.parse_args(["launch", "--model", model_dir, "--device", "cpu", *flags])
+        return engine_config(args, serving=serving).scheduler.max_num_batched_tokens
+
+    assert budget("--pp", "2") == 512
+    assert budget("--pp", "2", serving=False) == budget() == 8192
+    assert budget("--pp", "2", "--max-num-batched-tokens", "4096") == 4096
+    llm = build_engine_config(model_dir, device="cpu", pipeline_parallel_size=2)
+    assert llm.scheduler.max_num_batched_tokens == 8192
