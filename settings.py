@@ -27,7 +27,7 @@ the process that needs them.
 | PAGEDSERVE_MEMORY_REPORT | memory_report | a file: each GPU rank's profiled peak |
 | PAGEDSERVE_STEP_TRACE | step_trace | a file prefix: one line per step, core and workers |
 | PAGEDSERVE_MXFP4_EXPERTS | mxfp4_experts | dequantize, packed: gpt-oss's experts in MXFP4 (CUDA) |
-| PAGEDSERVE_DRAFT_CUDA_GRAPHS | draft_cuda_graphs | 0, 1: drafter graphs, on after its GPU test |
+| PAGEDSERVE_DRAFT_CUDA_GRAPHS | draft_cuda_graphs | 1 (default), 0: the drafter's own CUDA graphs |
 | PAGEDSERVE_API_KEY | (secret) | the API key (else VLLM_API_KEY) |
 | PAGEDSERVE_CURVE_KEY, PAGEDSERVE_CURVE_KEY_FILE | (secret) | multi-node CURVE key |
 """
@@ -104,7 +104,7 @@ class Settings:
     memory_report: str | None = None
     step_trace: str | None = None
     mxfp4_experts: str = "dequantize"
-    draft_cuda_graphs: bool = False
+    draft_cuda_graphs: bool = True
     launch_t0: float | None = None  # set by `launch` (not the environment): start-up timings
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class Settings:
             memory_report=env.get("PAGEDSERVE_MEMORY_REPORT") or None,
             step_trace=env.get("PAGEDSERVE_STEP_TRACE") or None,
             mxfp4_experts=_choice(env, "PAGEDSERVE_MXFP4_EXPERTS", ("dequantize", "packed")),
-            draft_cuda_graphs=_choice(env, "PAGEDSERVE_DRAFT_CUDA_GRAPHS", ("0", "1")) == "1",
+            draft_cuda_graphs=_choice(env, "PAGEDSERVE_DRAFT_CUDA_GRAPHS", ("1", "0")) == "1",
         )
 
     @classmethod

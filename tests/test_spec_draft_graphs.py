@@ -215,10 +215,10 @@ def test_graphed_drafts_equal_eager(target, method, tmp_path_factory):
     assert replays == EXPECTED_REPLAYS[method], replays
 
 
-def test_setting_is_off_by_default():
-    """PAGEDSERVE_DRAFT_CUDA_GRAPHS: off unless 1 (main's GPU behaviour stays eager until the
-    GPU test passes); any other value is refused by name; a CPU never captures."""
-    assert not Settings.from_env({}).draft_cuda_graphs
-    assert Settings.from_env({"PAGEDSERVE_DRAFT_CUDA_GRAPHS": "1"}).draft_cuda_graphs
+def test_setting_is_on_by_default():
+    """PAGEDSERVE_DRAFT_CUDA_GRAPHS: on unless 0 (since its GPU test passed on an H100); any
+    other value is refused by name; a CPU never captures."""
+    assert Settings.from_env({}).draft_cuda_graphs
+    assert not Settings.from_env({"PAGEDSERVE_DRAFT_CUDA_GRAPHS": "0"}).draft_cuda_graphs
     with pytest.raises(ValueError, match="PAGEDSERVE_DRAFT_CUDA_GRAPHS='yes'"):
         Settings.from_env({"PAGEDSERVE_DRAFT_CUDA_GRAPHS": "yes"})

@@ -82,7 +82,7 @@ class DraftRunner:
         self.model = model if model is not None else build_model(self.mc, dtype, device)
         self.kv_caches: list[torch.Tensor] = []
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.graphs: DraftGraphs | None = None  # capture_graphs (PAGEDSERVE_DRAFT_CUDA_GRAPHS)
+        self.graphs: DraftGraphs | None = None  # capture_graphs (none if DRAFT_CUDA_GRAPHS=0)
 
     def capture_graphs(self, max_blocks: int, pool=None) -> None:
         """The drafter's one-token forward in CUDA graphs of its own (worker/draft_graphs.py),

@@ -38,8 +38,8 @@ class StepFeatures:
     # The compiled CPU forward (worker/cpu_compile.py says for which models).
     cpu_compile: bool
     # The drafter's own one-token CUDA graphs (worker/draft_graphs.py; draft_model, eagle,
-    # eagle3): PAGEDSERVE_DRAFT_CUDA_GRAPHS=1 where the target has CUDA graphs, or eagle3's
-    # head, whose target runs eager only for its hooks (--enforce-eager holds the target).
+    # eagle3; PAGEDSERVE_DRAFT_CUDA_GRAPHS=0 turns them off) where the target has CUDA graphs,
+    # or eagle3's head, whose target runs eager only for its hooks (--enforce-eager holds it).
     draft_cuda_graphs: bool = False
 
 
