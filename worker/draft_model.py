@@ -187,7 +187,8 @@ class DraftRunner:
             probs = torch.zeros(len(draft_idx), logits.shape[1], device=self.device)
         offsets = np.cumsum(k[spec]) - k[spec]  # [R] each row's first draft in `out`
         live = np.arange(len(spec))  # rows of `spec` still drafting
-        plan = self._graph_plan(inputs, spec, ends[spec] - k[spec], k[spec])
+        first = ends[spec] - k[spec]  # [R] each row's first draft's input index
+        plan = self._graph_plan(inputs, spec, first, k[spec])
         for j in range(1, int(k.max()) + 1):
             slots = to_device(offsets[live] + j - 1, self.device)
             ids, q = self._draw(logits, [spec_rows[i] for i in live], j - 1)
@@ -195,7 +196,7 @@ class DraftRunner:
             if q is not None:
                 probs[slots] = q
             more = k[spec[live]] > j  # rows with a further draft to make
-            logits = self._next_logits(inputs, k, spec, live, more, j, ids, plan)
+            logits = self._next_logits(inputs, spec, first, live, more, j, ids, plan)
             live = live[more]
         fill_idx = to_device(draft_idx, self.device)
         return Drafted((fill_idx, out), out, probs)
@@ -203,8 +204,8 @@ class DraftRunner:
     def _next_logits(
         self,
         inputs: StepInputs,
-        k: np.ndarray,
         spec: np.ndarray,
+        first: np.ndarray,  # [R] each row's first draft's input index
         live: np.ndarray,
         more: np.ndarray,
         j: int,
@@ -218,10 +219,8 @@ class DraftRunner:
             if not more.any():
                 return None
             return self.model.compute_logits(pick(hidden, live[more], self.device))
-        rows = spec[live]
-        ends = inputs.query_start_loc[1:].astype(np.int64)
-        idx = ends[rows] - k[rows] - 1 + j  # [L] draft j's input index
-        return self._forward(self._one_token(inputs, rows, idx), ids, np.nonzero(more)[0])
+        idx = first[live] + j - 1  # [L] draft j's input index
+        return self._forward(self._one_token(inputs, spec[live], idx), ids, np.nonzero(more)[0])
 
     def _draw(
         self, logits: torch.Tensor, rows: list[SamplingRow], num_before: int

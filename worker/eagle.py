@@ -345,7 +345,8 @@ class EagleRunner(DraftRunner):
         offsets = np.cumsum(k[spec]) - k[spec]  # [R] each row's first draft in `out`
         live = np.arange(len(spec))  # rows of `spec` still drafting
         # graphed: every row replays (draft j at position n + j - 1 while it has more to make)
-        plan = self._graph_plan(inputs, spec, ends[spec] - k[spec] - 1, k[spec] - 1)
+        before = ends[spec] - k[spec] - 1  # [R] input index of each row's position n
+        plan = self._graph_plan(inputs, spec, before, k[spec] - 1)
         g_all = g  # [R, H] graphed: every row's hidden state
         for j in range(1, int(k.max()) + 1):
             logits = self.model.compute_logits(g)  # [L, V]
@@ -357,7 +358,7 @@ class EagleRunner(DraftRunner):
             more = k[spec[live]] > j  # rows with a further draft to make
             if not more.any():
                 break
-            g, g_all = self._feed_back(inputs, k, spec, live, more, j, ids, g, g_all, plan)
+            g, g_all = self._feed_back(inputs, spec, before, live, more, j, ids, g, g_all, plan)
             live = live[more]
         draft_idx = _last_tokens(ends, k)  # [D] the drafts' input indices, row by row
         return Drafted((to_device(draft_idx, self.device), out), out, probs)
@@ -365,8 +366,8 @@ class EagleRunner(DraftRunner):
     def _feed_back(
         self,
         inputs: StepInputs,
-        k: np.ndarray,
         spec: np.ndarray,
+        before: np.ndarray,  # [R] input index of each row's position n
         live: np.ndarray,
         more: np.ndarray,
         j: int,
@@ -380,8 +381,7 @@ class EagleRunner(DraftRunner):
         if plan is not None:
             g_all = self.graphs.replay(plan, j, live, ids, g_all)  # [R, H]
             return pick(g_all, live[more], self.device), g_all
-        rows = spec[live][more]
-        ends = inputs.query_start_loc[1:].astype(np.int64)
-        idx = ends[rows] - k[rows] - 1 + (j - 1)  # the input index of position n + j - 1
+        again = live[more]
+        idx = before[again] + j - 1  # the input index of position n + j - 1
         keep = to_device(np.nonzero(more)[0], self.device)
-        return self._head(self._one_token(inputs, rows, idx), ids[keep], g[keep]), g_all
+        return self._head(self._one_token(inputs, spec[again], idx), ids[keep], g[keep]), g_all

@@ -37,7 +37,7 @@ SHAPE_SETS = {  # name: ({weight: (N, K)}, (query heads, KV heads) of the qkv we
         (16, 2),
     ),
 }  # fmt: skip
-SHAPES, QKV_HEADS = SHAPE_SETS["llama3-8b"]  # `--shapes` replaces them
+SHAPES = SHAPE_SETS["llama3-8b"][0]  # the default set (tests/gpu/probe_gemm_mid.py reads it)
 
 
 def _ms(fn) -> float:
@@ -55,7 +55,7 @@ def candidates() -> list[dict[str, int]]:
     ]
 
 
-def compare() -> list[dict[str, float]]:
+def compare(shapes: dict[str, tuple[int, int]]) -> list[dict[str, float]]:
     from pagedserve.benchmarks.kernels.bench_kernels import relative_error
     from pagedserve.kernels.linear import GEMV_WINS, linear
     from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
@@ -63,7 +63,7 @@ def compare() -> list[dict[str, float]]:
     rows = []
     print(f"{'shape':<8} {'N x K':>13} {'M':>2} {'gemv us':>8} {'GB/s':>6} {'cublas us':>9} "
           f"{'GB/s':>6} {'speedup':>7}  config")  # fmt: skip
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         for m in (1, 2, 4, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -86,14 +86,14 @@ def compare() -> list[dict[str, float]]:
     return rows
 
 
-def sweep() -> dict[str, dict[str, int]]:
+def sweep(shapes: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
     """Every candidate launch config per shape at M = 1, timed as the decode chain meets the
     weights: each timed call runs the GEMV over enough distinct copies of the weight (>= 400 MB)
     that none is in the 50 MB L2 when its turn comes (one copy timed alone reads the smaller
     shapes partly from L2). Prints cuBLAS, the current config and the best; `down` also in the
     silu-folded (gated) form."""
-    cases = [(name, n, k, False) for name, (n, k) in SHAPES.items()]
-    cases.append(("down+silu", *SHAPES["down"], True))
+    cases = [(name, n, k, False) for name, (n, k) in shapes.items()]
+    cases.append(("down+silu", *shapes["down"], True))
     return {name: _sweep_case(name, n, k, gated) for name, n, k, gated in cases}
 
 
@@ -133,15 +133,13 @@ def _sweep_case(name: str, n: int, k: int, gated: bool) -> dict[str, int]:
     return cfg
 
 
-def qkv_rope() -> None:
+def qkv_rope(n: int, k: int, hq: int, hkv: int) -> None:
     from pagedserve.kernels.rotary import rope_config
     from pagedserve.kernels.triton_gemv import gemv_config, triton_gemv
     from pagedserve.kernels.triton_qkv_rope import triton_qkv_rope_cache
     from pagedserve.kernels.triton_rope_cache import triton_rope_and_cache
     from pagedserve.worker.layers.rotary import RotaryEmbedding
 
-    n, k = SHAPES["qkv"]
-    hq, hkv = QKV_HEADS
     ws = _cold_weights(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     cos_sin = RotaryEmbedding(128, 8192, rope_config({"rope_theta": 5e5})).cos_sin_cache.cuda()
@@ -177,17 +175,16 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama3-8b")
     args = parser.parse_args()
-    global SHAPES, QKV_HEADS
-    SHAPES, QKV_HEADS = SHAPE_SETS[args.shapes]
+    shapes, (hq, hkv) = SHAPE_SETS[args.shapes]
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA device")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), f"bf16 GEMV vs cuBLAS, {args.shapes} weight shapes")
-    result = {"compare": compare()}
+    result = {"compare": compare(shapes)}
     if args.sweep:
-        result["sweep"] = sweep()
+        result["sweep"] = sweep(shapes)
     if args.qkv_rope:
-        qkv_rope()
+        qkv_rope(*shapes["qkv"], hq, hkv)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
