@@ -105,6 +105,22 @@ def _qkv_rope_cache_kernel(
         tl.store(ptrs + HALF, _to_cache(x2, inv_scale, model_ty, cache_ty, FP8), mask=ok)
 
 
+def qkv_rope_config(
+    n: int, k: int, programs: int, m: int, elem_bytes: int, num_sms: int
+) -> dict[str, int]:
+    """BLOCK_K, warps and stages: the GEMV's, except for 16-bit rows of a decode (<= 16 rows):
+    where the pair programs are fewer than the SMs, each keeps 4 tiles of 512 columns in flight
+    (its SM's share of the bus is then what limits it), else 3 of 256. Measured at M = 1 with
+    the weights out of L2 (`python -m pagedserve.benchmarks.kernels.bench_gemv --qkv-rope`, H100,
+    2026-11-27): Llama-3-70B's qkv at `--tp 4` (80 programs) 19.6 -> 18.6 us, Llama-3-8B's (192
+    programs) 20.7 -> 19.9 us, where the plain GEMV takes 18.5 and 20.4."""
+    cfg = gemv_config(n, k, m=m, elem_bytes=elem_bytes)
+    if elem_bytes <= 2 and m <= 16:
+        wide = programs < num_sms
+        cfg.update(BLOCK_K=512 if wide else 256, num_stages=4 if wide else 3)
+    return cfg
+
+
 def qkv_rope_applies(x: torch.Tensor, weight: torch.Tensor, rotary_dim: int, head_dim: int) -> bool:
     """Whether `triton_qkv_rope_cache` takes this projection (see the module doc)."""
     return (
@@ -151,8 +167,12 @@ def triton_qkv_rope_cache(
     if positions.shape != (m,) or slot_mapping.shape != (m,):
         raise ValueError(f"positions and slot_mapping must be [{m}]")
     q = torch.empty((m, num_q_heads * head_dim), dtype=x.dtype, device=x.device)
-    cfg = config or gemv_config(heads * head_dim, k, m=m, elem_bytes=x.element_size())
     half = head_dim // 2
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        programs = heads * (half // BLOCK_H)
+        config = qkv_rope_config(heads * head_dim, k, programs, m, x.element_size(), sms)
+    cfg = config
     block_h = cfg.get("BLOCK_H", BLOCK_H)
     cfg = {key: cfg[key] for key in ("BLOCK_K", "num_warps", "num_stages")}
     _qkv_rope_cache_kernel[(heads * (half // block_h),)](

@@ -172,6 +172,20 @@ def test_qkv_rope_cache(dtype, m, head_dim, bias, block_h):
         triton_qkv_rope_cache(x, w[:-1], None, positions, rope.cos_sin_cache, kv, slots, 4)
 
 
+def test_qkv_rope_config_keeps_more_in_flight_when_programs_are_few():
+    """80 pair programs (Llama-3-70B's qkv at `--tp 4`) on 132 SMs: 4 tiles of 512 columns in
+    flight; 192 (Llama-3-8B's): 3 of 256; float32 rows (tests) and 32-row inputs: the GEMV's."""
+    from pagedserve.kernels.triton_gemv import gemv_config
+    from pagedserve.kernels.triton_qkv_rope import qkv_rope_config
+
+    few = qkv_rope_config(2560, 8192, 80, 1, 2, 132)
+    many = qkv_rope_config(6144, 4096, 192, 1, 2, 132)
+    assert (few["BLOCK_K"], few["num_stages"]) == (512, 4)
+    assert (many["BLOCK_K"], many["num_stages"]) == (256, 3)
+    assert qkv_rope_config(2560, 8192, 80, 1, 4, 132) == gemv_config(2560, 8192, elem_bytes=4)
+    assert qkv_rope_config(2560, 8192, 80, 32, 2, 132) == gemv_config(2560, 8192, m=32)
+
+
 TINY_LLAMA = dict(
     hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
     num_hidden_layers=2, vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=256,

@@ -11,8 +11,9 @@ L2 as a decode step reads them, and prints the best (what `gemv_config` should r
 checks the GEMV against F.linear first. `--qkv-rope` times the qkv GEMV with rotary and the cache
 write in its epilogue (kernels/triton_qkv_rope.py) per launch config at M = 1, the same way,
 against the plain qkv GEMV and the GEMV + rotary/cache kernel pair it replaces, with 16 and 8
-rotary pairs a program. `--shapes llama3-70b-tp4`: the weights one rank of Llama-3-70B holds at
-`--tp 4` (16 query and 2 KV heads, a quarter of the MLP and of the LM head).
+rotary pairs a program, 256-1024 columns a tile and 2-6 tiles in flight. `--shapes
+llama3-70b-tp4`: the weights one rank of Llama-3-70B holds at `--tp 4` (16 query and 2 KV heads,
+a quarter of the MLP and of the LM head).
 """
 
 from __future__ import annotations
@@ -151,13 +152,14 @@ def qkv_rope(n: int, k: int, hq: int, hkv: int) -> None:
         q, kk, v = triton_gemv(x, w).split([hq * 128, hkv * 128, hkv * 128], dim=-1)
         return triton_rope_and_cache(pos, q, kk, v, kv, slots, cos_sin)
 
-    def fused(w: torch.Tensor, cfg: dict) -> torch.Tensor:
+    def fused(w: torch.Tensor, cfg: dict | None) -> torch.Tensor:
         return triton_qkv_rope_cache(x, w, None, pos, cos_sin, kv, slots, hq, config=cfg)
 
     gb = n * k * 2 / 1e6
     rows = [("gemv alone", lambda w: triton_gemv(x, w)), ("gemv + rope/cache kernel", pair)]
-    for block_h, warps, stages in itertools.product((16, 8), (4, 8), (2, 3, 4)):
-        cfg = {**gemv_config(n, k), "num_warps": warps, "num_stages": stages, "BLOCK_H": block_h}
+    rows.append(("fused, default config", lambda w: fused(w, None)))
+    for block_h, block_k, stages in itertools.product((16, 8), (256, 512, 1024), (2, 3, 4, 5, 6)):
+        cfg = {**gemv_config(n, k), "BLOCK_K": block_k, "num_stages": stages, "BLOCK_H": block_h}
         rows.append((f"fused {cfg}", lambda w, c=cfg: fused(w, c)))
     for label, one in rows:
         try:
