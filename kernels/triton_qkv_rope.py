@@ -35,7 +35,9 @@ from pagedserve.kernels.triton_rope_cache import _to_cache
 
 # Rotary pairs per program. Where 16 leave SMs idle (Llama-3-70B's qkv at `--tp 4`: 16 + 2 + 2
 # heads a rank, 80 programs on an H100's 132 SMs), 8 were slower still: 22.2 us against 19.3
-# (`bench_gemv --shapes llama3-70b-tp4 --qkv-rope`, H100, 2026-11-27); a config's BLOCK_H sets it.
+# (`bench_gemv --shapes llama3-70b-tp4 --qkv-rope`, H100, 2026-11-27), as was splitting K over two
+# programs (19.9 us); deeper pipelines help there instead (`qkv_rope_config`). A config's BLOCK_H
+# sets it.
 BLOCK_H = 16
 
 
