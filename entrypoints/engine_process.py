@@ -171,7 +171,16 @@ class ZmqTransport:
         for child in self.workers:
             message = child.death_message()
             if message is not None:
-                raise EngineDeadError(message)
+                raise EngineDeadError(self._reported_error() or message)
+
+    def _reported_error(self) -> str | None:
+        """The error a dead worker sent before it exited, if it is among the results not read
+        yet (a worker sends its traceback, flushes, then exits: its exit can be seen first)."""
+        while (msg := self.results.get(0.2)) is not None:
+            if isinstance(msg, WorkerError):
+                during = " during start-up" if self.ready is None else ""
+                return f"worker {msg.rank} failed{during}: {msg.message}"
+        return None
 
     def describe_workers(self) -> str:
         """Each local worker's state ("worker 0 (pid 12) is stopped"), to name a stuck one."""

@@ -61,6 +61,17 @@ class CoreAddresses:
         return cls(f"tcp://{host}:{base_port + 1}", f"tcp://{host}:{base_port + 2}")
 
 
+def deliver_before_exit(timeout: float) -> None:
+    """For a process about to exit on an error: give ZeroMQ's IO threads up to `timeout` seconds
+    to deliver what closed sockets still hold (their linger). The interpreter's exit does not wait
+    for them, so a worker's last message, its traceback, could be lost: the core then knew only
+    that it exited. Terminating the context waits for those sends (and for any socket still
+    open, hence the timeout)."""
+    done = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+    done.start()
+    done.join(timeout)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -194,3 +194,35 @@ def test_seeded_request_reproduces_in_any_batch(wide_vocab_dir):
         )  # fmt: skip
         assert batch[1 : 1 + NUM_SEEDS] == alone, "inside a batch"
         assert batch[3 + NUM_SEEDS : -1] == pairs[1::2], "n=2's choice 1 inside a batch"
+
+
+def test_a_dead_workers_traceback_is_reported_even_if_its_exit_is_seen_first(tmp_path):
+    """A worker that fails sends its traceback, flushes it, then exits: the core may see the exit
+    before it reads the traceback (CI saw "worker 0 exited with code 1" where the test above
+    wants the tensor's name). The core reads what the workers sent before it names a death."""
+    import subprocess
+    import sys
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.entrypoints.engine_process import ZmqTransport
+    from pagedserve.ipc.messages import WorkerError
+    from pagedserve.ipc.process import Child
+    from pagedserve.ipc.sockets import StepSender, ipc_address
+
+    model = os.path.join(os.path.dirname(__file__), "..", "frontend", "default_model")
+    transport = ZmqTransport(
+        EngineConfig(ModelConfig(model)), ipc_address(str(tmp_path), "in"), str(tmp_path)
+    )
+    worker = StepSender(transport.worker_addresses.results, bind=False)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+        proc.wait()
+        transport.workers = [Child(proc, "worker 0")]
+        worker.send(WorkerError(0, "ValueError: checkpoint tensor 'fc.weight': shape (64, 64)"))
+        with pytest.raises(EngineDeadError, match="worker 0 failed during start-up: .*'fc.weight'"):
+            transport.check_workers()
+        with pytest.raises(EngineDeadError, match=r"worker 0 \(pid \d+\) exited with code 1"):
+            transport.check_workers()  # nothing sent: the exit is all there is to say
+    finally:
+        worker.close()
+        transport.close()

@@ -62,3 +62,40 @@ def test_undecodable_frames_are_dropped_and_the_thread_lives():
         receiver.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# A worker's last words: send, close with a linger, wait for delivery, then exit at once.
+LAST_WORDS = """
+import os, sys
+from pagedserve.ipc.messages import WorkerError
+from pagedserve.ipc.sockets import StepSender, deliver_before_exit
+sender = StepSender(sys.argv[1], bind=False)
+sender.send(WorkerError(0, "x" * 4_000_000))
+sender.close(flush_timeout=2.0)
+if sys.argv[2] == "deliver":
+    deliver_before_exit(timeout=2.0)
+os._exit(1)
+"""
+
+
+def test_a_message_sent_just_before_exit_arrives():
+    """ZeroMQ sends from its own thread, which a process's exit does not wait for: a worker's
+    traceback, sent just before it exits, arrives only if `deliver_before_exit` waits for it
+    (CI once reported a failed worker only as "exited with code 1")."""
+    import subprocess
+    import sys
+
+    from pagedserve.ipc.messages import WorkerError, WorkerToCore
+    from pagedserve.ipc.sockets import StepReceiver
+
+    directory = ipc_dir()
+    try:
+        address = ipc_address(directory, "results")
+        receiver: StepReceiver = StepReceiver(address, WorkerToCore, bind=True)
+        for _ in range(3):
+            subprocess.run([sys.executable, "-c", LAST_WORDS, address, "deliver"], check=False)
+            msg = receiver.get(timeout=5.0)
+            assert isinstance(msg, WorkerError) and len(msg.message) == 4_000_000
+        receiver.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -38,7 +38,7 @@ from pagedserve.ipc.messages import (
     WorkerToCore,
 )
 from pagedserve.ipc.process import die_with_parent, freeze_startup_heap
-from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender
+from pagedserve.ipc.sockets import CoreAddresses, StepReceiver, StepSender, deliver_before_exit
 
 logger = logging.getLogger("pagedserve.worker")
 POLL_S = 50e-6  # while a step runs on the GPU: how often to look for the next plan
@@ -56,7 +56,9 @@ def serve(config: EngineConfig, rank: int, addresses: CoreAddresses, dist_port: 
         run_loop(config, rank, dist_port, plans, results)
     except Exception:
         results.send(WorkerError(rank, traceback.format_exc()))
+        plans.close()
         results.close(flush_timeout=2.0)
+        deliver_before_exit(timeout=2.0)
         raise
     results.close()
     plans.close()
