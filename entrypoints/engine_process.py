@@ -168,16 +168,18 @@ class ZmqTransport:
     def check_workers(self) -> None:
         if self.ready is not None:  # after start-up, nobody counts subscriptions any more
             self.plans.drain_subscriptions()
-        for child in self.workers:
-            message = child.death_message()
-            if message is not None:
-                raise EngineDeadError(self._reported_error() or message)
+        deaths = [child.death_message() for child in self.workers]  # index = rank (node 0)
+        dead = {rank: message for rank, message in enumerate(deaths) if message is not None}
+        if dead:
+            raise EngineDeadError(self._reported_error(set(dead)) or next(iter(dead.values())))
 
-    def _reported_error(self) -> str | None:
+    def _reported_error(self, dead: set[int]) -> str | None:
         """The error a dead worker sent before it exited, if it is among the results not read
-        yet (a worker sends its traceback, flushes, then exits: its exit can be seen first)."""
+        yet (a worker sends its traceback, flushes, then exits: its exit can be seen first).
+        Only a dead worker's own: a live peer's error is most often that death seen through a
+        collective, and the death is the cause to name."""
         while (msg := self.results.get(0.2)) is not None:
-            if isinstance(msg, WorkerError):
+            if isinstance(msg, WorkerError) and msg.rank in dead:
                 during = " during start-up" if self.ready is None else ""
                 return f"worker {msg.rank} failed{during}: {msg.message}"
         return None

@@ -199,7 +199,9 @@ def test_seeded_request_reproduces_in_any_batch(wide_vocab_dir):
 def test_a_dead_workers_traceback_is_reported_even_if_its_exit_is_seen_first(tmp_path):
     """A worker that fails sends its traceback, flushes it, then exits: the core may see the exit
     before it reads the traceback (CI saw "worker 0 exited with code 1" where the test above
-    wants the tensor's name). The core reads what the workers sent before it names a death."""
+    wants the tensor's name). The core reads what the workers sent before it names a death, and
+    names a dead worker's own error, not a live peer's (often that death seen through a
+    collective)."""
     import subprocess
     import sys
 
@@ -218,11 +220,13 @@ def test_a_dead_workers_traceback_is_reported_even_if_its_exit_is_seen_first(tmp
         proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
         proc.wait()
         transport.workers = [Child(proc, "worker 0")]
+        worker.send(WorkerError(1, "RuntimeError: connection reset by peer"))
         worker.send(WorkerError(0, "ValueError: checkpoint tensor 'fc.weight': shape (64, 64)"))
         with pytest.raises(EngineDeadError, match="worker 0 failed during start-up: .*'fc.weight'"):
             transport.check_workers()
+        worker.send(WorkerError(1, "RuntimeError: connection reset by peer"))
         with pytest.raises(EngineDeadError, match=r"worker 0 \(pid \d+\) exited with code 1"):
-            transport.check_workers()  # nothing sent: the exit is all there is to say
+            transport.check_workers()  # nothing of its own: the exit is all there is to say
     finally:
         worker.close()
         transport.close()
