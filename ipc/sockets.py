@@ -67,9 +67,9 @@ def deliver_before_exit(timeout: float) -> None:
     for them, so a worker's last message, its traceback, could be lost: the core then knew only
     that it exited. Terminating the context waits for those sends (and for any socket still
     open, hence the timeout)."""
-    done = threading.Thread(target=zmq.Context.instance().term, daemon=True)
-    done.start()
-    done.join(timeout)
+    term = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+    term.start()
+    term.join(timeout)
 
 
 def free_port() -> int:
@@ -356,5 +356,6 @@ class StepSender(Generic[T]):
                 return
 
     def close(self, flush_timeout: float = 0.0) -> None:
-        """Close, giving queued messages up to `flush_timeout` seconds to leave."""
+        """Close, giving queued messages up to `flush_timeout` seconds to leave (as long as the
+        process lives: before an `os._exit`, `deliver_before_exit` waits for them)."""
         self._sock.close(linger=int(flush_timeout * 1000))

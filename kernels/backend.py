@@ -38,7 +38,9 @@ import torch
 from pagedserve import settings
 from pagedserve.settings import FUSIONS
 
-__all__ = ["FUSIONS", "dot_precision", "fusion_enabled", "triton_available", "use_triton"]
+__all__ = [
+    "FUSIONS", "dot_precision", "fusion_enabled", "num_sms", "triton_available", "use_triton",
+]  # fmt: skip
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -46,6 +48,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     ("ieee"; Triton's default would round them to TF32, which turns greedy ties on a float32
     model's MoE layer or LoRA delta); 16-bit operands are exact either way."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The GPU's SM count (launch grids are sized by it; looked up once per device)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache

@@ -4,9 +4,10 @@ Between the qkv and output projections of a small decode batch run rotary + cach
 attention and its split merge: ~10 us a layer of Llama-3-8B at short context in which the
 memory bus idles. `prefetch_weight` forks a side-stream kernel there that asks for the first
 PREFETCH_BYTES of the next weight in L2 (kernels/triton_prefetch.py), so o_proj reads them from
-L2 instead of memory; `join_prefetches` joins the side stream back at the end of the model's
-forward (a CUDA-graph capture needs every fork joined). The fork and join are graph edges, so
-captured decode graphs replay them.
+L2 instead of memory; `join_prefetches` joins the side stream back once o_proj is launched, in
+the same attention layer's `forward_layer` (a CUDA-graph capture needs every fork joined, and a
+model or draft head built of these layers then has none left to join). The fork and join are
+graph edges, so captured decode graphs replay them.
 
 Measured on an H100. The probe (`tests/gpu/probe_l2_prefetch.py`, step `l2-probe`: a W3-shaped
 chain of the real GEMVs, attention as a 7 us spin) went 5.50 -> 5.35 ms for 32 layers with 24 MB

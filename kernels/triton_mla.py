@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention.triton import LOG2E, _num_sms
-from pagedserve.kernels.backend import dot_precision
+from pagedserve.kernels.attention.triton import LOG2E
+from pagedserve.kernels.backend import dot_precision, num_sms
 
 
 @triton.jit
@@ -253,7 +253,7 @@ def triton_mla_decode(
         return out
     groups = triton.cdiv(heads, block_h)
     if num_splits is None:
-        sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 1
+        sms = num_sms(q_lat.device.index or 0) if q_lat.is_cuda else 1
         num_splits = choose_mla_splits(tokens, groups, max_seq_len, sms)
     block_r = max(16, triton.next_power_of_2(rank))  # tl.dot needs K >= 16
     part_out = part_ml = out  # placeholders when unsplit

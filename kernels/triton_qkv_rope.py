@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.backend import num_sms
 from pagedserve.kernels.triton_gemv import GEMV_MAX_M, gemv_config
 from pagedserve.kernels.triton_rope_cache import _to_cache
 
@@ -171,12 +172,11 @@ def triton_qkv_rope_cache(
     q = torch.empty((m, num_q_heads * head_dim), dtype=x.dtype, device=x.device)
     half = head_dim // 2
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        sms = num_sms(x.device.index or 0) if x.is_cuda else 132
         programs = heads * (half // BLOCK_H)
         config = qkv_rope_config(heads * head_dim, k, programs, m, x.element_size(), sms)
-    cfg = config
-    block_h = cfg.get("BLOCK_H", BLOCK_H)
-    cfg = {key: cfg[key] for key in ("BLOCK_K", "num_warps", "num_stages")}
+    block_h = config.get("BLOCK_H", BLOCK_H)
+    cfg = {key: config[key] for key in ("BLOCK_K", "num_warps", "num_stages")}
     _qkv_rope_cache_kernel[(heads * (half // block_h),)](
         x, weight, bias if bias is not None else x, q, positions, cos_sin_cache, kv_cache,
         slot_mapping, m, k, x.stride(0), weight.stride(0), q.stride(0), cos_sin_cache.stride(0),

@@ -30,7 +30,6 @@ from torch import nn
 
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.attention.selection import select_backend
-from pagedserve.kernels.prefetch import join_prefetches
 from pagedserve.worker.draft_graphs import DraftPlan
 from pagedserve.worker.draft_model import Drafted, DraftRunner, pick
 from pagedserve.worker.input_batch import StepInputs, _last_tokens
@@ -95,7 +94,6 @@ class EagleHead(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        join_prefetches(x)  # the layer's L2 prefetch fork (a graph capture needs it joined)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32

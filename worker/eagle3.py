@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels.prefetch import join_prefetches
 from pagedserve.worker.eagle import EagleHead, EagleRunner
 from pagedserve.worker.layers.linear import (
     ColumnParallelLinear,
@@ -107,7 +106,6 @@ class Eagle3Head(EagleHead):
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)
         x, residual = self.layers["0"](positions, embeds, hidden, kv_caches[0], meta)
-        join_prefetches(x)  # the layer's L2 prefetch fork (a graph capture needs it joined)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32

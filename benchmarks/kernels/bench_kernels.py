@@ -263,10 +263,10 @@ def sweep_long(dev: str) -> None:
 
     from pagedserve.kernels.attention.triton import (
         _launch_config,
-        _num_sms,
         choose_num_splits,
         triton_paged_attention,
     )
+    from pagedserve.kernels.backend import num_sms
 
     best = []
     for block_size, rows, ctx in itertools.product((16, 128), (12, 24, 40), (16384,)):
@@ -285,7 +285,7 @@ def sweep_long(dev: str) -> None:
             print(f"bs{block_size} {rows}x{ctx} splits={splits} {launch}: {1e3 * ms:7.1f} us "
                   f"{nbytes / ms / 1e6:6.0f} GB/s")  # fmt: skip
         now = [r for r in results if r[2] == _launch_config(16, False)]
-        chosen = choose_num_splits(rows, HKV, 1, 32768, _num_sms(0))
+        chosen = choose_num_splits(rows, HKV, 1, 32768, num_sms(0))
         picks = {"best": results, f"default config (choose_num_splits: {chosen})": now}
         for label, picked in picks.items():
             ms, splits, launch = min(picked, key=lambda r: r[0])

@@ -22,26 +22,19 @@ serving meets: a Triton compile in the middle of serving is a second-long stall.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
 from pagedserve.kernels.attention.cascade import MAX_SPLITS, choose_prefix_splits, use_cascade
 from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.attention.triton_kernels import _paged_attention_kernel, _reduce_kernel
-from pagedserve.kernels.backend import dot_precision
+from pagedserve.kernels.backend import dot_precision, num_sms
 
 FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
 RESIDENT_PER_SM = 3  # decode programs an SM holds at once (choose_num_splits)
 PREFIX_BLOCK_M = 128  # cascade prefix pass: 128-row tiles of (token, query head) pairs
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_splits(
@@ -141,7 +134,7 @@ def triton_paged_attention(
     if block_m is None:  # two tile heights only, so start-up compiles every variant serving meets
         block_m = 16 if max(meta.max_query_len, 1) * group_pad <= 16 else 128
     cascade = use_cascade(meta, sliding_window)
-    sms = _num_sms(query.device.index or 0) if query.is_cuda else 132
+    sms = num_sms(query.device.index or 0) if query.is_cuda else 132
     if num_splits is None:
         own_len = meta.max_seq_len - meta.cascade_len if cascade else meta.max_seq_len
         num_splits = choose_num_splits(

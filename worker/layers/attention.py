@@ -23,7 +23,7 @@ from pagedserve.kernels.attention.metadata import AttentionMetadata
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from pagedserve.kernels.backend import fusion_enabled
 from pagedserve.kernels.linear import rope_cache_linear, use_gemv
-from pagedserve.kernels.prefetch import prefetch_weight
+from pagedserve.kernels.prefetch import join_prefetches, prefetch_weight
 from pagedserve.worker.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -118,17 +118,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         """A decoder layer's self-attention, its projections included: where it applies, one
         kernel projects, rotates and writes the cache (`project_rope_cache`), and o_proj's weight
-        is pulled into L2 while attention runs (kernels/prefetch.py)."""
+        is pulled into L2 while attention runs (kernels/prefetch.py), its fork joined after
+        o_proj: no caller has a side stream left to join."""
         if qk_norm is None:
             q = self.project_rope_cache(hidden, qkv_proj, rotary, positions, kv_cache, meta)
             if q is not None:  # one kernel: projection, rotary, cache write (decode on CUDA)
                 prefetch_weight(q, o_proj.weight)  # into L2 while attention runs
-                return o_proj(self.attend(q, None, None, kv_cache, meta))
+                return _project_out(o_proj, self.attend(q, None, None, kv_cache, meta))
         q, k, v = qkv_proj.split(qkv_proj(hidden))  # [T, Hq*D], [T, Hkv*D] x2
         prefetch_weight(q, o_proj.weight)  # (hidden may be Fp8Rows, q is a tensor)
         if qk_norm is not None:
             q, k = qk_norm(q, k)
-        return o_proj(self(q, k, v, kv_cache, meta, rotary, positions))
+        return _project_out(o_proj, self(q, k, v, kv_cache, meta, rotary, positions))
 
     def project_rope_cache(
         self,
@@ -210,3 +211,11 @@ def _load_scale(param: nn.Parameter, loaded: object, shard_id: object = None) ->
     if value.numel() != 1:
         raise ValueError(f"a KV-cache scale must be one number, got shape {tuple(value.shape)}")
     param.data.fill_(float(value.reshape(())))
+
+
+def _project_out(o_proj: RowParallelLinear, attended: torch.Tensor) -> torch.Tensor:
+    """o_proj of the attention output, then the L2 prefetch's side stream joined back (its work
+    served o_proj; a CUDA graph capture needs every fork joined)."""
+    out = o_proj(attended)
+    join_prefetches(out)
+    return out

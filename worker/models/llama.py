@@ -21,7 +21,6 @@ from torch import nn
 from pagedserve.hf_config import MOE_MODEL_TYPES, layer_kv_slot, layer_sliding_window
 from pagedserve.kernels.attention.interface import PagedAttention
 from pagedserve.kernels.attention.metadata import AttentionMetadata
-from pagedserve.kernels.prefetch import join_prefetches
 from pagedserve.kernels.rotary import RopeConfig, rope_config
 from pagedserve.parallel.state import tp_size
 from pagedserve.quant_config import Fp8Scheme
@@ -278,7 +277,6 @@ class LlamaModel(nn.Module):
         assert len(kv_caches) == len(self.layers), "one kv cache per decoder layer of this stage"
         for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        join_prefetches(hidden)
         if not self.is_last:
             return hidden, residual
         return self.norm(hidden, residual)[0]
